@@ -1,0 +1,70 @@
+"""The one token log-probability function, shared by the sampler (generators) and the trainer,
+and masked reductions.
+
+Temperature convention (one for the whole codebase): a token's log-prob is taken under the
+temperature-scaled distribution softmax(logits / T), before any top-k / top-p truncation.
+Greedy decoding (T = 0) records log-probs at T = 1. `logp_temperature` encodes this.
+
+Alignment (the only place it happens): logits[:, t] predicts tokens[:, t + 1], so the
+returned per-token array is *target-aligned*: out[:, t] = log p(tokens[:, t] | tokens[:, :t]),
+with out[:, 0] = 0 (the first token has no prediction). See `common/batch.py`.
+Shapes: B rows, T tokens, V vocab.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def logp_temperature(temperature: float) -> float:
+    """The temperature log-probs are computed at: T itself, or 1 for greedy (T = 0)."""
+    return float(temperature) if temperature > 0 else 1.0
+
+
+def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature) -> torch.Tensor:
+    """log softmax(logits / T)[token]. logits (..., V), tokens (...) -> (...) float32.
+
+    `temperature` is a float or a tensor broadcastable to logits[..., :1] (per-row T in the
+    sampler). Computed in fp32 whatever the model dtype, so bf16 models compare cleanly.
+    """
+    if torch.is_tensor(temperature):
+        temperature = temperature.float()
+    lp = F.log_softmax(logits.float() / temperature, dim=-1)
+    return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def token_logp(model, tokens: torch.Tensor, temperature: float, chunk_rows: int | None = None) -> torch.Tensor:
+    """Target-aligned log-probs (B, T) of `tokens` (B, T) under `model` at `temperature`.
+
+    Differentiable (call under torch.no_grad() for behaviour/proximal/reference passes).
+    Right padding needs no attention mask: with causal attention, pad tokens after a
+    sequence never influence its real tokens; callers mask the padded positions out.
+    `chunk_rows` bounds the (rows, T, V) logits held at once.
+    """
+    T_eff = logp_temperature(temperature)
+    B, T = tokens.shape
+    outs = []
+    step = chunk_rows or B
+    for i in range(0, B, step):
+        x = tokens[i:i + step]
+        logits = model(x)  # (b, T, V)
+        lp = logp_from_logits(logits[:, :-1], x[:, 1:], T_eff)  # (b, T-1): predicts tokens 1..T-1
+        outs.append(F.pad(lp, (1, 0)))  # (b, T): position 0 has no prediction
+    return torch.cat(outs, 0)
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=-1) -> torch.Tensor:
+    return (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean over valid entries; 0 when there are none (never NaN)."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def seq_logp(token_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence log-prob (B,): SUM of completion-token log-probs (no length normalisation)."""
+    return masked_sum(token_logp, loss_mask, dim=-1)

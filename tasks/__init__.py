@@ -1,0 +1,1 @@
+"""Task definitions (data, prompts, rewards) used by the run scripts and generator processes."""

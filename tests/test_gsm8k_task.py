@@ -1,0 +1,154 @@
+"""Tests for tasks/gsm8k.py: loading (real files + malformed ones), prompts, answer extraction
+and the 0/1 reward (including that it never raises)."""
+import json
+import logging
+
+import pytest
+
+import tasks.gsm8k as gsm
+from tasks.gsm8k import (PAPER_TEMPLATE, GSM8KExample, default_data_dir, extract_answer,
+                         format_prompt, load_gsm8k, reward_correct)
+
+DATA = default_data_dir()
+
+
+@pytest.mark.skipif(DATA is None or not (DATA / "train.jsonl").exists(), reason="shared GSM8K data not present")
+def test_load_real_files():
+    train, test = load_gsm8k(DATA / "train.jsonl"), load_gsm8k(DATA / "test.jsonl")
+    assert (len(train), len(test)) == (7473, 1319)
+    assert isinstance(train[0], GSM8KExample) and train[0].gold == "72"
+    assert all("," not in ex.gold for ex in train + test)
+    # every reference solution earns reward 1 against its own gold
+    assert all(reward_correct(ex.answer, ex.gold) == 1.0 for ex in test[:200])
+    assert len(load_gsm8k(DATA / "test.jsonl", limit=5)) == 5
+
+
+def _write(tmp_path, lines):
+    p = tmp_path / "data.jsonl"
+    p.write_text("\n".join(lines) + "\n")
+    return p
+
+
+GOOD = json.dumps({"question": "q?", "answer": "work\n#### 1,200"})
+
+
+def test_load_tmp_file_and_blank_lines(tmp_path):
+    p = _write(tmp_path, [GOOD, "", "   ", GOOD])
+    ex = load_gsm8k(p)
+    assert len(ex) == 2 and ex[0].gold == "1200" and ex[0].question == "q?"
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ("{not json", "malformed JSON"),
+    (json.dumps({"question": "q"}), "'answer'"),
+    (json.dumps({"answer": "#### 3"}), "'question'"),
+    (json.dumps({"question": "q", "answer": "no marker 3"}), "####"),
+    (json.dumps({"question": "q", "answer": "x ####   "}), "empty gold"),
+])
+def test_malformed_lines_name_file_and_line(tmp_path, bad, needle):
+    p = _write(tmp_path, [GOOD, "", bad])  # bad row is on line 3 (blank line still counts)
+    with pytest.raises(ValueError) as e:
+        load_gsm8k(p)
+    assert f"{p}:3" in str(e.value) and needle in str(e.value)
+
+
+def test_missing_file_suggests_override(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--data.dir") as e:
+        load_gsm8k(tmp_path / "nope.jsonl")
+    assert "nope.jsonl" in str(e.value)
+
+
+def test_default_data_dir_env(tmp_path, monkeypatch):
+    (tmp_path / "gsm8k").mkdir()
+    monkeypatch.setenv("ASYNCRL_DATA_DIR", str(tmp_path))
+    assert default_data_dir() == tmp_path / "gsm8k"
+
+
+class FakeTokenizer:
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
+
+
+def test_format_prompt():
+    assert format_prompt("What is 2+2?", None, "paper") == PAPER_TEMPLATE.format(question="What is 2+2?")
+    assert format_prompt("Q", None, "paper") == "[MATH TASK] Problem:\nQ\n\nSolution:\n"
+    chat = format_prompt("What is 2+2?", FakeTokenizer(), "chat")
+    assert chat.startswith("<user>What is 2+2?\n") and "####" in chat and chat.endswith("<assistant>")
+    with pytest.raises(ValueError):
+        format_prompt("Q", None, "nope")
+    with pytest.raises(ValueError):
+        format_prompt("Q", None, "chat")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("So she sold 72 clips.\n#### 72", "72"),
+    ("first 5 then #### 1,234", "1234"),
+    ("#### 3 and later #### 9", "9"),              # last '####' wins
+    ("We get 10 and 20. The answer is 30.", "30"),
+    ("The answer is $1,200.50", "1200.50"),
+    ("costs $18.", "18"),                          # $ sign and trailing period
+    ("temperature drops to -5 degrees", "-5"),
+    ("x = -4.5.", "-4.5"),
+    ("from 3-5 we get 2", "2"),                    # binary minus is not a sign
+    ("she has 3-5", "5"),
+    ("1, 2, 3, then 4", "4"),                      # list commas are not thousands separators
+    ("#### no number here but 7 before", "7"),      # empty '####' falls back
+    ("no digits at all", None),
+    ("", None),
+])
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize("completion, gold, r", [
+    ("She earns 10 dollars.\n#### 10", "10", 1.0),
+    ("#### 11", "10", 0.0),
+    ("The total is 1,200 apples.", "1200", 1.0),
+    ("#### 1200", "1,200", 1.0),
+    ("#### 18", "18.00", 1.0),
+    ("#### 18.00", "18", 1.0),
+    ("#### 42.0", "42", 1.0),
+    ("#### -3", "-3", 1.0),
+    ("I don't know", "5", 0.0),
+    ("", "5", 0.0),
+])
+def test_reward_cases(completion, gold, r):
+    out = reward_correct(completion, gold)
+    assert out == r and type(out) is float
+    assert reward_correct(completion, gold, use_math_verify=False) == r
+
+
+def test_reward_math_verify_fallback():
+    # numeric compare fails on a non-numeric gold; math_verify settles it
+    assert reward_correct("#### 0.5", "1/2") == 1.0
+    assert reward_correct("#### 0.5", "1/2", use_math_verify=False) == 0.0
+
+
+def test_reward_never_raises(caplog, monkeypatch):
+    garbage = "x#$%^&*(" * 20_000 + "9" * 5000 + "####" + ")(" * 1000
+    assert reward_correct(garbage, "3") == 0.0
+    assert reward_correct("#### 5", "") == 0.0
+    assert reward_correct(None, "5") == 0.0          # type: ignore[arg-type]
+    assert reward_correct("#### 5", None) == 0.0     # type: ignore[arg-type]
+
+    def boom(*a, **k):
+        raise RuntimeError("sympy exploded")
+    monkeypatch.setattr(gsm, "_math_verify_equal", boom)
+    monkeypatch.setattr(gsm, "_warned", False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tasks.gsm8k"):
+        assert reward_correct("#### 5", "6") == 0.0
+        assert reward_correct("#### 7", "6") == 0.0
+    warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "sympy exploded" in warnings[0].getMessage()
+
+
+def test_reward_math_verify_in_worker_thread():
+    # math_verify's default signal.alarm timeout raises outside the main thread
+    import threading
+    out = []
+    th = threading.Thread(target=lambda: out.append(reward_correct("#### 0.5", "1/2")))
+    th.start()
+    th.join()
+    assert out == [1.0]
