@@ -29,8 +29,9 @@ def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature) ->
     """
     if torch.is_tensor(temperature):
         temperature = temperature.float()
-    lp = F.log_softmax(logits.float() / temperature, dim=-1)
-    return lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    scaled = logits.float() / temperature
+    # gather - logsumexp == log_softmax(...).gather(...) without materialising (..., V) log-probs
+    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
 def token_logp(model, tokens: torch.Tensor, temperature: float, chunk_rows: int | None = None) -> torch.Tensor:

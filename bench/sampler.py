@@ -1,0 +1,137 @@
+"""Sampler throughput: our KV-cache continuous-batching sampler vs transformers' `generate`.
+
+Single process. Default model, fp32 on CPU with one thread (DESIGN.md section 7).
+Workload: `--prompts` GSM8K test questions in the chat template, `--n` samples each,
+temperature 0.7, up to `--max-new` tokens, stop at EOS; transformers runs the same prompts in
+batches of `--hf-batch` sequences with its default cache, no top-k/top-p (same distribution).
+Also: decode tokens/s at batch 1 against the memory-bandwidth limit (weight bytes / measured
+bandwidth). Prints one JSON line.
+
+    python bench/sampler.py            # full benchmark (~15 min on 2 CPU cores)
+    python bench/sampler.py --quick    # smoke check (< 1 min)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from common.model import load_model  # noqa: E402
+from common.sampler import Sampler  # noqa: E402
+from common.sampling import SamplingParams  # noqa: E402
+from tasks.gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
+
+
+def copy_bandwidth(nbytes=256 * 2**20, reps=5) -> float:
+    """Bytes/s of a large tensor copy, counting read + write traffic."""
+    a = torch.empty(nbytes // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(reps))
+    return 2 * nbytes / best
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def weight_bytes(model) -> int:
+    seen = {}
+    for p in model.parameters():
+        seen[p.data_ptr()] = p.numel() * p.element_size()
+    return sum(seen.values())
+
+
+def decode_tok_s_batch1(model, prompt, n_tokens=64) -> float:
+    s = Sampler(model, max_batch=1, max_seq_len=len(prompt) + n_tokens + 1)
+    p = SamplingParams(max_new_tokens=n_tokens, temperature=0.7, seed=0)
+    s.generate([prompt], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
+    s.submit(prompt, p)
+    s.step()  # prefill (+ first token): excluded, this measures decode only
+    t, n = time.perf_counter(), 0
+    while s.has_work():
+        s.step()
+        n += 1
+    return n / (time.perf_counter() - t)
+
+
+def run_ours(model, prompts, params, max_batch) -> dict:
+    max_len = max(len(p) for p in prompts) + params.max_new_tokens
+    s = Sampler(model, max_batch=max_batch, max_seq_len=max_len)
+    s.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
+    t = time.perf_counter()
+    outs = s.generate(prompts, params, progress=True)
+    dt = time.perf_counter() - t
+    ntok = sum(len(c.tokens) for c in outs)
+    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "max_batch": max_batch}
+
+
+def run_hf(hf, prompts, params, batch, pad_id, eos_id) -> dict:
+    per = max(1, batch // params.n)  # prompts per generate call; each returns n sequences
+    t, ntok = time.perf_counter(), 0
+    torch.manual_seed(0)
+    for i in range(0, len(prompts), per):
+        chunk = prompts[i:i + per]
+        L = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in chunk])  # left padding
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature,
+                              top_k=0, top_p=1.0, max_new_tokens=params.max_new_tokens,
+                              num_return_sequences=params.n, eos_token_id=eos_id, pad_token_id=pad_id)
+        gen = out[:, L:]
+        for row in gen.tolist():  # count up to and including the first EOS
+            ntok += row.index(eos_id) + 1 if eos_id in row else len(row)
+    dt = time.perf_counter() - t
+    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "batch": batch}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--max-batch", type=int, default=64, help="our sampler's slots")
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 2 samples x 32 tokens")
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    if a.quick:
+        a.prompts, a.n, a.max_new = 4, 2, 32
+    torch.set_num_threads(a.threads)
+    model, tok = load_model(a.model)
+    data = load_gsm8k(os.path.join(default_data_dir(), "test.jsonl"), limit=a.prompts)
+    prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
+    eos = tok.eos_token_id
+    params = SamplingParams(max_new_tokens=a.max_new, temperature=0.7, n=a.n, stop_token_ids=(eos,), seed=0)
+
+    res = {"bench": "sampler", "model": a.model, "device": "cpu", "threads": a.threads, "prompts": a.prompts,
+           "n": a.n, "max_new_tokens": a.max_new, "quick": a.quick}
+    bw = copy_bandwidth()
+    wb = weight_bytes(model)
+    b1 = decode_tok_s_batch1(model, prompts[0], n_tokens=16 if a.quick else 64)
+    res.update(weight_bytes=wb, copy_bw_gb_s=bw / 1e9, bw_limit_tok_s=bw / wb, batch1_tok_s=b1,
+               batch1_frac_of_bw=b1 * wb / bw)
+    res["ours"] = run_ours(model, prompts, params, a.max_batch)
+    if not a.skip_hf:
+        import transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained(  # same weights, transformers' model
+            str(__import__("common.hf_io", fromlist=["x"]).resolve_checkpoint(a.model)), dtype=torch.float32).eval()
+        res["hf_generate"] = run_hf(hf, prompts, params, a.hf_batch, tok.pad_token_id or eos, eos)
+        res["speedup_tok_s"] = res["ours"]["tok_s"] / res["hf_generate"]["tok_s"]
+        res["speedup_wall"] = res["hf_generate"]["seconds"] / res["ours"]["seconds"]
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
