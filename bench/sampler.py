@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from common.model import load_model  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
-from tasks.gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
+from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
 
 
 def copy_bandwidth(nbytes=256 * 2**20, reps=5) -> float:

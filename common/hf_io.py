@@ -158,13 +158,18 @@ def load_weights(model: Transformer, path: Path, dtype: torch.dtype, device) -> 
     model.tie_weights()
 
 
+def has_tokenizer(path: Path) -> bool:
+    return any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, device="cpu", dtype=None, tokenizer: bool = True):
-    """(model, tokenizer or None): resolve, build on the meta device, then load weights."""
+    """(model, tokenizer): resolve, build on the meta device, then load weights. The tokenizer
+    is None when not asked for, or when the checkpoint has none (tiny test models)."""
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -174,7 +179,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device="cpu", dtype=None, toke
         model = Transformer(ModelConfig.from_hf(hf_cfg), hf_cfg)
     load_weights(model, path, dtype, device)
     model.eval()
-    tok = load_tokenizer(path) if tokenizer else None
+    tok = load_tokenizer(path) if tokenizer and has_tokenizer(path) else None
     return model, tok
 
 

@@ -88,12 +88,17 @@ class Sampler:
     def num_active(self) -> int:
         return sum(s is not None for s in self.slots)
 
+    @property
+    def update_pending(self) -> bool:
+        return self._pending_update is not None
+
     def has_work(self) -> bool:
         return bool(self.queue) or self.num_active > 0 or self._pending_update is not None
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, load_fn, version: int, mode: str = "interrupt") -> None:
-        """Apply new weights. `load_fn(model)` copies them in place (e.g. WeightStore.apply_to)."""
+        """Apply new weights. `load_fn(model)` copies them in place (e.g. WeightStore.load_into);
+        if it returns an int, that is the version actually loaded (it may be newer than `version`)."""
         if mode not in ("interrupt", "finish"):
             raise ValueError(f"update_weights mode={mode!r}: expected 'interrupt' or 'finish'")
         if mode == "finish" and self.num_active > 0:
@@ -103,8 +108,9 @@ class Sampler:
 
     @torch.inference_mode()
     def _apply(self, load_fn, version: int) -> None:
-        load_fn(self.model)
-        self.version, self._pending_update = version, None
+        loaded = load_fn(self.model)
+        self.version = loaded if isinstance(loaded, int) else version
+        self._pending_update = None
         for s, seq in enumerate(self.slots):
             if seq is None:
                 continue

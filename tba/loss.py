@@ -91,9 +91,10 @@ def tb_loss(seq_logp: Tensor, ref_seq_logp: Tensor, reward: Tensor, group_id: Te
     return loss, stats
 
 
-def tb_loss_no_ref(seq_logp: Tensor, reward: Tensor, group_id: Tensor,
+def tb_loss_no_ref(seq_logp: Tensor, ref_seq_logp: Tensor | None, reward: Tensor, group_id: Tensor,
                    beta: float | Tensor) -> tuple[Tensor, dict]:
-    """TB without a reference model (logpi_ref = 0): target pi* ∝ exp(r / beta)."""
+    """TB without a reference model (logpi_ref = 0): target pi* ∝ exp(r / beta).
+    Same signature as tb_loss (ref_seq_logp is ignored) so variants are drop-in replacements."""
     return tb_loss(seq_logp, torch.zeros_like(seq_logp), reward, group_id, beta)
 
 

@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-import tasks.gsm8k as gsm
-from tasks.gsm8k import (PAPER_TEMPLATE, GSM8KExample, default_data_dir, extract_answer,
+import run_gsm8k as gsm
+from run_gsm8k import (PAPER_TEMPLATE, GSM8KExample, default_data_dir, extract_answer,
                          format_prompt, load_gsm8k, reward_correct)
 
 DATA = default_data_dir()

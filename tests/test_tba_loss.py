@@ -106,7 +106,7 @@ def test_shuffled_uneven_groups_match_python_loop():
     loss, _ = tb_loss(seq, ref, r, gid, beta=0.7)
     assert loss.item() == pytest.approx(_loop_reference(seq, ref, r, gid, 0.7), rel=1e-10)
     # no-ref variant is the ref = 0 special case
-    loss_nr, _ = tb_loss_no_ref(seq, r, gid, beta=0.7)
+    loss_nr, _ = tb_loss_no_ref(seq, None, r, gid, beta=0.7)
     assert loss_nr.item() == pytest.approx(_loop_reference(seq, torch.zeros_like(seq), r, gid, 0.7), rel=1e-10)
 
 

@@ -1,11 +1,18 @@
-"""GSM8K task: data loading, prompt formatting and the 0/1 correctness reward.
+"""GSM8K with TBA (or the synchronous GRPO baseline): the script researchers edit and run.
 
-Used by the run script (data + prompts, in the trainer/driver process) and by the generator
-processes (reward_correct is called on every sampled completion). The reward is the r(x, y) in
-TBA's target pi*(y|x) ∝ pi_ref(y|x) exp(r(x, y) / beta):
-    r(x, y) = 1[ extract_answer(y) == gold(x) ]   (numeric equality, math_verify as fallback)
+    python run_gsm8k.py                              # CPU preset, SmolLM2-135M-Instruct, offline
+    python run_gsm8k.py --preset=gpu                 # the paper's settings (7 prompts x 20, k=2)
+    python run_gsm8k.py --algo=grpo --train.mode=sync  # synchronous baseline, same code
+    python run_gsm8k.py --help                       # every config key with its comment
 
-Data rows are JSONL `{"question": ..., "answer": "<reasoning>#### 42"}`; the gold answer is the
+What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
+(final answer after '####' / "answer is" / last number, compared numerically, math-verify as a
+fallback; exactly 1 or 0), the dataset (local jsonl, `--data.dir`), the config presets, the
+evaluation (greedy pass@1 on a fixed test subset) and main(). The trainer runs in this process;
+generator processes import this module to call `reward_fn`, so it must stay importable.
+
+Reward r(x, y) = 1[ extract_answer(y) == gold(x) ]; TBA's target is pi_ref(y|x) exp(r / beta).
+Data rows are JSONL {"question": ..., "answer": "<reasoning>#### 42"}; the gold answer is the
 text after the last '####' with thousands separators removed ("1,200" -> "1200").
 """
 from __future__ import annotations
@@ -15,11 +22,13 @@ import logging
 import math
 import os
 import re
+import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, Optional
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("asyncrl.gsm8k")
 
 PAPER_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"
 INSTRUCTION = "\nSolve step by step and give the final answer as a number after '####'."
@@ -38,7 +47,7 @@ class GSM8KExample:
 
 def default_data_dir() -> Path | None:
     """First existing of $ASYNCRL_DATA_DIR/gsm8k, <repo>/../shared/data/gsm8k, <repo>/data/gsm8k."""
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parent
     candidates = []
     if os.environ.get("ASYNCRL_DATA_DIR"):
         candidates.append(Path(os.environ["ASYNCRL_DATA_DIR"]) / "gsm8k")
@@ -191,3 +200,127 @@ def reward_correct(completion_text: str, gold: str, use_math_verify: bool = True
         else:
             log.debug("reward_correct failed: %r", e)
         return 0.0
+
+
+def reward_fn(completion_text: str, gold: str) -> float:
+    """The reward generators call: (decoded completion, this prompt's meta) -> float."""
+    return reward_correct(completion_text, gold)
+
+
+# ---------------------------------------------------------------------------------------------
+# config: every field can be overridden from the command line (--section.field=value)
+
+from common.generator import GenConfig, PromptSet  # noqa: E402
+from common.trainer import LogConfig, TrainConfig  # noqa: E402
+from tba.algo import GRPOConfig, TBAConfig  # noqa: E402
+
+
+@dataclass
+class DataConfig:
+    dir: str = str(default_data_dir() or "data/gsm8k")  # folder with train.jsonl and test.jsonl
+    prompt_style: Literal["chat", "paper"] = "chat"  # model's chat template, or the paper's [MATH TASK] template
+    train_limit: Optional[int] = None   # use only the first N training problems
+    eval_size: int = 128                # fixed test subset for greedy pass@1 (first N of test.jsonl)
+    eval_max_new_tokens: int = 256      # generation budget when evaluating
+
+
+@dataclass
+class RunConfig:
+    name: str = "gsm8k_tba"             # run directory name under run_root
+    run_root: str = "runs"              # where runs/<name>/ (metrics, plots, checkpoints) go
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # policy: HF id or local checkpoint dir
+    ref_model: Optional[str] = None     # frozen reference; None = the initial policy
+    algo: Literal["tba", "grpo"] = "tba"  # TBA, or the GRPO baseline (always on-policy)
+    preset: Literal["cpu", "gpu"] = "cpu"  # size preset applied before other overrides
+    seed: int = 0                       # seeds prompt order, buffer sampling and generators
+    resume: bool = False                # continue from the latest checkpoint of runs/<name>
+    data: DataConfig = field(default_factory=DataConfig)
+    gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=32, max_new_tokens=192, n=4))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=30, lr=2e-6, warmup_steps=2, prompts_per_step=2, sync_every=2, min_buffer=16,
+        buffer_capacity=2048, micro_batch_tokens=4096, checkpoint_every=10, eval_every=0))
+    tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_anneal_steps=30))
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def gpu_preset(cfg: RunConfig) -> RunConfig:
+    """The paper's GSM8K settings (DESIGN.md section 4): 7 prompts x K=20, k=2, m=0.95, lr 1e-5."""
+    cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7)
+    cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=50, decay_steps=200, prompts_per_step=7,
+                            sync_every=2, min_buffer=500, buffer_capacity=65536, micro_batch_tokens=32768,
+                            n_generators=max(1, __import__("torch").cuda.device_count() - 1),
+                            checkpoint_every=100, eval_every=100, device="cuda")
+    cfg.tba = TBAConfig(beta_init=0.012, beta_final=0.004, beta_anneal_steps=500, m=0.95)
+    cfg.data.eval_size, cfg.data.eval_max_new_tokens = 1319, 512
+    return cfg
+
+
+def make_config(argv: list[str] | None = None) -> RunConfig:
+    from common.config import cli
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = RunConfig()
+    if any(a in ("--preset=gpu", "--preset gpu") for a in argv) or (
+            "--preset" in argv and argv[argv.index("--preset") + 1:][:1] == ["gpu"]):
+        cfg = gpu_preset(cfg)
+    return cli(cfg, argv, description=__doc__)
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
+    return [tokenizer(format_prompt(ex.question, tokenizer, style), add_special_tokens=False)["input_ids"]
+            for ex in examples]
+
+
+def stop_ids(tokenizer) -> tuple[int, ...]:
+    """EOS and the chat template's end-of-turn token (they coincide for SmolLM2)."""
+    ids = {tokenizer.eos_token_id}
+    for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        i = tokenizer.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tokenizer.unk_token_id:
+            ids.add(i)
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+    from common.evaluate import greedy_pass_at_1
+    from common.hf_io import load_tokenizer, resolve_checkpoint
+    from common.launch import set_process_defaults
+    from common.log import plot_metrics
+    from common.trainer import train
+    from tba.algo import GRPO, TBA
+
+    cfg = make_config(argv)
+    set_process_defaults(cfg.train.device)
+    torch.manual_seed(cfg.seed)
+    tok = load_tokenizer(resolve_checkpoint(cfg.model))
+    data_dir = Path(cfg.data.dir)
+    train_ex = load_gsm8k(data_dir / "train.jsonl", limit=cfg.data.train_limit)
+    test_ex = load_gsm8k(data_dir / "test.jsonl", limit=cfg.data.eval_size)
+    prompts = PromptSet(tokenize_prompts(train_ex, tok, cfg.data.prompt_style), [ex.gold for ex in train_ex])
+    eval_prompts = tokenize_prompts(test_ex, tok, cfg.data.prompt_style)
+    stops = stop_ids(tok)
+    P, K = cfg.train.prompts_per_step, cfg.gen.n
+    if cfg.algo == "tba":
+        algo = TBA(cfg.tba, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)
+    else:
+        algo = GRPO(cfg.grpo, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)
+
+    def evaluate(model, tokenizer):
+        return greedy_pass_at_1(model, tokenizer, eval_prompts, [ex.gold for ex in test_ex], reward_fn,
+                                cfg.data.eval_max_new_tokens, stops, max_batch=cfg.gen.max_batch)
+
+    last = train(cfg, algo, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None,
+                 resume=cfg.resume)
+    run_dir = Path(cfg.run_root) / cfg.name
+    png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"GSM8K {cfg.algo} ({cfg.train.mode})")
+    if png:
+        print(f"[asyncrl] plot: {png}")
+    return last
+
+
+if __name__ == "__main__":
+    main()

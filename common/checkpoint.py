@@ -1,0 +1,278 @@
+"""Resumable training checkpoints: model (HF format), optimizer, scheduler, RNG, counters,
+replay buffer, run config. Written and read by the trainer process only.
+
+Layout (one directory per checkpoint, named by the trainer step):
+
+    <run_dir>/checkpoints/step_000120/
+        model/             save_pretrained output (+ tokenizer files when one is given)
+        trainer_state.pt   optimizer / scheduler state dicts, RNG states, counters
+        buffer.pt          ReplayBuffer.save (optional)
+        config.json        the resolved run config (optional)
+        meta.json          step, version, wall time, file list with sizes; written LAST
+
+Crash-safety rules:
+- Everything is written into `checkpoints/.tmp_step_XXXXXX`, fsynced, and only then renamed to
+  `step_XXXXXX` (rename is atomic on POSIX). A crash mid-write leaves at most a `.tmp_*` dir,
+  which `latest_checkpoint` ignores and the next save deletes; the last good checkpoint is never
+  touched before the new one is complete.
+- A checkpoint counts only if its meta.json parses; `load_checkpoint` additionally checks every
+  listed file exists with its recorded size (catches truncation) and validates everything
+  (architecture, tensor names/shapes, optimizer groups) BEFORE mutating the model or optimizer.
+- Pruning (`keep_last`) runs after the rename and never deletes the checkpoint just written.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from common.buffer import ReplayBuffer
+from common.config import save_config
+from common.hf_io import _IGNORED_KEYS, safetensors_files, save_pretrained
+from common.model import ModelConfig
+
+FORMAT_VERSION = 1
+_PREFIX, _TMP = "step_", ".tmp_"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, truncated or incompatible with the running model."""
+
+
+@dataclass
+class ResumeState:
+    step: int
+    version: int
+    counters: dict = field(default_factory=dict)  # step, version and the caller's extra counters
+    buffer: Any = None                            # a ReplayBuffer when one was saved
+    config: dict | None = None                    # the saved run config (plain JSON dict)
+    path: Path | None = None                      # the checkpoint directory it came from
+
+
+def _ckpt_root(run_dir) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _step_of(p: Path) -> int | None:
+    if not p.name.startswith(_PREFIX):
+        return None
+    try:
+        return int(p.name[len(_PREFIX):])
+    except ValueError:
+        return None
+
+
+def _read_meta(ckpt: Path) -> dict:
+    f = Path(ckpt) / "meta.json"
+    if not f.is_file():
+        raise CheckpointError(f"{ckpt}: no meta.json (incomplete or not a checkpoint directory)")
+    try:
+        meta = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: corrupt meta.json ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
+        raise CheckpointError(f"{f}: corrupt meta.json (missing 'step' or 'files')")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{f}: format_version {meta.get('format_version')!r}, this code reads "
+                              f"{FORMAT_VERSION}")
+    return meta
+
+
+def _valid_checkpoints(run_dir) -> list[tuple[int, Path]]:
+    """(step, dir) of every step_* dir with a readable meta.json, by increasing step."""
+    root, out = _ckpt_root(run_dir), []
+    if not root.is_dir():
+        return out
+    for p in root.iterdir():
+        step = _step_of(p)
+        if step is None or not p.is_dir():
+            continue
+        try:
+            _read_meta(p)
+        except CheckpointError:
+            continue
+        out.append((step, p))
+    return sorted(out)
+
+
+def latest_checkpoint(run_dir) -> Path | None:
+    """The highest-step checkpoint with a valid meta.json, or None."""
+    ckpts = _valid_checkpoints(run_dir)
+    return ckpts[-1][1] if ckpts else None
+
+
+# ---------------------------------------------------------------- RNG (weights_only-loadable)
+def _rng_state() -> dict:
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(s: dict) -> None:
+    v, internal, gauss = s["python"]  # lists after torch.load; random.setstate wants tuples
+    random.setstate((v, tuple(internal), gauss))
+    n = s["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    torch.set_rng_state(s["torch"])
+    if "cuda" in s and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+# ---------------------------------------------------------------- save
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_sizes(d: Path) -> dict[str, int]:
+    return {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file()}
+
+
+def _write_meta(d: Path, meta: dict) -> None:
+    (d / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, counters: dict | None = None,
+                    config=None, buffer: ReplayBuffer | None = None, tokenizer=None,
+                    keep_last: int | None = 2) -> Path:
+    """Write checkpoint `step` atomically; prune to the newest `keep_last` (None/<=0: keep all)."""
+    step = int(step)
+    counters = dict(counters or {})
+    bad = [k for k, v in counters.items() if isinstance(v, bool) or not isinstance(v, (int, float, np.number))]
+    if bad:
+        raise TypeError(f"save_checkpoint: counters {bad} must be numbers")
+    counters = {k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in counters.items()}
+    counters.update(step=step, version=int(counters.get("version", 0)))
+    root = _ckpt_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for p in root.glob(_TMP + "*"):  # leftovers of crashed writes (ours: one writer per run)
+        shutil.rmtree(p, ignore_errors=True)
+    name = f"{_PREFIX}{step:06d}"
+    tmp, final = root / (_TMP + name), root / name
+
+    tmp.mkdir()
+    save_pretrained(model, tmp / "model")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp / "model"))
+    torch.save({"optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": _rng_state(), "counters": counters}, tmp / "trainer_state.pt")
+    if buffer is not None:
+        buffer.save(tmp / "buffer.pt")
+    if config is not None:
+        if isinstance(config, dict):
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        else:
+            save_config(config, tmp / "config.json")
+    meta = {"format_version": FORMAT_VERSION, "step": step, "version": counters["version"],
+            "counters": counters, "wall_time": time.time(),
+            "wall_time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _file_sizes(tmp)}
+    _write_meta(tmp, meta)
+    for f in tmp.rglob("*"):  # data on disk before the rename publishes it (power-loss safety)
+        if f.is_file():
+            _fsync(f)
+
+    if final.exists():  # re-saving a step (e.g. after a resume): swap, old one goes last
+        old = root / (_TMP + "replaced_" + name)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync(root)  # persist the rename itself
+
+    if keep_last is not None and keep_last > 0:
+        ckpts = _valid_checkpoints(run_dir)
+        for _, p in ckpts[:-keep_last]:
+            if p != final:
+                shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------- load
+def _read_weights(model, model_dir: Path) -> dict[str, torch.Tensor]:
+    """CPU tensors of the checkpoint, checked against the model's names and shapes."""
+    expected = model.state_dict()
+    if model.cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)  # aliased to embed_tokens, not stored
+    loaded = {}
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                if key.endswith(_IGNORED_KEYS) or (key == "lm_head.weight" and model.cfg.tie_word_embeddings):
+                    continue
+                t = sf.get_tensor(key)
+                if key not in expected or tuple(t.shape) != tuple(expected[key].shape):
+                    raise CheckpointError(f"incompatible checkpoint: {f}: tensor {key!r} {tuple(t.shape)} does "
+                                          f"not match the model")
+                loaded[key] = t
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        raise CheckpointError(f"{model_dir}: missing tensors {missing[:5]} ({len(missing)} in all)")
+    return loaded
+
+
+def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer) -> ResumeState:
+    """Restore model weights (in place, so the optimizer keeps its parameters), optimizer,
+    scheduler and RNG states from checkpoint dir `path`; returns counters, buffer and config."""
+    path = Path(path)
+    meta = _read_meta(path)
+    for rel, size in meta["files"].items():
+        f = path / rel
+        if not f.is_file():
+            raise CheckpointError(f"{path}: file {rel} listed in meta.json is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"{path}: file {rel} has {f.stat().st_size} bytes, meta.json recorded "
+                                  f"{size} (truncated or overwritten)")
+    model_dir = path / "model"
+    try:
+        ck_cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text())).to_dict()
+    except (OSError, ValueError, KeyError) as e:
+        raise CheckpointError(f"{model_dir}/config.json unreadable ({type(e).__name__}: {e})") from None
+    mine = model.cfg.to_dict()
+    diff = [f"{k}: checkpoint {ck_cfg.get(k)!r} vs model {mine.get(k)!r}"
+            for k in sorted(set(ck_cfg) | set(mine)) if ck_cfg.get(k) != mine.get(k)]
+    if diff:
+        raise CheckpointError(f"incompatible checkpoint {path}: " + "; ".join(diff))
+    weights = _read_weights(model, model_dir)
+    try:
+        state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path}/trainer_state.pt unreadable ({type(e).__name__}: {e})") from None
+    if scheduler is not None and state.get("scheduler") is None:
+        raise CheckpointError(f"{path}: a scheduler was given but the checkpoint saved none")
+
+    # Everything validated: now mutate. Optimizer first: it is the step most likely to refuse.
+    try:
+        optimizer.load_state_dict(state["optimizer"])
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"incompatible checkpoint {path}: optimizer state ({e})") from None
+    with torch.no_grad():
+        params = model.state_dict()  # detached views sharing storage with the parameters
+        for k, t in weights.items():
+            params[k].copy_(t)
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    _set_rng_state(state["rng"])
+
+    buffer = buffer_cls.load(path / "buffer.pt") if "buffer.pt" in meta["files"] else None
+    config = json.loads((path / "config.json").read_text()) if "config.json" in meta["files"] else None
+    counters = dict(state["counters"])
+    return ResumeState(step=int(counters["step"]), version=int(counters["version"]), counters=counters,
+                       buffer=buffer, config=config, path=path)

@@ -1,0 +1,185 @@
+"""The generator process: pull weights, claim prompts, sample, score, write groups to the buffer.
+
+Runs in each spawned generator process (`generator_main`); `Control` is shared with the
+trainer. Data flow per finished prompt (a *group* of n samples):
+    claim prompt index -> Sampler -> decode + reward_fn -> [reference log-probs] -> buffer.add
+Weights: every decode step the generator compares `store.version` with its sampler's; a newer
+one is applied at once ("interrupt", AReaL: in-flight KV recomputed) or after in-flight samples
+finish ("finish", TBA sync points).
+
+Admission (`Control.claim`), AReaL's staleness rule counted in prompts:
+    started < quota,  quota = (max_staleness + v + 1) * prompts_per_version
+v is the trainer's published version; started counts every prompt ever claimed (accepted +
+running). max_staleness = 0 is synchronous lock-step; None is unbounded (TBA searchers).
+Concurrency: `Control.t` is a shared int64 tensor; claims and quota changes happen under
+`Control.lock` (a few integer ops), the trainer is the only writer of version/quota.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Literal, Optional
+
+import numpy as np
+import torch
+
+from common.batch import Trajectory, collate
+from common.ops import seq_logp, token_logp
+from common.sampler import Sampler
+from common.sampling import SamplingParams
+
+log = logging.getLogger("asyncrl.generator")
+_UNBOUNDED = 2**62
+
+
+@dataclass
+class GenConfig:
+    max_batch: int = 32             # sampler slots per generator process
+    max_new_tokens: int = 256       # generated tokens per sample at most
+    temperature: float = 0.7        # sampling temperature (log-probs recorded at it)
+    top_p: float = 1.0              # nucleus mass; 1 = off
+    top_k: int = 0                  # top-k; 0 = off
+    n: int = 4                      # samples per prompt (the group size K)
+    update_mode: Literal["finish", "interrupt"] = "finish"  # finish in-flight samples first (TBA) or re-prefill (AReaL)
+    ref_logp: bool = True           # compute reference sequence log-probs here (TBA's KL term)
+    queue_depth: int = 2            # prompts queued beyond what fits the free slots
+
+
+@dataclass
+class PromptSet:
+    """Tokenised prompts plus whatever per-prompt data the reward needs (picklable)."""
+    tokens: list[list[int]]
+    meta: list = field(default_factory=list)  # e.g. gold answers; meta[i] goes to reward_fn
+
+    def __post_init__(self):
+        if not self.tokens:
+            raise ValueError("PromptSet is empty")
+        if self.meta and len(self.meta) != len(self.tokens):
+            raise ValueError(f"PromptSet: {len(self.tokens)} prompts but {len(self.meta)} meta entries")
+
+
+class Control:
+    """Shared admission gate and generator statistics (see module docstring)."""
+    VERSION, STARTED, QUOTA, DONE_GROUPS = 0, 1, 2, 3
+    STAT_FIELDS = ("tokens", "busy_s", "groups", "sync_s", "syncs", "reward_errors", "interrupts")
+
+    def __init__(self, ctx, prompts_per_version: int, max_staleness: Optional[int], n_generators: int = 1):
+        self.t = torch.zeros(4, dtype=torch.int64).share_memory_()
+        self.stats = torch.zeros(n_generators, len(self.STAT_FIELDS), dtype=torch.float64).share_memory_()
+        self.lock = ctx.Lock()
+        self.prompts_per_version, self.max_staleness = prompts_per_version, max_staleness
+        self.set_version(0)
+
+    def set_version(self, v: int, started: int | None = None) -> None:
+        """Trainer only: new published version -> new quota. `started` restores it on resume."""
+        with self.lock:
+            self.t[self.VERSION] = v
+            if started is not None:
+                self.t[self.STARTED] = started
+            eta = self.max_staleness
+            self.t[self.QUOTA] = _UNBOUNDED if eta is None else (eta + v + 1) * self.prompts_per_version
+
+    def claim(self) -> int | None:
+        """Generator: the global index of the next prompt to start, or None if over quota."""
+        with self.lock:
+            s = int(self.t[self.STARTED])
+            if s >= int(self.t[self.QUOTA]):
+                return None
+            self.t[self.STARTED] = s + 1
+            return s
+
+    def stat(self, rank: int) -> dict:
+        return dict(zip(self.STAT_FIELDS, self.stats[rank].tolist()))
+
+
+def prompt_order(seed: int, n_prompts: int, claim_idx: int) -> int:
+    """Dataset index of the claim_idx-th prompt: a fresh seeded permutation every epoch."""
+    epoch, i = divmod(claim_idx, n_prompts)
+    return int(np.random.RandomState((seed * 1_000_003 + epoch) % 2**32).permutation(n_prompts)[i])
+
+
+def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row) -> list[float]:
+    """Rewards for one group; a reward_fn that raises scores 0 and is logged, never fatal."""
+    meta = prompts.meta[prompt_idx] if prompts.meta else None
+    out = []
+    for c in completions:
+        try:
+            text = tokenizer.decode(c.tokens, skip_special_tokens=True) if tokenizer is not None else c.tokens
+            r = float(reward_fn(text, meta))
+            if not math.isfinite(r):
+                raise ValueError(f"reward_fn returned {r}")
+        except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
+            log.warning("reward_fn failed on prompt %d (scored 0): %r", prompt_idx, e)
+            stats_row[5] += 1
+            r = 0.0
+        out.append(r)
+    return out
+
+
+@torch.no_grad()
+def reference_seq_logp(ref_model, completions, temperature: float) -> list[float]:
+    """Sum of reference token log-probs over each completion (same function as the trainer)."""
+    trajs = [Trajectory(torch.tensor(c.prompt_tokens), torch.tensor(c.tokens), c.logp_tensor(),
+                        torch.tensor(c.versions), 0.0, 0) for c in completions]
+    b = collate(trajs)
+    return seq_logp(token_logp(ref_model, b.tokens, temperature), b.loss_mask).tolist()
+
+
+def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,
+                   control: Control, prompts: PromptSet, reward_fn: Callable, seed: int, max_seq_len: int,
+                   stop_token_ids: tuple, device: str = "cpu", *, stop_event) -> None:
+    """Process entry point (started by `common.launch.Workers.start`)."""
+    from common.hf_io import load_model
+    dev = torch.device(device)
+    model, tok = load_model(model_path, device=dev)
+    ref = load_model(ref_path, device=dev, tokenizer=False)[0] if (cfg.ref_logp and ref_path) else None
+    while store.version < 0 and not stop_event.is_set():  # trainer publishes version 0 first
+        time.sleep(0.01)
+    sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
+                      version=store.load_into(model), seed=seed * 1000 + rank)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, n=cfg.n, stop_token_ids=tuple(stop_token_ids))
+    row = control.stats[rank]
+    groups: dict[int, list] = {}  # request id -> finished completions of that prompt
+    n_prompts = len(prompts.tokens)
+
+    def load(m):  # copies the active weight buffer into m; returns the version it held
+        t = time.perf_counter()
+        v = store.load_into(m)
+        row[3] += time.perf_counter() - t
+        row[4] += 1
+        return v
+
+    while not stop_event.is_set():
+        if store.version > sampler.version and not sampler.update_pending:
+            sampler.update_weights(load, store.version, mode=cfg.update_mode)
+        while len(sampler.queue) < cfg.queue_depth and not sampler.update_pending:
+            i = control.claim()
+            if i is None:
+                break
+            p = prompt_order(seed, n_prompts, i)
+            sampler.submit(prompts.tokens[p], params, request_id=i)  # request id = claim index
+            groups[i] = []
+        if not sampler.has_work():
+            time.sleep(0.005)
+            continue
+        t = time.perf_counter()
+        for c in sampler.step():
+            g = groups[c.request_id]
+            g.append(c)
+            if len(g) < cfg.n:
+                continue
+            del groups[c.request_id]
+            p = prompt_order(seed, n_prompts, c.request_id)
+            rewards = score(g, p, prompts, reward_fn, tok, row)
+            refs = reference_seq_logp(ref, g, cfg.temperature) if ref is not None else [math.nan] * len(g)
+            trajs = [Trajectory(torch.tensor(x.prompt_tokens), torch.tensor(x.tokens), x.logp_tensor(),
+                                torch.tensor(x.versions), r, p, x.finish_reason, rf)
+                     for x, r, rf in zip(g, rewards, refs)]
+            buffer.add(trajs, trainer_version=min(min(x.versions) for x in g))
+            row[2] += 1
+            row[0] += sum(len(x.tokens) for x in g)
+        row[1] += time.perf_counter() - t
+        row[6] = sampler.stats["interrupts"]

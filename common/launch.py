@@ -1,0 +1,218 @@
+"""Process launcher of the async runtime: the trainer stays in the launching (main) process,
+every other role (generators, optional reward workers) runs in a spawned worker process.
+
+Who runs what
+-------------
+* main process: builds a `Workers`, calls `start(name, fn, ...)` once per worker, then runs the
+  training loop, calling `Workers.check()` every step (cheap: one pipe poll + one waitpid each).
+* worker process: `_worker_main` caps torch's CPU threads, then runs `fn(*args,
+  stop_event=stop_event, **kwargs)`. `fn` must be a module-level function (spawn pickles it by
+  name), take `stop_event` by keyword (after its positional parameters), poll it and return
+  once it is set.
+
+Processes are started with the *spawn* method: forking a process that has touched CUDA is
+unsafe, and spawn gives every worker a clean interpreter. Anything shared with workers (queues,
+events, shared-memory tensors) must come from `Workers.ctx` / `Workers.queue()`.
+
+Shutdown protocol
+-----------------
+1. A worker raising puts `(name, formatted traceback)` on the error queue, sets `stop_event`
+   (so its siblings wind down) and exits with code 1. A worker dying without a word (signal,
+   `os._exit`, segfault) shows up as a non-zero exit code.
+2. The next `check()` (or `wait_event`, or leaving the `with` block) sees either, shuts down and
+   raises `WorkerError` carrying the child's traceback, so the run ends within seconds.
+3. `shutdown()` (idempotent) sets `stop_event`, joins everyone against one deadline, then
+   SIGTERMs stragglers, then SIGKILLs them; every join has a timeout and every child is reaped
+   (no zombies). Even a cooperative worker needs ~0.5 s after `fn` returns (interpreter
+   teardown with torch loaded; more on a busy box), hence the 10 s default. Queues get
+   `cancel_join_thread()` so a feeder thread stuck on a full pipe to a dead reader can never
+   hang interpreter exit.
+4. Ctrl-C: workers ignore SIGINT (a terminal sends it to the whole process group) so only the
+   main process reacts; its KeyboardInterrupt leaves the `with` block, which shuts down and
+   re-raises. If the main process is SIGKILLed (e.g. OOM killer), Linux kills the workers via
+   PR_SET_PDEATHSIG, so they never linger holding GPU memory. That signal fires when the *thread*
+   that started the worker exits, so call `start()` from the main thread.
+
+/dev/shm: shared CPU tensors use torch's `file_descriptor` sharing strategy (Linux default):
+segments travel as fds and are unlinked at once, so nothing is left behind. (Don't switch to
+`file_system`: its `torch_<pid>_*` files survive a crashed process.) The spawn context's
+Event/Queues are named semaphores (`sem.mp-*`); each is unlinked when its Python object is
+garbage-collected, i.e. when the `Workers` (and any queue you kept) goes away, or at exit.
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as tmp
+
+_TERM_GRACE_S = 2.0   # how long SIGTERM / SIGKILL get before we give up waiting on a process
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed; the message names it and holds the child's full traceback."""
+
+
+def set_process_defaults(device: str) -> None:
+    """Per-process torch defaults. On CPU cap intra-op threads (ASYNCRL_NUM_THREADS, default 1):
+    with several processes sharing few cores, oversubscribed thread pools made small ops ~100x
+    slower on a 2-core box. GPU processes need nothing special."""
+    if torch.device(device).type == "cpu":
+        torch.set_num_threads(int(os.environ.get("ASYNCRL_NUM_THREADS", 1)))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL us when the parent dies, so an OOM-killed trainer leaves no orphans."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux / no glibc: best effort only
+        return
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # parent died before prctl took effect
+        os._exit(1)
+
+
+def _worker_main(name, fn, args, kwargs, stop_event, error_queue) -> None:
+    """Entry point of every worker process (runs in the child)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _die_with_parent()
+    # Thread cap applies to every worker's CPU-side ops; a GPU worker's kernels are unaffected.
+    set_process_defaults("cpu")
+    try:
+        fn(*args, stop_event=stop_event, **kwargs)
+    except KeyboardInterrupt:  # parent handles Ctrl-C and will stop us via stop_event
+        return
+    except Exception:
+        tb = traceback.format_exc()
+        print(f"[worker {name}] failed:\n{tb}", file=sys.stderr, flush=True)  # in logs even if
+        error_queue.put((name, tb))  # ... the parent never calls check(); flushed at exit
+        stop_event.set()
+        sys.exit(1)
+
+
+class Workers:
+    """Context manager owning spawned workers, a shared stop Event and an error Queue."""
+
+    def __init__(self, join_timeout: float = 10.0):
+        self.join_timeout = join_timeout
+        self.ctx = tmp.get_context("spawn")
+        self.stop_event = self.ctx.Event()
+        self.error_queue = self.ctx.Queue()
+        self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
+        self._queues = [self.error_queue]
+        self._closed = False
+
+    # ---- starting -------------------------------------------------------------------------
+    def queue(self, maxsize: int = 0):
+        """A spawn-context Queue that shutdown() will close (so it can't hang the exit)."""
+        q = self.ctx.Queue(maxsize)
+        self._queues.append(q)
+        return q
+
+    def start(self, name: str, fn, *args, **kwargs) -> None:
+        if self._closed:
+            raise RuntimeError("Workers already shut down")
+        if name in self.procs:
+            raise ValueError(f"duplicate worker name {name!r}")
+        p = self.ctx.Process(target=_worker_main, name=name, daemon=True,
+                             args=(name, fn, args, kwargs, self.stop_event, self.error_queue))
+        p.start()
+        self.procs[name] = p
+
+    # ---- monitoring -----------------------------------------------------------------------
+    def _pending_error(self) -> WorkerError | None:
+        """The first failure to report, or None. Exit codes are read *before* the queue: a
+        failing child flushes its traceback into the pipe before it exits, so if we see the exit
+        code the traceback is already readable and we report that instead of a bare code."""
+        dead = [(n, p.exitcode) for n, p in self.procs.items() if p.exitcode not in (None, 0)]
+        try:
+            name, tb = self.error_queue.get_nowait()
+            return WorkerError(f"worker {name!r} failed:\n{tb}")
+        except Exception:  # queue.Empty (or a truncated message from a killed writer)
+            pass
+        if dead:
+            name, code = dead[0]
+            how = (f"killed by {signal.Signals(-code).name}" if code < 0 else
+                   "os._exit, or failed before running fn: see its stderr")
+            return WorkerError(f"worker {name!r} died with exit code {code} ({how})")
+        return None
+
+    def check(self) -> None:
+        """Raise WorkerError (after shutting everything down) if any worker failed."""
+        if self._closed:
+            return
+        err = self._pending_error()
+        if err is not None:
+            self.shutdown()
+            raise err
+
+    def alive(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.is_alive()]
+
+    def wait_event(self, event_or_callable, timeout: float) -> bool:
+        """Wait up to `timeout` s for an Event (or a callable returning truthy), calling check()
+        every ~0.1 s so a worker crash during the wait raises instead of waiting it out."""
+        cond = getattr(event_or_callable, "is_set", event_or_callable)
+        deadline = time.monotonic() + timeout
+        while True:
+            if cond():
+                return True
+            self.check()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(0.1, left))
+
+    # ---- shutdown -------------------------------------------------------------------------
+    def _join_all(self, procs, deadline: float) -> list:
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        return [p for p in procs if p.is_alive()]
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop every worker; returns within about timeout + 2 * _TERM_GRACE_S seconds."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop_event.set()
+        timeout = self.join_timeout if timeout is None else timeout
+        procs, interrupted = list(self.procs.values()), False
+        try:
+            left = self._join_all(procs, time.monotonic() + timeout)  # polite: honour stop_event
+            for p in left:
+                p.terminate()  # SIGTERM: a worker stuck in a blocking call ignores stop_event
+            left = self._join_all(left, time.monotonic() + _TERM_GRACE_S)
+        except KeyboardInterrupt:  # a second Ctrl-C while waiting: skip straight to SIGKILL
+            interrupted, left = True, [p for p in procs if p.is_alive()]
+        for p in left:
+            p.kill()           # SIGKILL: last resort for one that ignores or blocks SIGTERM
+        left = self._join_all(left, time.monotonic() + _TERM_GRACE_S)
+        if left:  # unkillable (uninterruptible sleep in a driver): report, don't hang
+            print(f"[launch] workers still alive after kill: {[p.name for p in left]}",
+                  file=sys.stderr)
+        for q in self._queues:
+            q.cancel_join_thread()  # never block exit flushing into a pipe nobody reads
+            q.close()
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        # A crash in the body (e.g. a queue.get timeout) is often *caused* by a dead worker:
+        # surface that worker's traceback, chained to the body's exception. Ctrl-C is kept as is.
+        err = None
+        if not self._closed and exc_type is not KeyboardInterrupt:
+            err = self._pending_error()
+        self.shutdown()
+        if err is not None:
+            raise err from exc
+        return False  # re-raise the body's exception (KeyboardInterrupt included)

@@ -1,0 +1,246 @@
+"""Run metrics: a JSONL log (+ optional TensorBoard / W&B), plots of it, and a progress bar.
+
+Run by the trainer process (the single writer of `<run_dir>/metrics.jsonl`); `read_metrics` and
+the plot functions run anywhere (notebooks, bench scripts, after the run).
+
+Crash-safety rules:
+- One metrics record = one JSON line, written with a single `write` and flushed at once, so a
+  crash loses at most the line being written.
+- A crash can leave a partial last line. On open, `MetricsLogger` cuts the file back to its last
+  newline (else the next record would be glued onto the fragment); `read_metrics` skips such a
+  fragment too, so runs can be plotted while still being written.
+- On resume the logger continues `time` from the last recorded value: curves stay monotone.
+TensorBoard and W&B are extras: requested but not installed -> one warning, the JSONL log goes on.
+"""
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_RESERVED = ("step", "time")
+
+
+def _warn(msg: str) -> None:
+    print(f"[asyncrl.log] warning: {msg}", file=sys.stderr)
+
+
+def _jsonable(v, key: str):
+    """Python floats for tensor / numpy scalars; nested dicts (string keys) and lists kept."""
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x, f"{key}.{k}") for k, x in v.items()}
+    if torch.is_tensor(v):
+        v = v.detach().cpu()
+        return float(v) if v.numel() == 1 else [float(x) for x in v.flatten()]
+    if isinstance(v, np.ndarray):
+        return float(v) if v.size == 1 else [float(x) for x in v.ravel()]
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x, key) for x in v]
+    if isinstance(v, numbers.Integral) and not isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(f"MetricsLogger.log: metric {key!r} has unsupported type {type(v).__name__}")
+
+
+def _scalars(d: dict, prefix: str = ""):
+    """(flat name, float) for every numeric leaf: what TensorBoard / W&B can chart."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _scalars(v, f"{prefix}{k}/")
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            yield prefix + k, float(v)
+
+
+def read_metrics(path) -> list[dict]:
+    """All records of a metrics.jsonl; a truncated (crash) last line is skipped."""
+    lines = Path(path).read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break  # partial write of the last record
+            raise ValueError(f"{path}:{i + 1}: corrupt metrics line {line[:80]!r}") from None
+    return out
+
+
+class MetricsLogger:
+    """Append-only metrics log of one run (see the module doc)."""
+
+    def __init__(self, run_dir, use_tensorboard: bool = False, use_wandb: bool = False,
+                 wandb_project: str | None = None, config: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self._t_offset = 0.0
+        if self.path.exists():
+            data = self.path.read_bytes()
+            cut = data.rfind(b"\n") + 1  # 0 when no complete line at all
+            if cut != len(data):
+                with open(self.path, "r+b") as f:
+                    f.truncate(cut)
+            times = [r["time"] for r in read_metrics(self.path) if isinstance(r.get("time"), (int, float))]
+            self._t_offset = max(times, default=0.0)
+        self._t0 = time.monotonic()  # monotonic: immune to wall-clock jumps (NTP) mid-run
+        self._f = open(self.path, "a", encoding="utf-8")
+        self._tb = self._wandb = None
+        if use_tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
+            except ImportError:
+                _warn("use_tensorboard=True but tensorboard is not installed (pip install tensorboard); "
+                      "logging to metrics.jsonl only")
+        if use_wandb:
+            try:
+                import wandb
+                self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
+            except ImportError:
+                _warn("use_wandb=True but wandb is not installed (pip install wandb); "
+                      "logging to metrics.jsonl only")
+
+    def elapsed(self) -> float:
+        """Seconds of run time so far, resumed segments included."""
+        return self._t_offset + time.monotonic() - self._t0
+
+    def log(self, step: int, **metrics) -> dict:
+        """Append one record {step, time, **metrics}; returns it as written."""
+        bad = [k for k in metrics if k in _RESERVED]
+        if bad:
+            raise ValueError(f"MetricsLogger.log: {bad} are reserved keys")
+        rec = {"step": int(step), "time": round(self.elapsed(), 3)}
+        rec.update({k: _jsonable(v, k) for k, v in metrics.items()})
+        self._f.write(json.dumps(rec) + "\n")
+        self._f.flush()
+        scalars = dict(_scalars({k: v for k, v in rec.items() if k not in _RESERVED}))
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, global_step=rec["step"])
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=rec["step"])
+        return rec
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---------------------------------------------------------------- plots
+_PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test accuracy"))
+
+
+def _series(records: list[dict], key: str, x: str) -> tuple[list[float], list[float]]:
+    pts = []
+    for r in records:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            pts.append(((r.get("time", 0.0) / 60.0) if x == "time" else r.get("step", 0), float(v)))
+    pts.sort(key=lambda p: p[0])
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(runs, out_png, x: str = "time", panels=_PANELS, title: str | None = None) -> Path | None:
+    """Overlay several runs: runs = [(metrics.jsonl path, label), ...]. One subplot per panel
+    (metric key, panel title) that has data; x = wall-clock minutes ("time") or "step"."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure  # no pyplot: no global backend state to disturb
+    except ImportError:
+        _warn("matplotlib is not installed (pip install matplotlib); no plot written")
+        return None
+    data = [(label, read_metrics(p)) for p, label in runs]
+    series = {key: [(label, *_series(recs, key, x)) for label, recs in data] for key, _ in panels}
+    shown = [(k, t) for k, t in panels if any(xs for _, xs, _ in series[k])]
+    if not shown:
+        _warn(f"none of the metrics {[k for k, _ in panels]} has data points; no plot written")
+        return None
+    fig = Figure(figsize=(5.0 * len(shown), 3.6), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(shown), squeeze=False)[0]
+    for ax, (key, panel_title) in zip(axes, shown):
+        for label, xs, ys in series[key]:
+            if xs:  # one point only: draw a marker, a line needs two
+                ax.plot(xs, ys, label=label, marker="o" if len(xs) < 2 or key.startswith("eval") else None,
+                        markersize=3)
+        ax.set_title(panel_title)
+        ax.set_xlabel("wall-clock minutes" if x == "time" else "step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        if any(label for label, _, _ in series[key]):
+            ax.legend()
+    if title:
+        fig.suptitle(title)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def plot_metrics(metrics_path, out_png, x: str = "time", panels=_PANELS, title: str | None = None) -> Path | None:
+    """Plot one run's metrics.jsonl, or overlay runs given as [(path, label), ...]."""
+    if isinstance(metrics_path, (list, tuple)):
+        return plot_runs(metrics_path, out_png, x=x, panels=panels, title=title)
+    return plot_runs([(metrics_path, None)], out_png, x=x, panels=panels, title=title)
+
+
+# ---------------------------------------------------------------- progress bar
+def _fmt(v) -> str:
+    if torch.is_tensor(v) or isinstance(v, np.generic):
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return str(v)
+    if isinstance(v, numbers.Integral):
+        return str(int(v))
+    v = float(v)
+    if v != 0 and math.isfinite(v) and (abs(v) < 1e-2 or abs(v) >= 1e5):
+        mant, exp = f"{v:.1e}".split("e")
+        return f"{mant}e{int(exp)}"  # 1.2e-3, not 1.2e-03
+    return f"{v:.3g}"
+
+
+class Progress:
+    """Trainer progress bar: `update(1, reward=0.41, loss=1.2e-3, **{"tok/s": 120})`."""
+
+    def __init__(self, total: int | None, initial: int = 0, desc: str | None = None):
+        from tqdm import tqdm
+        self._bar = tqdm(total=total, initial=initial, desc=desc, mininterval=1.0, dynamic_ncols=True)
+
+    def update(self, n: int = 1, **postfix) -> None:
+        if postfix:  # no refresh here: tqdm redraws at most every mininterval inside update()
+            self._bar.set_postfix_str(" ".join(f"{k}={_fmt(v)}" for k, v in postfix.items()), refresh=False)
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

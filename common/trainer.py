@@ -1,0 +1,202 @@
+"""The trainer loop, shared by every algorithm and task; runs in the launching process.
+
+    publish v0 -> start generators -> [wait for data] -> algo.next_batch -> algo.backward
+    -> clip + optimizer step -> publish every k steps -> log / eval / checkpoint -> ...
+
+Everything algorithm-specific sits behind `Algorithm` (tba/algo.py, areal/algo.py): which rows
+form a batch, and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
+is its only writer), the `Control` quota (only writer of version/quota) and the buffer's
+reading side. Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0
+and k = 1: generators may start exactly one batch of prompts per published version, and the
+trainer consumes exactly that batch, so sync and async runs do equal work per step.
+
+A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
+train (TrainConfig), gen (GenConfig), log (LogConfig).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Literal, Optional, Protocol
+
+import torch
+
+from common.batch import Batch
+from common.buffer import ReplayBuffer
+from common.config import save_config, to_dict
+from common.generator import Control, PromptSet, generator_main
+from common.launch import Workers
+from common.weights import WeightStore
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100                  # trainer steps (optimizer updates)
+    lr: float = 1e-5                  # peak learning rate (AdamW)
+    warmup_steps: int = 5             # linear warm-up steps
+    decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps
+    weight_decay: float = 0.0         # AdamW weight decay
+    grad_clip: float = 1.0            # max global grad norm; 0 = off
+    micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
+    prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
+    sync_every: int = 2               # k: publish weights to generators every k steps
+    mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
+    max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
+    n_generators: int = 1             # generator processes (one per GPU on CUDA)
+    min_buffer: int = 64              # async: trajectories in the buffer before the first step
+    buffer_capacity: int = 4096       # ring size in trajectories
+    checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2         # how many checkpoints to keep
+    eval_every: int = 0               # steps between evaluations; 0 = before and after only
+    device: str = "cpu"               # trainer device; generator r uses cuda:(r+1) % n_gpus on CUDA
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False         # also write TensorBoard events (if installed)
+    wandb: bool = False               # also log to Weights & Biases (if installed)
+    wandb_project: str = "asyncrl"    # W&B project name
+
+
+class Algorithm(Protocol):
+    def next_batch(self, buffer: ReplayBuffer, step: int, version: int, sync: bool) -> Optional[Batch]:
+        """Rows for this step, or None if the buffer cannot provide them yet."""
+    def backward(self, model, batch: Batch, step: int) -> dict:
+        """Accumulate gradients of this step's loss into model; return scalar stats."""
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.decay_steps and step >= cfg.steps - cfg.decay_steps:
+            return max(0.0, (cfg.steps - step) / cfg.decay_steps)
+        return 1.0
+    return f
+
+
+def check_config(cfg: TrainConfig) -> TrainConfig:
+    if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
+        cfg.max_staleness, cfg.sync_every = 0, 1
+    if cfg.sync_every < 1 or cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.n_generators < 1:
+        raise ValueError(f"train: sync_every, steps, prompts_per_step, n_generators must be >= 1, got {cfg}")
+    if cfg.max_staleness is not None and cfg.max_staleness < 0:
+        raise ValueError(f"train.max_staleness={cfg.max_staleness}: need >= 0 or none")
+    return cfg
+
+
+def _gen_device(train_device: str, rank: int) -> str:
+    if not train_device.startswith("cuda"):
+        return "cpu"
+    n = torch.cuda.device_count()
+    return f"cuda:{(rank + 1) % n}"
+
+
+def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
+          evaluate: Optional[Callable] = None, resume: bool = False) -> dict:
+    """Run a full training job; returns the last logged metrics. See module docstring."""
+    from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+    from common.hf_io import load_model
+    from common.log import MetricsLogger, Progress
+    tc = check_config(cfg.train)
+    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    model, tok = load_model(cfg.model, device=tc.device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))
+    max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
+    step = version = 0
+    buffer = None
+    if resume and (ck := latest_checkpoint(run_dir)) is not None:
+        st = load_checkpoint(ck, model, opt, sched)
+        step, version, buffer = st.step, st.version, st.buffer
+        print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
+    elif resume:
+        print(f"[asyncrl] --resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh")
+    if buffer is None:
+        buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=(tok.pad_token_id or 0) if tok else 0)
+    logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
+                           wandb_project=cfg.log.wandb_project, config=to_dict(cfg))
+    last: dict = {}
+
+    def run_eval(tag):
+        if evaluate is None:
+            return {}
+        t = time.perf_counter()
+        model.eval()
+        out = evaluate(model, tok)
+        model.train()
+        out = {**out, "eval_s": time.perf_counter() - t}
+        logger.log(step, **out)
+        print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
+        return out
+
+    with Workers() as workers:
+        store = WeightStore.from_module(model)
+        store.publish(model, version)
+        per_version = tc.prompts_per_step * tc.sync_every
+        control = Control(workers.ctx, per_version, tc.max_staleness, tc.n_generators)
+        control.set_version(version, started=version * per_version)  # AReaL: accepted = v * B on resume
+        if step == 0:
+            run_eval("before")
+        ref = cfg.ref_model or cfg.model
+        for r in range(tc.n_generators):
+            workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
+                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r))
+        if tc.mode == "async":
+            workers.wait_event(lambda: len(buffer) >= tc.min_buffer, timeout=math.inf)
+        bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
+        gen_prev = (control.stats[:, 0].sum().item(), time.perf_counter())
+        while step < tc.steps:
+            t0 = time.perf_counter()
+            batch = None
+            while batch is None:
+                batch = algo.next_batch(buffer, step, version, tc.mode == "sync")
+                if batch is None:
+                    workers.check()
+                    time.sleep(0.01)
+            t1 = time.perf_counter()
+            # versions behind the weights that train on it (0 = on-policy)
+            stale = (version - batch.versions.masked_fill(~batch.loss_mask, version).min(1).values).tolist()
+            opt.zero_grad(set_to_none=True)
+            stats = algo.backward(model, batch.to(tc.device), step)
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or math.inf)
+            opt.step()
+            sched.step()
+            step += 1
+            t2 = time.perf_counter()
+            publish_s = 0.0
+            if step % tc.sync_every == 0:
+                version += 1
+                store.publish(model, version)
+                control.set_version(version)
+                publish_s = time.perf_counter() - t2
+            workers.check()
+            gen_tok, now = control.stats[:, 0].sum().item(), time.perf_counter()
+            last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=float(gnorm),
+                        lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
+                        publish_s=publish_s, trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
+                        gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
+                        staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
+                        gen_sync_s=control.stats[:, 3].sum().item(), gen_syncs=control.stats[:, 4].sum().item(),
+                        reward_errors=control.stats[:, 5].sum().item())
+            gen_prev = (gen_tok, now)
+            logger.log(step, **last)
+            bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
+            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                last.update(run_eval("periodic"))
+            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
+                save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
+                                buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+        bar.close()
+        workers.shutdown()
+    last.update(run_eval("after"))
+    ck = save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
+                         buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+    print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
+    logger.close()
+    return last

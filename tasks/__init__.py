@@ -1,1 +1,0 @@
-"""Task definitions (data, prompts, rewards) used by the run scripts and generator processes."""

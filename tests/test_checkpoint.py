@@ -1,0 +1,162 @@
+"""Checkpoint round trip, atomicity under a simulated crash, pruning and error reporting."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import common.checkpoint as ck
+from common.batch import Trajectory
+from common.buffer import ReplayBuffer
+from common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from common.hf_io import load_model
+from tests.tiny import save_hf
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    save_hf("llama_tied", root / "llama_tied")
+    save_hf("qwen3_qknorm", root / "qwen3_qknorm")
+    return root
+
+
+class _FakeTokenizer:
+    def save_pretrained(self, d):
+        (Path(d) / "tokenizer.json").write_text("{}")
+
+
+def _setup(tiny_dirs, arch="llama_tied"):
+    model, _ = load_model(str(tiny_dirs / arch), tokenizer=False)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    return model, opt, sched
+
+
+def _train_step(model, opt, sched=None):
+    tokens = torch.randint(3, 97, (2, 8))
+    loss = model(tokens).float().logsumexp(-1).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    if sched is not None:
+        sched.step()
+
+
+def _snapshot(model, opt):
+    params = {k: v.clone() for k, v in model.state_dict().items()}
+    ostate = {i: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+              for i, s in enumerate(opt.state.values())}
+    return params, ostate
+
+
+def test_round_trip_restores_params_optimizer_rng(tiny_dirs, tmp_path):
+    model, opt, sched = _setup(tiny_dirs)
+    _train_step(model, opt, sched)
+    params, ostate = _snapshot(model, opt)
+    lr = opt.param_groups[0]["lr"]
+    path = save_checkpoint(tmp_path, 7, model, opt, sched, counters={"version": 3, "accepted": 11},
+                           config={"lr": 1e-2, "algo": "tba"}, tokenizer=_FakeTokenizer())
+    assert (path / "model" / "tokenizer.json").read_text() == "{}"
+    assert path.name == "step_000007" and latest_checkpoint(tmp_path) == path
+    after_save = (torch.rand(3), random.random(), np.random.rand())
+
+    _train_step(model, opt, sched)  # diverge model, optimizer, scheduler and RNGs
+    assert not torch.equal(model.state_dict()["model.norm.weight"], params["model.norm.weight"])
+
+    st = load_checkpoint(path, model, opt, sched)
+    assert (st.step, st.version, st.counters["accepted"]) == (7, 3, 11)
+    assert st.config == {"lr": 1e-2, "algo": "tba"} and st.buffer is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, params[k]), k
+    # the optimizer still drives the model's own parameters (weights were copied in place)
+    assert all(p is q for p, q in zip(opt.param_groups[0]["params"], model.parameters()))
+    for i, s in enumerate(opt.state.values()):
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(v), torch.as_tensor(ostate[i][k])), k
+    assert opt.param_groups[0]["lr"] == lr and sched.last_epoch == 1
+    assert (torch.equal(torch.rand(3), after_save[0]) and random.random() == after_save[1]
+            and np.random.rand() == after_save[2])
+
+
+def test_crash_mid_write_keeps_previous(tiny_dirs, tmp_path, monkeypatch):
+    model, opt, _ = _setup(tiny_dirs)
+    good = save_checkpoint(tmp_path, 10, model, opt, counters={"version": 1})
+    params, _ = _snapshot(model, opt)
+    _train_step(model, opt)
+
+    def crash(*a, **k):
+        raise OSError("disk full (simulated)")
+    monkeypatch.setattr(ck, "_write_meta", crash)
+    with pytest.raises(OSError, match="simulated"):
+        save_checkpoint(tmp_path, 20, model, opt, counters={"version": 2})
+    monkeypatch.undo()
+    root = tmp_path / "checkpoints"
+    assert (root / ".tmp_step_000020").is_dir()  # the half-written one is left behind...
+    assert latest_checkpoint(tmp_path) == good   # ...and ignored
+    assert load_checkpoint(good, model, opt).step == 10
+    assert torch.equal(model.state_dict()["lm_head.weight"], params["lm_head.weight"])
+
+    save_checkpoint(tmp_path, 30, model, opt, counters={"version": 3})
+    assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_000030"]
+
+
+def test_keep_last_prunes_and_resave_same_step(tiny_dirs, tmp_path):
+    model, opt, _ = _setup(tiny_dirs)
+    for s in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, s, model, opt, counters={"version": s}, keep_last=2)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_000003", "step_000004"]
+    p = save_checkpoint(tmp_path, 4, model, opt, counters={"version": 40}, keep_last=2)
+    assert load_checkpoint(p, model, opt).version == 40
+    save_checkpoint(tmp_path, 5, model, opt, keep_last=None)
+    assert len([p for p in root.iterdir() if p.name.startswith("step_")]) == 3
+
+
+def test_corrupt_meta_and_truncated_file(tiny_dirs, tmp_path):
+    model, opt, _ = _setup(tiny_dirs)
+    a = save_checkpoint(tmp_path, 1, model, opt)
+    b = save_checkpoint(tmp_path, 2, model, opt)
+    (b / "meta.json").write_text('{"step": 2, "fil')
+    with pytest.raises(CheckpointError, match=r"step_000002.*corrupt meta\.json"):
+        load_checkpoint(b, model, opt)
+    assert latest_checkpoint(tmp_path) == a  # skipped as invalid
+    (b / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match="no meta.json"):
+        load_checkpoint(b, model, opt)
+
+    f = a / "trainer_state.pt"
+    f.write_bytes(f.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"trainer_state\.pt has 100 bytes.*truncated"):
+        load_checkpoint(a, model, opt)
+
+
+def test_incompatible_model(tiny_dirs, tmp_path):
+    model, opt, _ = _setup(tiny_dirs, "llama_tied")
+    p = save_checkpoint(tmp_path, 1, model, opt)
+    other, other_opt, _ = _setup(tiny_dirs, "qwen3_qknorm")
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="incompatible checkpoint.*model_type.*'llama'.*'qwen3'") as e:
+        load_checkpoint(p, other, other_opt)
+    assert "qk_norm" in str(e.value) and "tie_word_embeddings" in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())  # untouched
+
+
+def test_buffer_round_trip(tiny_dirs, tmp_path):
+    model, opt, _ = _setup(tiny_dirs)
+    buf = ReplayBuffer(capacity=4, max_seq_len=16)
+    trajs = [Trajectory(prompt=torch.tensor([5, 6, 7]), completion=torch.tensor([8, 9]),
+                        logp=torch.tensor([-0.5, -1.0]), versions=torch.tensor([2, 3]),
+                        reward=float(i), group_id=i) for i in range(2)]
+    buf.add(trajs, trainer_version=3)
+    p = save_checkpoint(tmp_path, 5, model, opt, buffer=buf, counters={"version": 3})
+    st = load_checkpoint(p, model, opt)
+    assert len(st.buffer) == 2 and st.buffer.n_added == 2
+    for k, v in buf.cols.items():
+        assert torch.equal(st.buffer.cols[k].nan_to_num(), v.nan_to_num()), k  # NaN = not computed
+    assert json.loads((p / "meta.json").read_text())["files"]["buffer.pt"] > 0

@@ -1,0 +1,244 @@
+"""Tests for common.launch: failure propagation, clean/forced shutdown, Ctrl-C, no leaks.
+Worker functions are module-level so the spawn start method can pickle them by name."""
+import gc
+import multiprocessing
+import multiprocessing.synchronize
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from common.launch import WorkerError, Workers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ---- worker functions (run in spawned children) ----------------------------------------------
+def _raise_boom(ready, stop_event):
+    ready.put(os.getpid())
+    time.sleep(0.5)
+    raise ValueError("boom 42")
+
+
+def _hard_exit(stop_event):
+    os._exit(3)
+
+
+def _loop_until_stop(ready=None, *, stop_event):
+    if ready is not None:
+        ready.put(os.getpid())
+    while not stop_event.wait(0.05):
+        pass
+
+
+def _ignore_stop(ready, ignore_sigterm=False, *, stop_event):
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ready.put(os.getpid())
+    while True:
+        time.sleep(1)
+
+
+def _write_shared(t, stop_event):
+    t += torch.arange(1.0, 5.0)
+    while not stop_event.wait(0.05):
+        pass
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+def _shm():
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _our_shm_names(w):
+    """/dev/shm names this test could own: torch segments (named torch_<creator pid>_...) of
+    this process or its workers, and the named semaphores (sem.mp-*) of every live
+    multiprocessing lock here (Workers' Event/Queues). Other people's entries are ignored, so
+    concurrent test runs on the machine can't make this flaky."""
+    pids = {os.getpid()} | {p.pid for p in w.procs.values()}
+    sems = {"sem." + o._semlock.name.lstrip("/") for o in gc.get_objects()  # type(): no proxies
+            if issubclass(type(o), multiprocessing.synchronize.SemLock)}
+    return lambda n: n in sems or (n.startswith("torch_") and int(n.split("_")[1]) in pids)
+
+
+def _leaked(before, ours):
+    """Our new /dev/shm entries once everything is released. Spawn-context semaphores are named
+    and unlinked when their owner is collected, hence the gc.collect()."""
+    gc.collect()
+    return {n for n in _shm() - before if ours(n)}
+
+
+def _assert_all_gone(w):
+    assert all(not p.is_alive() for p in w.procs.values())
+    assert all(p.exitcode is not None for p in w.procs.values())  # reaped, not zombies
+    assert not [c for c in multiprocessing.active_children() if c in w.procs.values()]
+    assert w.alive() == []
+
+
+def _pid_state(pid):
+    """None once the process is gone (reaped), else its /proc state letter ("Z" = zombie)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/status") as f:
+            return next(line for line in f if line.startswith("State:")).split()[1]
+    except (ProcessLookupError, FileNotFoundError):
+        return None
+
+
+# ---- tests -------------------------------------------------------------------------------------
+def test_child_exception_reraised_with_traceback():
+    before = _shm()
+    w = Workers(join_timeout=5)
+    ready = w.queue()
+    w.start("boom", _raise_boom, ready)
+    w.start("idle", _loop_until_stop)
+    ready.get(timeout=30)  # "boom" is running (spawn start-up, i.e. importing torch, is over)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as ei:
+        while time.monotonic() - t0 < 15:
+            w.check()
+            time.sleep(0.05)
+    assert time.monotonic() - t0 < 5  # fails 0.5 s after start; noticed well within 5 s
+    msg = str(ei.value)
+    assert "boom 42" in msg and "_raise_boom" in msg and "'boom'" in msg
+    assert "Traceback" in msg
+    _assert_all_gone(w)
+    assert w.procs["idle"].exitcode == 0  # sibling saw stop_event and returned on its own
+    ours = _our_shm_names(w)
+    assert {n for n in _shm() - before if ours(n)}  # the filter does see our live semaphores
+    del w, ei, ready
+    assert _leaked(before, ours) == set()
+
+
+def test_silent_death_reports_exit_code():
+    with Workers(join_timeout=5) as w:
+        w.start("exiter", _hard_exit)
+        with pytest.raises(WorkerError, match=r"'exiter'.*exit code 3"):
+            w.wait_event(lambda: False, timeout=15)
+    _assert_all_gone(w)
+
+
+def test_shutdown_joins_cooperative_and_terminates_stubborn():
+    # A cooperative torch worker needs ~0.5 s (2 s on a loaded box) of interpreter teardown.
+    w = Workers(join_timeout=4.0)
+    ready = w.queue()
+    for i in range(2):
+        w.start(f"loop{i}", _loop_until_stop, ready)
+    w.start("stubborn", _ignore_stop, ready)
+    w.start("very_stubborn", _ignore_stop, ready, ignore_sigterm=True)
+    pids = {ready.get(timeout=30) for _ in range(4)}  # all running (SIGTERM handler installed)
+    assert pids == {p.pid for p in w.procs.values()}
+    assert sorted(w.alive()) == ["loop0", "loop1", "stubborn", "very_stubborn"]
+    t0 = time.monotonic()
+    w.shutdown()
+    assert time.monotonic() - t0 < 4.0 + 5  # join timeout + SIGTERM grace + SIGKILL grace
+    _assert_all_gone(w)
+    assert w.procs["loop0"].exitcode == 0 and w.procs["loop1"].exitcode == 0
+    assert w.procs["stubborn"].exitcode == -signal.SIGTERM
+    assert w.procs["very_stubborn"].exitcode == -signal.SIGKILL
+    w.shutdown()  # idempotent
+    w.check()     # no-op after shutdown: our own SIGTERM/SIGKILL are not worker failures
+
+
+def test_context_manager_shuts_down_on_body_exception():
+    with pytest.raises(KeyError, match="body"):
+        with Workers(join_timeout=5) as w:
+            w.start("loop", _loop_until_stop)
+            raise KeyError("body")
+    assert w.stop_event.is_set()
+    _assert_all_gone(w)
+
+
+def test_shared_tensor_written_by_worker_without_shm_leak():
+    before = _shm()
+    t = torch.zeros(4).share_memory_()
+    with Workers(join_timeout=5) as w:
+        w.start("writer", _write_shared, t)
+        assert w.wait_event(lambda: bool((t == torch.arange(1.0, 5.0)).all()), timeout=15)
+    _assert_all_gone(w)
+    ours = _our_shm_names(w)
+    del t, w
+    assert _leaked(before, ours) == set()
+
+
+_CTRL_C_SCRIPT = """
+import time, torch
+torch.set_num_threads(1)
+from common.launch import Workers
+
+def sleeper(ready, stop_event):
+    ready.put(1)
+    while not stop_event.wait(0.05):
+        pass
+
+if __name__ == "__main__":
+    with Workers(join_timeout=5) as w:
+        ready = w.queue()
+        w.start("a", sleeper, ready)
+        w.start("b", sleeper, ready)
+        ready.get(timeout=30); ready.get(timeout=30)
+        print(*(p.pid for p in w.procs.values()), flush=True)
+        print("ready", flush=True)
+        while True:
+            w.check()
+            time.sleep(0.05)
+"""
+
+
+def _run_script(tmp_path):
+    """Start the script in its own session (so a group signal reaches only it and its workers);
+    return (Popen, worker pids) once both workers are running."""
+    script = tmp_path / "launch_script.py"
+    script.write_text(textwrap.dedent(_CTRL_C_SCRIPT))
+    env = dict(os.environ, PYTHONPATH=ROOT, ASYNCRL_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                            start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert proc.stdout.readline().strip() == "ready"
+        assert len(pids) == 2 and all(_pid_state(p) not in (None, "Z") for p in pids)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(proc.communicate(timeout=10)[1])
+    return proc, pids
+
+
+def test_ctrl_c_stops_cleanly(tmp_path):
+    proc, pids = _run_script(tmp_path)
+    try:
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # like a terminal's Ctrl-C: parent *and* workers
+        _, err = proc.communicate(timeout=10)
+        assert time.monotonic() - t0 < 10
+        assert "KeyboardInterrupt" in err  # the parent re-raised it after shutting down
+        assert "[worker" not in err        # workers ignored SIGINT and returned via stop_event
+        assert [_pid_state(pid) for pid in pids] == [None, None]  # reaped: not even zombies
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_workers_die_with_a_killed_parent(tmp_path):
+    """SIGKILLed trainer (e.g. OOM killer): no shutdown runs, PR_SET_PDEATHSIG kills workers.
+    Orphans are reaped by whatever init this box has, so a zombie ("Z") counts as dead here."""
+    proc, pids = _run_script(tmp_path)
+    try:
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_pid_state(p) not in (None, "Z") for p in pids):
+            time.sleep(0.05)
+        assert all(_pid_state(p) in (None, "Z") for p in pids)
+    finally:  # if the test fails, don't leave orphans behind
+        for pid in pids:
+            if _pid_state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)
+        proc.stdout.close()
+        proc.stderr.close()

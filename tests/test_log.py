@@ -1,0 +1,104 @@
+"""Metrics JSONL round trip, resume, crash fragments, plots and the progress bar."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import common.log as log_mod
+from common.log import MetricsLogger, Progress, plot_metrics, plot_runs, read_metrics
+
+
+def _fake_run(path, n=20, t_scale=30.0, offset=0.0):
+    """reward on every line, eval accuracy every 5 lines, time in seconds."""
+    with open(path, "w") as f:
+        for i in range(n):
+            rec = {"step": i, "time": i * t_scale, "reward_mean": offset + 0.02 * i}
+            if i % 5 == 0:
+                rec["eval_accuracy"] = offset + 0.01 * i
+            f.write(json.dumps(rec) + "\n")
+    return path
+
+
+def _is_png(p):
+    return p is not None and p.stat().st_size > 1000 and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_log_read_round_trip(tmp_path):
+    with MetricsLogger(tmp_path) as lg:
+        lg.log(1, loss=torch.tensor(0.5), reward_mean=np.float32(0.25), n=np.int64(3), ok=True,
+               staleness_hist={0: 5, 2: torch.tensor(1)}, lens=torch.tensor([1.0, 2.0]), tag="x")
+        lg.log(2, loss=0.125)
+        with pytest.raises(ValueError, match="reserved"):
+            lg.log(3, time=1.0)
+        with pytest.raises(TypeError, match="'bad'"):
+            lg.log(3, bad=object())
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [1, 2]
+    r = recs[0]
+    assert r["loss"] == 0.5 and type(r["loss"]) is float and r["reward_mean"] == 0.25
+    assert r["n"] == 3.0 and r["ok"] is True and r["tag"] == "x" and r["lens"] == [1.0, 2.0]
+    assert r["staleness_hist"] == {"0": 5, "2": 1.0}
+    assert 0 <= r["time"] <= recs[1]["time"]
+
+
+def test_resume_continues_time_and_drops_fragment(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text(json.dumps({"step": 1, "time": 100.0, "loss": 1.0}) + "\n" + '{"step": 2, "ti')
+    assert [r["step"] for r in read_metrics(f)] == [1]  # truncated last line skipped
+    with MetricsLogger(tmp_path) as lg:
+        lg.log(2, loss=0.5)
+    recs = read_metrics(f)
+    assert [r["step"] for r in recs] == [1, 2]  # fragment cut, not glued to the new record
+    assert 100.0 <= recs[1]["time"] < 110.0
+
+
+def test_corrupt_middle_line_is_an_error(tmp_path):
+    f = tmp_path / "m.jsonl"
+    f.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"m\.jsonl:2"):
+        read_metrics(f)
+
+
+def test_missing_optional_backends_warn_once(tmp_path, capsys, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_extras(name, *a, **k):
+        if name in ("wandb", "torch.utils.tensorboard"):
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_extras)
+    lg = MetricsLogger(tmp_path, use_tensorboard=True, use_wandb=True, wandb_project="p")
+    lg.log(0, loss=1.0)
+    lg.close()
+    err = capsys.readouterr().err
+    assert err.count("tensorboard is not installed") == 1 and err.count("wandb is not installed") == 1
+
+
+def test_plot_single_run(tmp_path):
+    m = _fake_run(tmp_path / "metrics.jsonl")
+    out = plot_metrics(m, tmp_path / "plots" / "run.png", title="tiny")
+    assert _is_png(out)
+    assert _is_png(plot_metrics(m, tmp_path / "by_step.png", x="step"))
+
+
+def test_plot_overlay_and_missing_panels(tmp_path):
+    a = _fake_run(tmp_path / "sync.jsonl", t_scale=60.0)
+    b = _fake_run(tmp_path / "async.jsonl", t_scale=20.0, offset=0.1)
+    assert _is_png(plot_runs([(a, "sync"), (b, "async")], tmp_path / "cmp.png"))
+    panels = (("reward_mean", "reward"), ("kl", "KL (never logged)"))
+    assert _is_png(plot_metrics([(a, "sync"), (b, "async")], tmp_path / "cmp2.png", panels=panels))
+    assert plot_metrics(a, tmp_path / "none.png", panels=(("kl", "KL"),)) is None
+    assert not (tmp_path / "none.png").exists()
+
+
+def test_fmt_and_progress(capsys):
+    assert [log_mod._fmt(v) for v in (0.41, 1.2e-3, 120.0, 7, torch.tensor(0.5), 0.0)] == \
+        ["0.41", "1.2e-3", "120", "7", "0.5", "0"]
+    with Progress(total=3, initial=1, desc="train") as p:
+        p.update(1, reward=0.41, loss=1.2e-3, **{"tok/s": 120.0})
+        p.update()
+        assert p._bar.n == 3 and "reward=0.41 loss=1.2e-3 tok/s=120" in p._bar.postfix
