@@ -124,7 +124,7 @@ def reference_seq_logp(ref_model, completions, temperature: float) -> list[float
     trajs = [Trajectory(torch.tensor(c.prompt_tokens), torch.tensor(c.tokens), c.logp_tensor(),
                         torch.tensor(c.versions), 0.0, 0) for c in completions]
     b = collate(trajs)
-    return seq_logp(token_logp(ref_model, b.tokens, temperature), b.loss_mask).tolist()
+    return seq_logp(token_logp(ref_model, b.tokens, temperature, b.loss_mask), b.loss_mask).tolist()
 
 
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,

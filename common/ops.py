@@ -34,13 +34,17 @@ def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature) ->
     return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
-def token_logp(model, tokens: torch.Tensor, temperature: float, chunk_rows: int | None = None) -> torch.Tensor:
+def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch.Tensor | None = None,
+               chunk_rows: int | None = None) -> torch.Tensor:
     """Target-aligned log-probs (B, T) of `tokens` (B, T) under `model` at `temperature`.
 
     Differentiable (call under torch.no_grad() for behaviour/proximal/reference passes).
+    With `loss_mask` (B, T), logits are computed only where the mask is True and the rest of
+    the output is 0: the (tokens, V) lm_head and logsumexp are skipped on prompt positions
+    (measured: ~12% of a SmolLM2 training step with prompts as long as completions).
     Right padding needs no attention mask: with causal attention, pad tokens after a
     sequence never influence its real tokens; callers mask the padded positions out.
-    `chunk_rows` bounds the (rows, T, V) logits held at once.
+    `chunk_rows` bounds the rows held at once.
     """
     T_eff = logp_temperature(temperature)
     B, T = tokens.shape
@@ -48,8 +52,13 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, chunk_rows: int 
     step = chunk_rows or B
     for i in range(0, B, step):
         x = tokens[i:i + step]
-        logits = model(x)  # (b, T, V)
-        lp = logp_from_logits(logits[:, :-1], x[:, 1:], T_eff)  # (b, T-1): predicts tokens 1..T-1
+        if loss_mask is None:
+            lp = logp_from_logits(model(x)[:, :-1], x[:, 1:], T_eff)  # (b, T-1): predicts tokens 1..T-1
+        else:
+            sel = loss_mask[i:i + step, 1:]                    # (b, T-1): targets we need
+            h = model.hidden(x)[:, :-1][sel]                   # (n, D) states predicting them
+            lp_sel = logp_from_logits(model.lm_head(h), x[:, 1:][sel], T_eff)  # (n,)
+            lp = torch.zeros(sel.shape, dtype=lp_sel.dtype, device=x.device).masked_scatter(sel, lp_sel)
         outs.append(F.pad(lp, (1, 0)))  # (b, T): position 0 has no prediction
     return torch.cat(outs, 0)
 

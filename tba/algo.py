@@ -83,7 +83,7 @@ class TBA(_Base):
         totals: dict[str, float] = {}
         for rows in micro_batches(batch, self.micro_batch_tokens, group_aligned=True):
             mb = batch.select(rows)
-            slp = seq_logp(token_logp(model, mb.tokens, self.temperature), mb.loss_mask)  # (b,)
+            slp = seq_logp(token_logp(model, mb.tokens, self.temperature, mb.loss_mask), mb.loss_mask)  # (b,)
             loss, st = self.loss_fn(slp, mb.ref_seq_logp, mb.reward, mb.group_id, beta)
             w = len(rows) / N  # this micro-batch's share of the batch mean
             (loss * w).backward()
@@ -110,7 +110,7 @@ class GRPO(_Base):
         totals: dict[str, float] = {}
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
-            lp = token_logp(model, mb.tokens, self.temperature)
+            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
             loss, st = grpo_loss(lp, mb.behav_logp, mb.loss_mask, adv[rows], eps_clip=self.cfg.eps_clip)
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch
             (loss * w).backward()

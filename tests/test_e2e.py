@@ -67,17 +67,28 @@ def _reward_curve(cfg):
     return [r["reward_mean"] for r in rows if "reward_mean" in r]
 
 
+def _policy_reward(model_dir, prompts, cfg) -> float:
+    """Mean toy reward of 4 x 16 fresh samples from a checkpoint (measures the policy, not the buffer)."""
+    from common.hf_io import load_model
+    from common.sampler import Sampler
+    from common.sampling import SamplingParams
+    m = load_model(str(model_dir), tokenizer=False)[0]
+    outs = Sampler(m, max_batch=64, max_seq_len=32).generate(
+        prompts.tokens, SamplingParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=1.0, n=4, seed=1))
+    return sum(toy_reward(c.tokens, None) for c in outs) / len(outs)
+
+
 def test_async_tba_raises_reward(tmp_path):
+    from common.hf_io import load_model
     cfg = _cfg(tmp_path)
-    before = {k: v.clone() for k, v in __import__("common.hf_io", fromlist=["x"]).load_model(cfg.model, tokenizer=False)[0].state_dict().items()}
+    before = {k: v.clone() for k, v in load_model(cfg.model, tokenizer=False)[0].state_dict().items()}
     last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
-    curve = _reward_curve(cfg)
-    assert len(curve) == 100
-    first, final = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-    assert final > first + 0.2, curve
-    assert last["version"] == 50
-    ck = tmp_path / "runs" / "toy" / "checkpoints"
-    trained = __import__("common.hf_io", fromlist=["x"]).load_model(str(sorted(ck.glob("step_*"))[-1] / "model"), tokenizer=False)[0]
+    assert len(_reward_curve(cfg)) == 100 and last["version"] == 50
+    final_dir = sorted((tmp_path / "runs" / "toy" / "checkpoints").glob("step_*"))[-1] / "model"
+    r0, r1 = _policy_reward(cfg.model, _prompts(), cfg), _policy_reward(final_dir, _prompts(), cfg)
+    print(f"policy reward before {r0:.3f} after {r1:.3f}")
+    assert r0 < 0.35 and r1 > r0 + 0.3, (r0, r1)
+    trained = load_model(str(final_dir), tokenizer=False)[0]
     changed = [k for k, v in trained.state_dict().items() if not torch.equal(v, before[k])]
     assert len(changed) == len(before)  # every parameter moved
 
@@ -97,3 +108,40 @@ def test_grpo_baseline_and_failing_reward_runs(tmp_path):
     last = train(cfg, algo, _prompts(), flaky_reward, stop_token_ids=())
     assert last["reward_errors"] > 0  # scored 0 and counted, the run went on
     assert torch.isfinite(torch.tensor(last["loss"]))
+
+
+def test_resume_continues_counters_buffer_and_metrics(tmp_path):
+    from common.checkpoint import latest_checkpoint, load_checkpoint
+    from common.hf_io import load_model
+    cfg = _cfg(tmp_path, steps=6, checkpoint_every=3)
+    train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
+    run = tmp_path / "runs" / "toy"
+    ck6 = latest_checkpoint(run)
+    assert ck6.name == "step_000006"
+    model = load_model(cfg.model, tokenizer=False)[0]
+    opt = torch.optim.AdamW(model.parameters())
+    st = load_checkpoint(ck6, model, opt)
+    assert (st.step, st.version) == (6, 3) and st.buffer is not None and st.config["train"]["steps"] == 6
+    n_before = st.buffer.n_added
+    # "interrupted" after 6 steps; continue to 10 with --resume
+    cfg.train.steps = 10
+    last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=(), resume=True)
+    assert last["version"] == 5
+    st2 = load_checkpoint(latest_checkpoint(run), model, opt)
+    assert (st2.step, st2.version) == (10, 5)
+    assert st2.buffer.n_added >= n_before  # the restored buffer (plus whatever was generated since)
+    old_rows = st.buffer.get(list(range(min(8, len(st.buffer)))))
+    assert torch.equal(st2.buffer.get(list(range(min(8, len(st.buffer))))).tokens, old_rows.tokens) or st2.buffer.n_added > st2.buffer.capacity
+    steps = [r["step"] for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r]
+    assert steps == list(range(1, 11))
+
+
+def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path):
+    from common.checkpoint import CheckpointError
+    cfg = _cfg(tmp_path, steps=2)
+    train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
+    ck = tmp_path / "runs" / "toy" / "checkpoints" / "step_000002"
+    (ck / "trainer_state.pt").write_bytes(b"garbage")
+    cfg.train.steps = 4
+    with pytest.raises(CheckpointError, match="trainer_state"):
+        train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=(), resume=True)

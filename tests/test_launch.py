@@ -155,6 +155,8 @@ def test_context_manager_shuts_down_on_body_exception():
 
 
 def test_shared_tensor_written_by_worker_without_shm_leak():
+    # The strategy launch.py relies on; `file_system` would leave torch_* files after a crash.
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
     before = _shm()
     t = torch.zeros(4).share_memory_()
     with Workers(join_timeout=5) as w:

@@ -203,3 +203,17 @@ def test_abort_returns_partial(pair):
     part = s.abort_all()
     assert len(part) == 2 and all(c.finish_reason == "interrupted" and len(c.tokens) == 3 for c in part)  # prefill + 2 decodes
     assert not s.has_work()
+
+
+def test_masked_token_logp_equals_full(pair):
+    """Skipping logits on prompt positions changes nothing on the completion positions, grads included."""
+    ours, _ = pair
+    tokens = torch.randint(3, 97, (3, 12))
+    mask = torch.zeros(3, 12, dtype=torch.bool)
+    mask[0, 4:9], mask[1, 2:12], mask[2, 7:8] = True, True, True
+    full = token_logp(ours, tokens, 0.7)
+    part = token_logp(ours, tokens, 0.7, mask)
+    torch.testing.assert_close(part, full * mask, atol=1e-5, rtol=0)
+    g1 = torch.autograd.grad((full * mask).sum(), ours.lm_head.weight)[0]
+    g2 = torch.autograd.grad(part.sum(), ours.lm_head.weight)[0]
+    torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
