@@ -62,7 +62,8 @@ def _our_shm_names(w):
     concurrent test runs on the machine can't make this flaky."""
     pids = {os.getpid()} | {p.pid for p in w.procs.values()}
     sems = {"sem." + o._semlock.name.lstrip("/") for o in gc.get_objects()  # type(): no proxies
-            if issubclass(type(o), multiprocessing.synchronize.SemLock)}
+            if issubclass(type(o), multiprocessing.synchronize.SemLock)
+            and o._semlock.name is not None}  # unpickled copies carry no name
     return lambda n: n in sems or (n.startswith("torch_") and int(n.split("_")[1]) in pids)
 
 

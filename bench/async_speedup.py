@@ -1,0 +1,73 @@
+"""Synchronous vs asynchronous TBA on GSM8K: seconds per trainer step on equal work.
+
+Runs `run_gsm8k.main` twice with the same config, `--train.mode=sync` then async (one generator
+process + the trainer), default model, fp32, one thread per process. Reads each run's
+metrics.jsonl and reports the mean wall seconds per trainer step after `--warmup` steps, the
+ratio sync/async, and the ideal ratio (G + T) / max(G, T) from the sync run's measured
+generation time G (the trainer's wait for its batch) and training time T per step.
+Prints one JSON line.
+
+    python bench/async_speedup.py                 # 4 prompts x 4 samples, <= 96 new tokens
+    python bench/async_speedup.py --quick         # tiny smoke check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common.log import plot_runs, read_metrics  # noqa: E402
+
+
+def run(mode: str, a, root: str) -> list[dict]:
+    import run_gsm8k
+    argv = [f"--name=bench_{mode}", f"--run_root={root}", f"--train.mode={mode}", f"--train.steps={a.steps}",
+            f"--train.prompts_per_step={a.prompts}", f"--gen.n={a.n}", f"--gen.max_new_tokens={a.max_new}",
+            f"--gen.max_batch={a.prompts * a.n}", f"--train.min_buffer={a.prompts * a.n}",
+            "--train.checkpoint_every=0", "--train.keep_checkpoints=1", "--data.eval_size=0",
+            f"--train.sync_every={a.sync_every}", f"--model={a.model}"]
+    run_gsm8k.main(argv)
+    return [r for r in read_metrics(os.path.join(root, f"bench_{mode}", "metrics.jsonl")) if "step_s" in r]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=96)
+    ap.add_argument("--sync-every", type=int, default=1, help="async: publish weights every k steps")
+    ap.add_argument("--root", default=None, help="run directory root (default: a temp dir)")
+    ap.add_argument("--quick", action="store_true", help="2 prompts x 2 samples, 16 tokens, 3 steps")
+    a = ap.parse_args()
+    if a.quick:
+        a.steps, a.warmup, a.prompts, a.n, a.max_new = 3, 1, 2, 2, 16
+    root = a.root or tempfile.mkdtemp(prefix="asyncrl_bench_")
+    res = {"bench": "async_speedup", "model": a.model, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new,
+           "steps": a.steps, "warmup": a.warmup, "sync_every_async": a.sync_every, "root": root}
+    rows = {m: run(m, a, root)[a.warmup:] for m in ("sync", "async")}
+    for m, rs in rows.items():
+        res[m] = {"step_s": statistics.mean(r["step_s"] for r in rs),
+                  "train_s": statistics.mean(r["train_s"] for r in rs),
+                  "wait_s": statistics.mean(r["wait_s"] for r in rs),
+                  "reward_mean": statistics.mean(r["reward_mean"] for r in rs)}
+    G, T = res["sync"]["wait_s"], res["sync"]["train_s"]
+    res["speedup"] = res["sync"]["step_s"] / res["async"]["step_s"]
+    res["ideal_speedup"] = (G + T) / max(G, T)
+    res["frac_of_ideal"] = (res["speedup"] - 1) / max(res["ideal_speedup"] - 1, 1e-9)
+    png = plot_runs([(os.path.join(root, f"bench_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
+                    os.path.join(root, "sync_vs_async.png"), x="time", panels=(("reward_mean", "train reward"),),
+                    title="TBA on GSM8K: sync vs async")
+    res["plot"] = str(png) if png else None
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
