@@ -257,7 +257,8 @@ class Transformer(nn.Module):
         save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
 
-def load_model(name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct", device="cpu", dtype=None):
+def load_model(name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct", device="cpu", dtype=None,
+               tokenizer: bool = True):
     """(model, tokenizer). dtype default: fp32 on CPU, bf16 on CUDA. See `common/hf_io.py`."""
     from common.hf_io import load_model as _load
-    return _load(name_or_path, device=device, dtype=dtype)
+    return _load(name_or_path, device=device, dtype=dtype, tokenizer=tokenizer)
