@@ -33,11 +33,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 
 from common.buffer import ReplayBuffer
 from common.config import save_config
-from common.hf_io import _IGNORED_KEYS, safetensors_files, save_pretrained
+from common.hf_io import read_checked_state, save_pretrained
 from common.model import ModelConfig
 
 FORMAT_VERSION = 1
@@ -208,24 +207,10 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
 # ---------------------------------------------------------------- load
 def _read_weights(model, model_dir: Path) -> dict[str, torch.Tensor]:
     """CPU tensors of the checkpoint, checked against the model's names and shapes."""
-    expected = model.state_dict()
-    if model.cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)  # aliased to embed_tokens, not stored
-    loaded = {}
-    for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                if key.endswith(_IGNORED_KEYS) or (key == "lm_head.weight" and model.cfg.tie_word_embeddings):
-                    continue
-                t = sf.get_tensor(key)
-                if key not in expected or tuple(t.shape) != tuple(expected[key].shape):
-                    raise CheckpointError(f"incompatible checkpoint: {f}: tensor {key!r} {tuple(t.shape)} does "
-                                          f"not match the model")
-                loaded[key] = t
-    missing = sorted(set(expected) - set(loaded))
-    if missing:
-        raise CheckpointError(f"{model_dir}: missing tensors {missing[:5]} ({len(missing)} in all)")
-    return loaded
+    try:
+        return read_checked_state(model, model_dir)
+    except ValueError as e:
+        raise CheckpointError(f"incompatible checkpoint: {e}") from None
 
 
 def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer) -> ResumeState:

@@ -131,11 +131,12 @@ def safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def load_weights(model: Transformer, path: Path, dtype: torch.dtype, device) -> None:
-    """Load every tensor of the checkpoint into `model`, checking names and shapes strictly."""
-    expected = {k: v for k, v in model.state_dict().items()}
+def read_checked_state(model: Transformer, path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at `path` (CPU, stored dtype), checked against the model's
+    parameter names and shapes; errors name the file and the tensor."""
+    expected = dict(model.state_dict())
     if model.cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)  # aliased to embed_tokens, not stored
     loaded = {}
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
@@ -149,11 +150,17 @@ def load_weights(model: Transformer, path: Path, dtype: torch.dtype, device) -> 
                 if tuple(t.shape) != tuple(expected[key].shape):
                     raise ValueError(f"{f}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
                                      f"{tuple(expected[key].shape)}")
-                loaded[key] = t.to(device=device, dtype=dtype)
+                loaded[key] = t
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
                          f"({len(missing)} in all)")
+    return loaded
+
+
+def load_weights(model: Transformer, path: Path, dtype: torch.dtype, device) -> None:
+    """Load every tensor of the checkpoint into `model` (which may live on the meta device)."""
+    loaded = {k: t.to(device=device, dtype=dtype) for k, t in read_checked_state(model, path).items()}
     model.load_state_dict(loaded, strict=False, assign=True)
     model.tie_weights()
 
