@@ -136,7 +136,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         return out
 
     with Workers() as workers:
-        store = WeightStore.from_module(model)
+        store = WeightStore.from_module(model, device=model.device)  # CUDA: shared with generators via IPC
         store.publish(model, version)
         per_version = tc.prompts_per_step * tc.sync_every
         control = Control(workers.ctx, per_version, tc.max_staleness, tc.n_generators)

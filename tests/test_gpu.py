@@ -1,0 +1,32 @@
+"""CUDA paths (bf16 model, sampler on GPU, trainer + generator on GPU). Skipped without CUDA."""
+import pytest
+import torch
+
+from common.hf_io import load_model
+from common.ops import token_logp
+from common.sampler import Sampler
+from common.sampling import SamplingParams
+from tests.tiny import save_hf
+
+pytestmark = pytest.mark.gpu
+
+
+def test_bf16_sampler_logp_matches_trainer(tmp_path):
+    save_hf("qwen3_qknorm", tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
+    assert model.dtype == torch.bfloat16  # the CUDA default
+    s = Sampler(model, max_batch=8, max_seq_len=64)
+    outs = s.generate([[5, 6, 7], [9] * 10], SamplingParams(max_new_tokens=12, temperature=0.7, n=3, seed=0))
+    for c in outs:
+        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
+        with torch.no_grad():
+            full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
+        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)  # bf16 kernels differ
+
+
+def test_train_on_cuda_with_ipc_weights(tmp_path):
+    from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
+    from common.trainer import train
+    cfg = _cfg(tmp_path, steps=6, device="cuda")
+    last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
+    assert last["version"] == 3 and last["gen_syncs"] >= 1
