@@ -17,7 +17,8 @@ Interruption (AReaL): `update_weights(fn, version, mode="interrupt")` loads weig
 re-prefills every in-flight sample (prompt + generated tokens but the last, which is not yet
 in the cache) under them; tokens already generated keep their log-probs and versions.
 mode="finish" (TBA sync points) stops admitting, lets in-flight samples end on the old
-weights, then loads.
+weights, then loads. Always change weights through `update_weights`: on CPU the sampler keeps a
+transposed copy of the lm_head (see `_logits`) that only `update_weights` refreshes.
 """
 from __future__ import annotations
 
