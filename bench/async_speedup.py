@@ -63,7 +63,8 @@ def main():
     res["ideal_speedup"] = (G + T) / max(G, T)
     res["frac_of_ideal"] = (res["speedup"] - 1) / max(res["ideal_speedup"] - 1, 1e-9)
     png = plot_runs([(os.path.join(root, f"bench_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
-                    os.path.join(root, "sync_vs_async.png"), x="time", panels=(("reward_mean", "train reward"),),
+                    os.path.join(root, "sync_vs_async.png"), x="time", panels=(("version", "trainer steps (k=1: version = step)"),
+                                                   ("reward_mean", "train reward")),
                     title="TBA on GSM8K: sync vs async")
     res["plot"] = str(png) if png else None
     print(json.dumps(res))

@@ -102,6 +102,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     from common.log import MetricsLogger, Progress
     tc = check_config(cfg.train)
     run_dir = Path(cfg.run_root) / cfg.name
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
+                              f"--name (or delete the directory)")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
     model, tok = load_model(cfg.model, device=tc.device)
@@ -151,47 +154,56 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             workers.wait_event(lambda: len(buffer) >= tc.min_buffer, timeout=math.inf)
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         gen_prev = (control.stats[:, 0].sum().item(), time.perf_counter())
-        while step < tc.steps:
-            t0 = time.perf_counter()
-            batch = None
-            while batch is None:
-                batch = algo.next_batch(buffer, step, version, tc.mode == "sync")
-                if batch is None:
-                    workers.check()
-                    time.sleep(0.01)
-            t1 = time.perf_counter()
-            # versions behind the weights that train on it (0 = on-policy)
-            stale = (version - batch.versions.masked_fill(~batch.loss_mask, version).min(1).values).tolist()
-            opt.zero_grad(set_to_none=True)
-            stats = algo.backward(model, batch.to(tc.device), step)
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or math.inf)
-            opt.step()
-            sched.step()
-            step += 1
-            t2 = time.perf_counter()
-            publish_s = 0.0
-            if step % tc.sync_every == 0:
-                version += 1
-                store.publish(model, version)
-                control.set_version(version)
-                publish_s = time.perf_counter() - t2
-            workers.check()
-            gen_tok, now = control.stats[:, 0].sum().item(), time.perf_counter()
-            last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=float(gnorm),
-                        lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
-                        publish_s=publish_s, trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
-                        gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
-                        staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
-                        gen_sync_s=control.stats[:, 3].sum().item(), gen_syncs=control.stats[:, 4].sum().item(),
-                        reward_errors=control.stats[:, 5].sum().item())
-            gen_prev = (gen_tok, now)
-            logger.log(step, **last)
-            bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
-            if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                last.update(run_eval("periodic"))
-            if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
-                save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                                buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+        try:
+            while step < tc.steps:
+                t0 = time.perf_counter()
+                batch = None
+                while batch is None:
+                    batch = algo.next_batch(buffer, step, version, tc.mode == "sync")
+                    if batch is None:
+                        workers.check()
+                        time.sleep(0.01)
+                t1 = time.perf_counter()
+                # versions behind the weights that train on it (0 = on-policy)
+                stale = (version - batch.versions.masked_fill(~batch.loss_mask, version).min(1).values).tolist()
+                opt.zero_grad(set_to_none=True)
+                stats = algo.backward(model, batch.to(tc.device), step)
+                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or math.inf)
+                opt.step()
+                sched.step()
+                step += 1
+                t2 = time.perf_counter()
+                publish_s = 0.0
+                if step % tc.sync_every == 0:
+                    version += 1
+                    store.publish(model, version)
+                    control.set_version(version)
+                    publish_s = time.perf_counter() - t2
+                workers.check()
+                gen_tok, now = control.stats[:, 0].sum().item(), time.perf_counter()
+                last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=float(gnorm),
+                            lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
+                            publish_s=publish_s, trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
+                            gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
+                            staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
+                            gen_sync_s=control.stats[:, 3].sum().item(), gen_syncs=control.stats[:, 4].sum().item(),
+                            reward_errors=control.stats[:, 5].sum().item())
+                gen_prev = (gen_tok, now)
+                logger.log(step, **last)
+                bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
+                if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
+                    last.update(run_eval("periodic"))
+                if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
+                    save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
+                                    buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+        except KeyboardInterrupt:  # nothing lost: save the last completed step, then stop
+            # (a Ctrl-C inside opt.step(), ~1% of a CPU step, saves a half-applied update: still
+            # a valid model, one partial step off)
+            bar.close()
+            ck = save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
+                                 buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+            print(f"\n[asyncrl] interrupted at step {step}: checkpoint {ck}; continue with --resume")
+            raise
         bar.close()
         workers.shutdown()
     last.update(run_eval("after"))

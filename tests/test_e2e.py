@@ -143,5 +143,7 @@ def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path):
     ck = tmp_path / "runs" / "toy" / "checkpoints" / "step_000002"
     (ck / "trainer_state.pt").write_bytes(b"garbage")
     cfg.train.steps = 4
+    with pytest.raises(FileExistsError, match="--resume"):  # never append to an existing run silently
+        train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     with pytest.raises(CheckpointError, match="trainer_state"):
         train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=(), resume=True)
