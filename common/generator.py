@@ -27,6 +27,7 @@ import torch
 
 from common.batch import Trajectory, collate
 from common.ops import seq_logp, token_logp
+from common.reward_service import RewardClient
 from common.sampler import Sampler
 from common.sampling import SamplingParams
 
@@ -100,13 +101,22 @@ def prompt_order(seed: int, n_prompts: int, claim_idx: int) -> int:
     return int(np.random.RandomState((seed * 1_000_003 + epoch) % 2**32).permutation(n_prompts)[i])
 
 
-def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row) -> list[float]:
-    """Rewards for one group; a reward_fn that raises scores 0 and is logged, never fatal."""
+def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row,
+          rank: int = 0, stop_event=None) -> list[float] | None:
+    """Rewards for one group; a reward_fn that raises scores 0 and is logged, never fatal.
+    `reward_fn` is fn(text, meta), or a RewardClient (reward-worker processes, batched)."""
     meta = prompts.meta[prompt_idx] if prompts.meta else None
+    texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) if tokenizer is not None else c.tokens
+             for c in completions]
+    if isinstance(reward_fn, RewardClient):
+        got = reward_fn.score(rank, texts, [meta] * len(texts), stop_event)
+        if got is None:
+            return None
+        stats_row[5] += got[1]
+        return got[0]
     out = []
-    for c in completions:
+    for text in texts:
         try:
-            text = tokenizer.decode(c.tokens, skip_special_tokens=True) if tokenizer is not None else c.tokens
             r = float(reward_fn(text, meta))
             if not math.isfinite(r):
                 raise ValueError(f"reward_fn returned {r}")
@@ -173,7 +183,9 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
                 continue
             del groups[c.request_id]
             p = prompt_order(seed, n_prompts, c.request_id)
-            rewards = score(g, p, prompts, reward_fn, tok, row)
+            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event)
+            if rewards is None:  # shutting down while the reward workers were busy
+                break
             refs = reference_seq_logp(ref, g, cfg.temperature) if ref is not None else [math.nan] * len(g)
             trajs = [Trajectory(torch.tensor(x.prompt_tokens), torch.tensor(x.tokens), x.logp_tensor(),
                                 torch.tensor(x.versions), r, p, x.finish_reason, rf)

@@ -28,6 +28,7 @@ from common.buffer import ReplayBuffer
 from common.config import save_config, to_dict
 from common.generator import Control, PromptSet, generator_main
 from common.launch import Workers
+from common.reward_service import RewardClient, reward_worker_main
 from common.weights import WeightStore
 
 
@@ -45,6 +46,7 @@ class TrainConfig:
     mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
     max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
     n_generators: int = 1             # generator processes (one per GPU on CUDA)
+    reward_workers: int = 0           # processes hosting an expensive reward (needs train(reward_factory=...))
     min_buffer: int = 64              # async: trajectories in the buffer before the first step
     buffer_capacity: int = 4096       # ring size in trajectories
     checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
@@ -95,12 +97,18 @@ def _gen_device(train_device: str, rank: int) -> str:
 
 
 def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
-          evaluate: Optional[Callable] = None, resume: bool = False) -> dict:
-    """Run a full training job; returns the last logged metrics. See module docstring."""
+          evaluate: Optional[Callable] = None, resume: bool = False, reward_factory: Optional[Callable] = None) -> dict:
+    """Run a full training job; returns the last logged metrics. See module docstring.
+
+    reward_fn(text, meta) -> float runs inside the generators. For expensive rewards set
+    train.reward_workers > 0 and pass `reward_factory`, a module-level function that builds
+    fn(texts, metas) -> list[float] once per reward worker (common/reward_service.py)."""
     from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from common.hf_io import load_model
     from common.log import MetricsLogger, Progress
     tc = check_config(cfg.train)
+    if tc.reward_workers > 0 and reward_factory is None:
+        raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
     run_dir = Path(cfg.run_root) / cfg.name
     if not resume and (run_dir / "metrics.jsonl").exists():
         raise FileExistsError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
@@ -147,6 +155,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         if step == 0:
             run_eval("before")
         ref = cfg.ref_model or cfg.model
+        if tc.reward_workers > 0:
+            reward_fn = RewardClient(workers.ctx, tc.n_generators)
+            for r in range(tc.reward_workers):
+                workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn)
         for r in range(tc.n_generators):
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r))

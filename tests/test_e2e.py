@@ -147,3 +147,21 @@ def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path):
         train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     with pytest.raises(CheckpointError, match="trainer_state"):
         train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=(), resume=True)
+
+
+def make_toy_batched_reward():
+    """Factory run once inside each reward worker (stands in for loading a reward model)."""
+    def fn(texts, metas):
+        if any(t and t[0] % 7 == 0 for t in texts):
+            raise RuntimeError("reward model choked on one sample")
+        return [toy_reward(t, m) for t, m in zip(texts, metas)]
+    return fn
+
+
+def test_reward_workers(tmp_path):
+    cfg = _cfg(tmp_path, steps=4, reward_workers=2, mode="sync")
+    last = train(cfg, _tba(cfg), _prompts(), None, stop_token_ids=(), reward_factory=make_toy_batched_reward)
+    assert 0 < last["reward_mean"] < 1 and last["version"] == 4
+    assert last["reward_errors"] > 0  # failing samples scored 0 one by one, the run went on
+    with pytest.raises(ValueError, match="reward_factory"):
+        train(_cfg(tmp_path / "b", reward_workers=1), _tba(cfg), _prompts(), None, stop_token_ids=())

@@ -1,0 +1,78 @@
+"""Reward-worker processes for expensive rewards (a reward model, a victim + classifier).
+
+Processes: R spawned reward workers (`reward_worker_main`) and G generators holding a
+`RewardClient`. A generator sends one request per finished group, (rank, texts, metas), on the
+shared request queue and blocks on its own result queue; any free worker takes it, scores the
+whole group in one batched call and answers on that generator's queue. The expensive model is
+built once per worker by `make_reward_fn()` (a module-level factory, so spawn can pickle it),
+which returns `fn(texts: list, metas: list) -> list[float]`.
+
+Failure rules: a batched call that raises is retried sample by sample; a sample that still
+raises scores 0 and is counted (`n_errors` in the answer), the same contract as in-process
+rewards (common/generator.py: score). A worker that dies is noticed by the trainer's
+`Workers.check()`; a generator waiting on it gives up after `timeout` seconds with an error.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue as queue_mod
+from typing import Callable
+
+log = logging.getLogger("asyncrl.reward")
+
+
+class RewardClient:
+    """Picklable handle a generator uses to score a group on the reward workers."""
+
+    def __init__(self, ctx, n_generators: int, timeout: float = 600.0):
+        self.requests = ctx.Queue()
+        self.results = [ctx.Queue() for _ in range(n_generators)]
+        self.timeout = timeout
+
+    def score(self, rank: int, texts: list, metas: list, stop_event=None) -> tuple[list[float], int] | None:
+        """(rewards, n_errors) for one group, computed by whichever worker is free; None if
+        `stop_event` is set while waiting (the run is shutting down)."""
+        self.requests.put((rank, list(texts), list(metas)))
+        waited = 0.0
+        while waited < self.timeout:
+            try:
+                return self.results[rank].get(timeout=0.5)
+            except queue_mod.Empty:
+                waited += 0.5
+                if stop_event is not None and stop_event.is_set():
+                    return None
+        raise TimeoutError(f"no reward from the reward workers within {self.timeout} s")
+
+
+def _safe_scores(fn: Callable, texts: list, metas: list) -> tuple[list[float], int]:
+    try:
+        out = [float(r) for r in fn(texts, metas)]
+        if len(out) != len(texts):
+            raise ValueError(f"reward fn returned {len(out)} rewards for {len(texts)} texts")
+        if all(math.isfinite(r) for r in out):
+            return out, 0
+    except Exception as e:  # noqa: BLE001 - find the bad sample(s) one by one below
+        log.warning("batched reward failed (%r); scoring the %d samples one by one", e, len(texts))
+    out, errors = [], 0
+    for t, m in zip(texts, metas):
+        try:
+            r = float(fn([t], [m])[0])
+            if not math.isfinite(r):
+                raise ValueError(f"reward {r}")
+        except Exception as e:  # noqa: BLE001 - one bad sample scores 0, the run goes on
+            log.warning("reward failed on one sample (scored 0): %r", e)
+            r, errors = 0.0, errors + 1
+        out.append(r)
+    return out, errors
+
+
+def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_event) -> None:
+    """Process entry point (started by `common.launch.Workers.start`)."""
+    fn = make_reward_fn()
+    while not stop_event.is_set():
+        try:
+            rank, texts, metas = client.requests.get(timeout=0.1)
+        except queue_mod.Empty:
+            continue
+        client.results[rank].put(_safe_scores(fn, texts, metas))
