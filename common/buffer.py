@@ -54,7 +54,7 @@ _COLUMNS = {
     "finish": (False, torch.int8, 0),            # index into FINISH_REASONS
     "min_version": (False, torch.int64, -1),     # of the completion tokens
     "max_version": (False, torch.int64, -1),
-    "trainer_version": (False, torch.int64, -1),  # trainer's version at insertion
+    "trainer_version": (False, torch.int64, -1),  # version passed to add: generators pass the oldest weights version that sampled the group
     "insert_idx": (False, torch.int64, -1),      # global insertion counter, -1 = empty row
     "comp_hash": (False, torch.int64, 0),
     "consumed": (False, torch.bool, False),      # AReaL: used (or dropped) once
