@@ -89,3 +89,15 @@ def test_pack_ffd_respects_budget_and_balances():
     for b in bins:
         assert len(b) * max(items[i][1] for i in b) <= 100
     assert pack_ffd([(1, 500)], 100) == [[0]]  # too large alone: its own micro-batch
+
+
+def test_grpo_advantage_ignores_kl_noise_when_rewards_tie(model):
+    """Equal rewards and pi = pi_ref up to float noise: advantages stay ~0 (not normalised noise)."""
+    b = _batch(n_groups=2, k=3)
+    b.reward[:] = 1.0
+    b.ref_seq_logp = (b.behav_logp * b.loss_mask).sum(1) + 1e-5 * torch.randn(len(b))  # KL ~ 1e-5
+    g, stats = _grads(model, GRPO(GRPOConfig(kl_coef=0.004), 2, 3, 0.7, 1000), b)
+    assert stats["adv_abs"] < 1e-6
+    b.reward[0] = 0.0  # a real reward difference still gives O(1) advantages
+    _, stats = _grads(model, GRPO(GRPOConfig(kl_coef=0.004), 2, 3, 0.7, 1000), b)
+    assert stats["adv_abs"] > 0.3
