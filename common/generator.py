@@ -65,6 +65,7 @@ class Control:
     """Shared admission gate and generator statistics (see module docstring)."""
     VERSION, STARTED, QUOTA, DONE_GROUPS = 0, 1, 2, 3
     STAT_FIELDS = ("tokens", "busy_s", "groups", "sync_s", "syncs", "reward_errors", "interrupts")
+    TOKENS, BUSY_S, GROUPS, SYNC_S, SYNCS, REWARD_ERRORS, INTERRUPTS = range(7)  # columns of `stats`
 
     def __init__(self, ctx, prompts_per_version: int, max_staleness: Optional[int], n_generators: int = 1):
         self.t = torch.zeros(4, dtype=torch.int64).share_memory_()
@@ -112,7 +113,7 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
         got = reward_fn.score(rank, texts, [meta] * len(texts), stop_event)
         if got is None:
             return None
-        stats_row[5] += got[1]
+        stats_row[Control.REWARD_ERRORS] += got[1]
         return got[0]
     out = []
     for text in texts:
@@ -122,17 +123,15 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
                 raise ValueError(f"reward_fn returned {r}")
         except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
             log.warning("reward_fn failed on prompt %d (scored 0): %r", prompt_idx, e)
-            stats_row[5] += 1
+            stats_row[Control.REWARD_ERRORS] += 1
             r = 0.0
         out.append(r)
     return out
 
 
 @torch.no_grad()
-def reference_seq_logp(ref_model, completions, temperature: float) -> list[float]:
+def reference_seq_logp(ref_model, trajs: list[Trajectory], temperature: float) -> list[float]:
     """Sum of reference token log-probs over each completion (same function as the trainer)."""
-    trajs = [Trajectory(torch.tensor(c.prompt_tokens), torch.tensor(c.tokens), c.logp_tensor(),
-                        torch.tensor(c.versions), 0.0, 0) for c in completions]
     b = collate(trajs)
     return seq_logp(token_logp(ref_model, b.tokens, temperature, b.loss_mask), b.loss_mask).tolist()
 
@@ -152,14 +151,14 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=cfg.n, stop_token_ids=tuple(stop_token_ids))
     row = control.stats[rank]
-    groups: dict[int, list] = {}  # request id -> finished completions of that prompt
+    groups: dict[int, tuple[int, list]] = {}  # request id -> (prompt index, finished completions)
     n_prompts = len(prompts.tokens)
 
     def load(m):  # copies the active weight buffer into m; returns the version it held
         t = time.perf_counter()
         v = store.load_into(m)
-        row[3] += time.perf_counter() - t
-        row[4] += 1
+        row[Control.SYNC_S] += time.perf_counter() - t
+        row[Control.SYNCS] += 1
         return v
 
     while not stop_event.is_set():
@@ -171,27 +170,27 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
                 break
             p = prompt_order(seed, n_prompts, i)
             sampler.submit(prompts.tokens[p], params, request_id=i)  # request id = claim index
-            groups[i] = []
+            groups[i] = (p, [])
         if not sampler.has_work():
             time.sleep(0.005)
             continue
         t = time.perf_counter()
         for c in sampler.step():
-            g = groups[c.request_id]
+            p, g = groups[c.request_id]
             g.append(c)
             if len(g) < cfg.n:
                 continue
             del groups[c.request_id]
-            p = prompt_order(seed, n_prompts, c.request_id)
             rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event)
             if rewards is None:  # shutting down while the reward workers were busy
                 break
-            refs = reference_seq_logp(ref, g, cfg.temperature) if ref is not None else [math.nan] * len(g)
             trajs = [Trajectory(torch.tensor(x.prompt_tokens), torch.tensor(x.tokens), x.logp_tensor(),
-                                torch.tensor(x.versions), r, p, x.finish_reason, rf)
-                     for x, r, rf in zip(g, rewards, refs)]
+                                torch.tensor(x.versions), r, p, x.finish_reason) for x, r in zip(g, rewards)]
+            if ref is not None:
+                for t_, rf in zip(trajs, reference_seq_logp(ref, trajs, cfg.temperature)):
+                    t_.ref_seq_logp = rf
             buffer.add(trajs, trainer_version=min(min(x.versions) for x in g))
-            row[2] += 1
-            row[0] += sum(len(x.tokens) for x in g)
-        row[1] += time.perf_counter() - t
-        row[6] = sampler.stats["interrupts"]
+            row[Control.GROUPS] += 1
+            row[Control.TOKENS] += sum(len(x.tokens) for x in g)
+        row[Control.BUSY_S] += time.perf_counter() - t
+        row[Control.INTERRUPTS] = sampler.stats["interrupts"]

@@ -237,12 +237,9 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache=cache, slot=slot, input_pos=input_pos)
         return self.model.norm(x)
 
-    def forward(self, tokens, cache=None, slot=None, input_pos=None, last_only: bool = False):
-        """Logits (B, T, V), or (B, 1, V) with last_only (prefill only needs the last)."""
-        h = self.hidden(tokens, cache=cache, slot=slot, input_pos=input_pos)
-        if last_only:
-            h = h[:, -1:]
-        return self.lm_head(h)
+    def forward(self, tokens, cache=None, slot=None, input_pos=None):
+        """Logits (B, T, V). The sampler uses `hidden` and applies the head to the last position."""
+        return self.lm_head(self.hidden(tokens, cache=cache, slot=slot, input_pos=input_pos))
 
     @property
     def device(self):

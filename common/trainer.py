@@ -134,6 +134,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                            wandb_project=cfg.log.wandb_project, config=to_dict(cfg))
     last: dict = {}
 
+    def checkpoint():  # the current step, everything needed to resume
+        return save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
+                               buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+
     def run_eval(tag):
         if evaluate is None:
             return {}
@@ -165,7 +169,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         if tc.mode == "async":
             workers.wait_event(lambda: len(buffer) >= tc.min_buffer, timeout=math.inf)
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
-        gen_prev = (control.stats[:, 0].sum().item(), time.perf_counter())
+        gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
         try:
             while step < tc.steps:
                 t0 = time.perf_counter()
@@ -192,35 +196,33 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                     control.set_version(version)
                     publish_s = time.perf_counter() - t2
                 workers.check()
-                gen_tok, now = control.stats[:, 0].sum().item(), time.perf_counter()
+                gen_tok, now = control.stats[:, Control.TOKENS].sum().item(), time.perf_counter()
                 last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=float(gnorm),
                             lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
                             publish_s=publish_s, trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
                             gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
                             staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
-                            gen_sync_s=control.stats[:, 3].sum().item(), gen_syncs=control.stats[:, 4].sum().item(),
-                            reward_errors=control.stats[:, 5].sum().item())
+                            gen_sync_s=control.stats[:, Control.SYNC_S].sum().item(),
+                            gen_syncs=control.stats[:, Control.SYNCS].sum().item(),
+                            reward_errors=control.stats[:, Control.REWARD_ERRORS].sum().item())
                 gen_prev = (gen_tok, now)
                 logger.log(step, **last)
                 bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     last.update(run_eval("periodic"))
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
-                    save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                                    buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+                    checkpoint()
         except KeyboardInterrupt:  # nothing lost: save the last completed step, then stop
             # (a Ctrl-C inside opt.step(), ~1% of a CPU step, saves a half-applied update: still
             # a valid model, one partial step off)
             bar.close()
-            ck = save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                                 buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+            ck = checkpoint()
             print(f"\n[asyncrl] interrupted at step {step}: checkpoint {ck}; continue with --resume")
             raise
         bar.close()
         workers.shutdown()
     last.update(run_eval("after"))
-    ck = save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                         buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+    ck = checkpoint()
     print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
     logger.close()
     return last

@@ -43,6 +43,12 @@ class GRPOConfig:
     eps_clip: float = 0.2             # PPO clip range
 
 
+def _accumulate(totals: dict, weight: float, loss, stats: dict) -> None:
+    """Add one micro-batch's loss and stats, weighted by its share of the batch."""
+    for key, v in {"loss": loss.item(), **stats}.items():
+        totals[key] = totals.get(key, 0.0) + weight * float(v)
+
+
 class _Base:
     def __init__(self, prompts_per_step: int, k: int, temperature: float, micro_batch_tokens: int, seed: int = 0):
         self.P, self.K, self.temperature = prompts_per_step, k, temperature
@@ -87,8 +93,7 @@ class TBA(_Base):
             loss, st = self.loss_fn(slp, mb.ref_seq_logp, mb.reward, mb.group_id, beta)
             w = len(rows) / N  # this micro-batch's share of the batch mean
             (loss * w).backward()
-            for key, v in {"loss": loss.item(), **st}.items():
-                totals[key] = totals.get(key, 0.0) + w * float(v)
+            _accumulate(totals, w, loss, st)
         return {**totals, "beta": beta}
 
 
@@ -120,6 +125,5 @@ class GRPO(_Base):
             loss, st = grpo_loss(lp, mb.behav_logp, mb.loss_mask, adv[rows], eps_clip=self.cfg.eps_clip)
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch
             (loss * w).backward()
-            for key, v in {"loss": loss.item(), **st}.items():
-                totals[key] = totals.get(key, 0.0) + float(w) * float(v)
+            _accumulate(totals, float(w), loss, st)
         return {**totals, "kl_seq": kl.mean().item(), "adv_abs": adv.abs().mean().item()}
