@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from common.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.model import load_model  # noqa: E402
 from common.sampler import Sampler  # noqa: E402
 from common.sampling import SamplingParams  # noqa: E402
@@ -68,14 +69,16 @@ def decode_tok_s_batch1(model, prompt, n_tokens=64) -> float:
 
 
 def run_ours(model, prompts, params, max_batch) -> dict:
-    max_len = max(len(p) for p in prompts) + params.max_new_tokens
-    s = Sampler(model, max_batch=max_batch, max_seq_len=max_len)
+    P = max(len(p) for p in prompts)
+    s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P)
     s.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
     t = time.perf_counter()
     outs = s.generate(prompts, params, progress=True)
     dt = time.perf_counter() - t
     ntok = sum(len(c.tokens) for c in outs)
-    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "max_batch": max_batch}
+    return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "max_batch": max_batch, "onednn": onednn_enabled(),
+            "prefill_tokens": s.stats["prefill_tokens"], "decode_steps": s.stats["decode_steps"],
+            "decode_rows": s.stats["decode_rows"]}
 
 
 def run_hf(hf, prompts, params, batch, pad_id, eos_id) -> dict:
@@ -109,6 +112,8 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 2 samples x 32 tokens")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--ablate-onednn", action="store_true",
+                    help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
     a = ap.parse_args()
     if a.quick:
         a.prompts, a.n, a.max_new = 4, 2, 32
@@ -128,6 +133,10 @@ def main():
                batch1_frac_of_bw=b1 * wb / bw, read_bw_gb_s=rbw / 1e9, read_bw_limit_tok_s=rbw / wb,
                batch1_frac_of_read_bw=b1 * wb / rbw)
     res["ours"] = run_ours(model, prompts, params, a.max_batch)
+    if a.ablate_onednn:
+        old = set_onednn(False)
+        res["ours_mkl_gemm"] = run_ours(model, prompts, params, a.max_batch)
+        set_onednn(old)
     if not a.skip_hf:
         import transformers
         hf = transformers.AutoModelForCausalLM.from_pretrained(  # same weights, transformers' model
@@ -135,6 +144,8 @@ def main():
         res["hf_generate"] = run_hf(hf, prompts, params, a.hf_batch, tok.pad_token_id or eos, eos)
         res["speedup_tok_s"] = res["ours"]["tok_s"] / res["hf_generate"]["tok_s"]
         res["speedup_wall"] = res["hf_generate"]["seconds"] / res["ours"]["seconds"]
+        if a.ablate_onednn:
+            res["speedup_tok_s_mkl_gemm"] = res["ours_mkl_gemm"]["tok_s"] / res["hf_generate"]["tok_s"]
     print(json.dumps(res))
 
 

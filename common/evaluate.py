@@ -16,8 +16,8 @@ def greedy_pass_at_1(model, tokenizer, prompts: list[list[int]], metas: list, re
                      stop_token_ids: tuple, max_batch: int = 64, threshold: float = 1.0,
                      progress: bool = True) -> dict:
     """{'eval_accuracy', 'eval_len', 'eval_n'} over `prompts` (greedy decoding, one sample each)."""
-    max_len = max(len(p) for p in prompts) + max_new_tokens
-    s = Sampler(model, max_batch=min(max_batch, len(prompts)), max_seq_len=max_len)
+    P = max(len(p) for p in prompts)
+    s = Sampler(model, max_batch=min(max_batch, len(prompts)), max_seq_len=P + max_new_tokens, max_prompt_len=P)
     outs = s.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                               stop_token_ids=tuple(stop_token_ids)), progress=progress)
     solved = 0

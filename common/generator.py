@@ -147,6 +147,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     while store.version < 0 and not stop_event.is_set():  # trainer publishes version 0 first
         time.sleep(0.01)
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
+                      max_prompt_len=max(len(p) for p in prompts.tokens),
                       version=store.load_into(model), seed=seed * 1000 + rank)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=cfg.n, stop_token_ids=tuple(stop_token_ids))

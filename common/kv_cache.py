@@ -1,40 +1,140 @@
-"""Slot-based static KV cache for the sampler (generator processes).
+"""Static KV cache with shared prompts, for the sampler (generator processes).
 
-One K and one V tensor per layer, (max_batch, Hkv, max_seq_len, hd), allocated once; a slot
-is one row. Owned by one `Sampler` in one process: no locking. Decode reads the prefix of
-rows 0..B-1 as a view (no gather), which is why the sampler hands out the lowest free slot.
+Two stores per layer, allocated once (Hkv key/value heads, hd head dim):
+  prefix  (max_prefixes, Hkv, max_prompt_len, hd): one entry per request, its prompt's K/V,
+          shared by all n samples of that request (RL samples n per prompt);
+  slots   (max_batch, Hkv, max_seq_len, hd): one row per in-flight sample, the K/V of its
+          generated tokens only, stored from column 0.
+A sample at absolute position P + t (P prompt tokens, t generated) keeps its own key t in its
+slot; RoPE uses the absolute position. Decode attention is the exact merge (see
+`common/attention.py`) of
+  - the prompt part: the live samples of each entry, with their query heads, attend together
+    as n*(H/Hkv) query rows against the entry's prompt, so a shared prompt is read once per
+    step instead of n times (measured at 128 rows, 32 prompts x 4 samples, ~250 positions:
+    see BENCHMARKS.md), and
+  - the own part: each sample against its slot's generated tokens.
+Owned by one `Sampler` in one process: no locking. The sampler hands out the lowest free slot
+and entry, so decode reads rows 0..B-1 and entries 0..E-1 as views (no gather of K/V).
+
+The sampler sets a mode before each forward of `Transformer.hidden(..., cache=self)`, and
+every layer's attention calls `attend`:
+  begin_prompt(entry)              prefill a prompt (B=1) into a prefix entry, causal;
+  begin_continuation(slot, entry)  prefill tokens that follow entry's prompt into a slot
+                                   (re-prefill after a weight update);
+  begin_decode(...)                one token per slot row.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from common.model import ModelConfig
+from common.attention import additive_mask, attend_lse, merge
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, max_batch: int, max_seq_len: int, dtype, device):
-        shape = (max_batch, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+    def __init__(self, cfg, max_batch: int, max_seq_len: int, dtype, device, max_prompt_len: int | None = None,
+                 max_prefixes: int | None = None):
+        Hkv, hd, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
-        self._pos_range = torch.arange(max_seq_len, device=device)
-        self.attend_len = 0  # set per decode step: columns 0..attend_len-1 are read
-        self.mask = None     # (B, 1, 1, attend_len) bool: column j visible to row b iff j <= pos[b]
+        self.max_prompt_len = max_prompt_len or max_seq_len
+        # a request waiting for free slots can hold an entry with no live sample: +1
+        self.max_prefixes = max_prefixes or max_batch + 1
+        pshape = (self.max_prefixes, Hkv, self.max_prompt_len, hd)
+        sshape = (max_batch, Hkv, max_seq_len, hd)
+        self.pk = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(L)]
+        self.pv = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(L)]
+        self.k = [torch.zeros(sshape, dtype=dtype, device=device) for _ in range(L)]
+        self.v = [torch.zeros(sshape, dtype=dtype, device=device) for _ in range(L)]
+        self.dtype, self.device = dtype, device
+        self.G = cfg.num_attention_heads // Hkv  # query heads per key/value head
+        self.mode = None
 
-    def copy_prefix(self, src: int, dst: list[int], length: int) -> None:
-        """Share a prefilled prompt: copy the first `length` positions of slot src into dst."""
-        if not dst:
-            return
-        idx = torch.tensor(dst, device=self.k[0].device)
+    # ------------------------------------------------------------------ modes (set by the sampler)
+    def begin_prompt(self, entry: int) -> None:
+        self.mode, self.entry = "prompt", entry
+
+    def begin_continuation(self, slot: int, entry: int, prompt_len: int) -> None:
+        self.mode, self.slot, self.entry, self.prompt_len = "continuation", slot, entry, prompt_len
+
+    def begin_decode(self, own_pos: torch.Tensor, entry_of_row: list[int], prompt_len: list[int]) -> None:
+        """Plan one decode step over slot rows 0..B-1 and prefix entries 0..E-1, shared by all layers.
+
+        own_pos (B,) long: column of each row's new token in its slot (its generated count so
+        far); entry_of_row: each row's prefix entry, -1 for an idle row; prompt_len (E,): each
+        entry's prompt length (0 when unused). Idle rows and unused entries compute garbage
+        that nobody reads (the cost of using views instead of gathers)."""
+        B, E, dev = len(entry_of_row), len(prompt_len), self.device
+        members: list[list[int]] = [[] for _ in range(E)]
+        for b, e in enumerate(entry_of_row):
+            if e >= 0:
+                members[e].append(b)
+        n = max(1, max(len(m) for m in members))
+        # query row r = e * n + i is the i-th live sample of entry e (row 0 as padding)
+        q_rows = [m[i] if i < len(m) else 0 for m in members for i in range(n)]
+        back = [0] * B  # row b reads its prompt-part result from query row back[b]
+        for e, m in enumerate(members):
+            for i, b in enumerate(m):
+                back[b] = e * n + i
+        self.mode, self.n = "decode", n
+        self.rows = torch.arange(B, device=dev)
+        self.own_pos = own_pos
+        S = int(own_pos.max()) + 1
+        cols = torch.arange(S, device=dev)
+        self.own_mask = additive_mask((cols <= own_pos.unsqueeze(1))[:, None, None, :], self.dtype)  # (B,1,1,S)
+        plen = torch.tensor(prompt_len, device=dev).clamp(min=1)  # unused entries see column 0 (no NaN)
+        P = int(plen.max())
+        pcols = torch.arange(P, device=dev)
+        self.prompt_mask = additive_mask((pcols < plen.unsqueeze(1))[:, None, None, :], self.dtype)  # (E,1,1,P)
+        self.q_rows = torch.tensor(q_rows, device=dev)
+        self.back = torch.tensor(back, device=dev)
+
+    # ------------------------------------------------------------------ attention (called by every layer)
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (B, H, T, hd), k/v (B, Hkv, T, hd) of the current tokens -> attention output (B, H, T, hd)."""
+        if self.mode == "decode":
+            return self._decode(layer, q, k, v)
+        T = q.shape[2]
+        if self.mode == "prompt":
+            self.pk[layer][self.entry, :, :T] = k[0]
+            self.pv[layer][self.entry, :, :T] = v[0]
+            return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.G > 1)
+        if self.mode == "continuation":
+            self.k[layer][self.slot, :, :T] = k[0]
+            self.v[layer][self.slot, :, :T] = v[0]
+            e, P = self.entry, self.prompt_len
+            o_p, lse_p = attend_lse(q, self.pk[layer][e:e + 1, :, :P], self.pv[layer][e:e + 1, :, :P])
+            o_s, lse_s = attend_lse(q, k, v, causal=True)
+            return merge(o_p, lse_p, o_s, lse_s)
+        raise RuntimeError("KVCache.attend called without begin_prompt / begin_continuation / begin_decode")
+
+    def _decode(self, layer, q, k, v):
+        B, H, _, hd = q.shape
+        Hkv, G, n = k.shape[1], self.G, self.n
+        kc, vc = self.k[layer], self.v[layer]
+        kc[self.rows, :, self.own_pos] = k[:, :, 0]
+        vc[self.rows, :, self.own_pos] = v[:, :, 0]
+        S = self.own_mask.shape[-1]
+        o_s, lse_s = attend_lse(q, kc[:B, :, :S], vc[:B, :, :S], self.own_mask)  # (B, H, 1, hd), (B, H, 1)
+        # prompt part: entry e's n samples x G heads per kv head become n*G query rows
+        E, P = self.prompt_mask.shape[0], self.prompt_mask.shape[-1]
+        qp = q[:, :, 0][self.q_rows].view(E, n, Hkv, G, hd).transpose(1, 2).reshape(E, Hkv, n * G, hd)
+        o_p, lse_p = attend_lse(qp, self.pk[layer][:E, :, :P], self.pv[layer][:E, :, :P], self.prompt_mask)
+        o_p = o_p.view(E, Hkv, n, G, hd).transpose(1, 2).reshape(E * n, H, hd)[self.back]  # (B, H, hd)
+        lse_p = lse_p.view(E, Hkv, n, G).transpose(1, 2).reshape(E * n, H)[self.back]     # (B, H)
+        return merge(o_p.unsqueeze(2), lse_p.unsqueeze(2), o_s, lse_s)
+
+    # ------------------------------------------------------------------ compaction (sampler)
+    def move_slot(self, src: int, dst: int, length: int) -> None:
+        """Move a sample's first `length` own K/V columns from slot src to slot dst."""
         for k, v in zip(self.k, self.v):
-            k[idx, :, :length] = k[src, :, :length]
-            v[idx, :, :length] = v[src, :, :length]
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
 
-    def prepare_decode(self, input_pos: torch.Tensor) -> None:
-        """Set the attention window and mask shared by every layer of one decode step."""
-        S = int(input_pos.max()) + 1
-        self.attend_len = S
-        self.mask = (self._pos_range[:S].unsqueeze(0) <= input_pos.unsqueeze(1))[:, None, None, :]
+    def move_entry(self, src: int, dst: int, length: int) -> None:
+        """Move a prompt's K/V (`length` columns) from prefix entry src to dst."""
+        for k, v in zip(self.pk, self.pv):
+            k[dst, :, :length] = k[src, :, :length]
+            v[dst, :, :length] = v[src, :, :length]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.pk + self.pv + self.k + self.v)

@@ -8,12 +8,12 @@ checkpoint's state dict loads without a name map; loading / saving lives in `com
 Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
 S cache length, V vocab.
 
-Three ways to call `Transformer.forward`:
-  forward(tokens)                          full causal pass (trainer), logits (B, T, V)
-  forward(tokens, cache=c, slot=s)         prefill one sequence (B=1) from position 0 into
-                                           cache row `s`; attention is causal over itself
-  forward(tokens, cache=c, input_pos=p)    decode one token per row (tokens (B, 1), p (B,)):
-                                           rows 0..B-1 of the cache, each at its own position
+Two ways to call `Transformer.forward` / `hidden`:
+  forward(tokens)                   full causal pass (trainer), logits (B, T, V)
+  forward(tokens, cache=c, pos=p)   the sampler's passes: K/V go to the cache and attention
+                                    runs through it, in the mode the sampler set (prefill a
+                                    prompt, prefill a continuation, or decode one token per
+                                    row); p (B, T) are absolute positions (`common/kv_cache.py`)
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from common.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -126,15 +128,15 @@ class Attention(nn.Module):
         super().__init__()
         D, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.H, self.Hkv, self.hd, self.layer_idx = H, Hkv, hd, layer_idx
-        self.q_proj = nn.Linear(D, H * hd, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(D, Hkv * hd, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(D, Hkv * hd, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(H * hd, D, bias=cfg.o_bias)
+        self.q_proj = Linear(D, H * hd, bias=cfg.qkv_bias)
+        self.k_proj = Linear(D, Hkv * hd, bias=cfg.qkv_bias)
+        self.v_proj = Linear(D, Hkv * hd, bias=cfg.qkv_bias)
+        self.o_proj = Linear(H * hd, D, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache=None, slot=None, input_pos=None):
+    def forward(self, x, cos, sin, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.H, self.hd)
         k = self.k_proj(x).view(B, T, self.Hkv, self.hd)
@@ -143,20 +145,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
-        gqa = self.Hkv != self.H
-        if input_pos is None:
-            if cache is not None:  # prefill: this sequence's K/V become row `slot`, positions 0..T-1
-                cache.k[self.layer_idx][slot, :, :T] = k[0]
-                cache.v[self.layer_idx][slot, :, :T] = v[0]
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=gqa)
-        else:  # decode: row b writes its token at input_pos[b] and reads positions <= input_pos[b]
-            rows = torch.arange(B, device=x.device)
-            cache.k[self.layer_idx][rows, :, input_pos] = k[:, :, 0]
-            cache.v[self.layer_idx][rows, :, input_pos] = v[:, :, 0]
-            S = cache.attend_len
-            ks = cache.k[self.layer_idx][:B, :, :S]  # (B, Hkv, S, hd) view, no copy
-            vs = cache.v[self.layer_idx][:B, :, :S]
-            y = F.scaled_dot_product_attention(q, ks, vs, attn_mask=cache.mask, enable_gqa=gqa)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.Hkv != self.H)
+        else:  # the sampler's cache stores k/v and attends in the mode it was given (kv_cache.py)
+            y = cache.attend(self.layer_idx, q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.hd))
 
 
@@ -164,8 +156,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         D, I, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj, self.up_proj = nn.Linear(D, I, bias=b), nn.Linear(D, I, bias=b)
-        self.down_proj = nn.Linear(I, D, bias=b)
+        self.gate_proj, self.up_proj = Linear(D, I, bias=b), Linear(D, I, bias=b)
+        self.down_proj = Linear(I, D, bias=b)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -179,8 +171,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, **kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, **kv)
+    def forward(self, x, cos, sin, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,7 +191,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.hf_config = dict(hf_config or {})  # kept verbatim so save_pretrained round-trips
         self.model = Decoder(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self._rope_cache: tuple | None = None  # (cos, sin) tables (P, hd), grown on demand
 
@@ -220,26 +212,21 @@ class Transformer(nn.Module):
         dt = self.lm_head.weight.dtype
         return c[0][pos].unsqueeze(1).to(dt), c[1][pos].unsqueeze(1).to(dt)
 
-    def hidden(self, tokens, cache=None, slot=None, input_pos=None):
-        """Final-norm hidden states (B, T, D). See the module docstring for the three modes."""
+    def hidden(self, tokens, cache=None, pos=None):
+        """Final-norm hidden states (B, T, D). pos (B, T): absolute positions for RoPE
+        (default 0..T-1). With `cache`, attention runs through it (see the module docstring)."""
         B, T = tokens.shape
-        if input_pos is None:
+        if pos is None:
             pos = torch.arange(T, device=tokens.device).expand(B, T)
-        else:
-            if T != 1:
-                raise ValueError(f"decode takes one token per row, got tokens of shape {tuple(tokens.shape)}")
-            pos = input_pos.view(B, 1)
-        if cache is not None and input_pos is None and (B != 1 or slot is None):
-            raise ValueError("prefill into the cache takes one sequence (B=1) and a slot index")
         cos, sin = self.rope(pos)
         x = self.model.embed_tokens(tokens)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache=cache, slot=slot, input_pos=input_pos)
+            x = layer(x, cos, sin, cache=cache)
         return self.model.norm(x)
 
-    def forward(self, tokens, cache=None, slot=None, input_pos=None):
+    def forward(self, tokens, cache=None, pos=None):
         """Logits (B, T, V). The sampler uses `hidden` and applies the head to the last position."""
-        return self.lm_head(self.hidden(tokens, cache=cache, slot=slot, input_pos=input_pos))
+        return self.lm_head(self.hidden(tokens, cache=cache, pos=pos))
 
     @property
     def device(self):

@@ -21,17 +21,22 @@ def logp_temperature(temperature: float) -> float:
     return float(temperature) if temperature > 0 else 1.0
 
 
-def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature) -> torch.Tensor:
+def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature,
+                     lse: torch.Tensor | None = None) -> torch.Tensor:
     """log softmax(logits / T)[token]. logits (..., V), tokens (...) -> (...) float32.
 
     `temperature` is a float or a tensor broadcastable to logits[..., :1] (per-row T in the
     sampler). Computed in fp32 whatever the model dtype, so bf16 models compare cleanly.
+    `lse` (...): logsumexp(logits / T) when the caller already has it (the sampler gets it as
+    a by-product of its CDF, which saves two passes over (B, V)); computed here otherwise.
     """
-    if torch.is_tensor(temperature):
-        temperature = temperature.float()
-    scaled = logits.float() / temperature
+    scaled = logits.float()
+    if torch.is_tensor(temperature) or temperature != 1:
+        scaled = scaled / (temperature.float() if torch.is_tensor(temperature) else temperature)
+    if lse is None:
+        lse = torch.logsumexp(scaled, dim=-1)
     # gather - logsumexp == log_softmax(...).gather(...) without materialising (..., V) log-probs
-    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return scaled.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
 
 
 def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch.Tensor | None = None,

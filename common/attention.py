@@ -1,0 +1,60 @@
+"""Attention that also returns its log-sum-exp, and the merge of two partial attentions.
+
+Used by the sampler's KV cache (`common/kv_cache.py`, generator processes) to attend to a
+shared prompt and to a sample's own tokens separately and combine the two exactly
+(the "cascade" / flash-decoding merge): for key sets A and B with softmax normalisers
+lse_A, lse_B (log-sum-exp of the scaled scores),
+    lse = logaddexp(lse_A, lse_B)
+    out = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B,
+which equals attention over A u B.
+Shapes: B batch, H query heads, Hkv key/value heads (H a multiple of Hkv), Tq queries,
+Tk keys, hd head dim.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+               causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q k^T / sqrt(hd) + mask) v and its log-sum-exp.
+
+    q (B, H, Tq, hd), k/v (B, Hkv, Tk, hd) (grouped-query when Hkv < H), mask: additive float
+    in q's dtype broadcastable to (B, 1, Tq, Tk), or None; causal: query i sees keys <= i
+    (Tq == Tk). Returns out (B, H, Tq, hd) in q's dtype and lse (B, H, Tq) in fp32.
+    Every query must see at least one key (an all -inf row gives NaN)."""
+    if q.device.type == "cpu" and _CPU_FLASH is not None:
+        # PyTorch's CPU flash kernel (what F.scaled_dot_product_attention runs on CPU), called
+        # directly because it also returns the log-sum-exp; it needs a float mask.
+        out, lse = _CPU_FLASH(q, k, v, is_causal=causal, attn_mask=mask)
+        return out, lse.float()
+    # Reference path (CUDA and anything else): explicit scores.
+    H, Hkv = q.shape[1], k.shape[1]
+    if H != Hkv:
+        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    if mask is not None:
+        s = s + mask.float()
+    if causal:
+        Tq, Tk = s.shape[-2:]
+        s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    return ((s - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+
+
+def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from the two partial results.
+    out (..., hd), lse (...) -> (..., hd)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa = (lse_a - lse).exp_().unsqueeze(-1)
+    wb = (lse_b - lse).exp_().unsqueeze(-1)
+    return (out_a.float() * wa + out_b.float() * wb).to(out_a.dtype)
+
+
+def additive_mask(visible: torch.Tensor, dtype) -> torch.Tensor:
+    """Bool mask (True = attend) -> additive float mask (0 / -inf) in `dtype`."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
