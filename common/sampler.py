@@ -6,17 +6,20 @@ arrive through `update_weights`, called by the generator loop between decode ste
 
 Schedule of one `step()`:
   1. admit: while a slot is free and a request waits, prefill its prompt once into the lowest
-     free prefix entry of the cache, which all n samples share (they are never copied; see
+     free prompt entry of the cache, which all n samples share (never copied; see
      `common/kv_cache.py`), give each sample the lowest free slot, and sample each sample's
-     first token from the prefill's last logits;
-  2. decode: one forward over rows 0..hi-1 (hi = highest busy slot + 1) advances every busy
-     slot by one token; idle rows inside that range compute garbage into their own row;
-  3. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees
-     its slot at once, so step 1 refills it next step (short answers never wait for long).
+     first token from the prefill's last logits (kept for samples admitted later);
+  2. compact: if the queue left holes below the highest busy slot, move the highest busy slots
+     down into them (likewise prompt entries), so the busy slots are rows 0..hi-1;
+  3. decode: one forward over rows 0..hi-1 advances every busy slot by one token;
+  4. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees
+     its slot at once, so step 1 refills it next step (short answers never wait for long); a
+     prompt entry is freed when its last sample finishes.
 
 Interruption (AReaL): `update_weights(fn, version, mode="interrupt")` loads weights now and
 re-prefills every live prompt once, then every in-flight sample's generated tokens but the
-last (which is not yet in the cache) after it; tokens already generated keep their log-probs and versions.
+last (which is not yet in the cache) after it; tokens already generated keep their log-probs
+and versions.
 mode="finish" (TBA sync points) stops admitting, lets in-flight samples end on the old
 weights, then loads.
 """
