@@ -101,15 +101,20 @@ def test_two_level_draw_distribution_and_zero_mass():
 
 @pytest.mark.parametrize("rows,out", [(1, 32), (2, 48), (4, 32), (64, 48), (3, 9000)])
 def test_linear_routing_matches_f_linear(rows, out):
+    """Inference and training (oneDNN forward + backward) agree with F.linear, grads included."""
     torch.manual_seed(0)
-    x, w, b = torch.randn(rows, 40), torch.randn(out, 40), torch.randn(out)
+    x, w, b = torch.randn(2, rows, 40), torch.randn(out, 40), torch.randn(out)
     with torch.no_grad():
         torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    w.requires_grad_(True)  # training: autograd path, gradient correct
-    linear(x, w, b).square().sum().backward()
-    w2 = w.detach().clone().requires_grad_(True)
-    F.linear(x, w2, b).square().sum().backward()
-    torch.testing.assert_close(w.grad, w2.grad)
+    grads = []
+    for fn, dt in ((linear, torch.float32), (F.linear, torch.float64)):  # ours vs an fp64 reference
+        xs, ws, bs = (t.detach().to(dt).clone().requires_grad_(True) for t in (x, w, b))
+        y = fn(xs, ws, bs)
+        (y.square() * torch.linspace(-1, 1, out, dtype=dt)).sum().backward()
+        grads.append((y.detach(), xs.grad, ws.grad, bs.grad))
+    for ours, ref in zip(*grads):  # fp32 accuracy relative to each tensor's scale
+        assert ours.dtype == torch.float32
+        assert (ours.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     old = set_onednn(False)
     try:
         assert not onednn_enabled()
