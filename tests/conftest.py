@@ -17,3 +17,14 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(ours, reference): our model and the transformers model of one tiny random Llama."""
+    from common.hf_io import load_model
+    from tests.tiny import save_hf
+    d = tmp_path_factory.mktemp("llama")
+    ref = save_hf("llama_tied", d)
+    ours, _ = load_model(str(d), tokenizer=False)
+    return ours, ref

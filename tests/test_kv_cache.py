@@ -13,14 +13,6 @@ from tests.test_sampler import PROMPTS, _hf_greedy
 from tests.tiny import save_hf
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("llama")
-    ref = save_hf("llama_tied", d)
-    ours, _ = load_model(str(d), tokenizer=False)
-    return ours, ref
-
-
 @pytest.mark.parametrize("impl", ["default", "reference"])
 def test_split_attention_merge_equals_full(impl, monkeypatch):
     """Attention over keys A u B == merge(attention over A, attention over B), GQA, masks, causal."""

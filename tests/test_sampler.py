@@ -11,15 +11,6 @@ from tests.tiny import ARCHS, save_hf
 PROMPTS = [[5, 17, 33], [9] * 12, [40, 41, 42, 43, 44, 45, 46], [88], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """(ours, reference) for the Llama tiny model, shared by most tests."""
-    d = tmp_path_factory.mktemp("llama")
-    ref = save_hf("llama_tied", d)
-    ours, _ = load_model(str(d), tokenizer=False)
-    return ours, ref
-
-
 def _hf_greedy(ref, prompt, n):
     out = ref.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
                        eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
