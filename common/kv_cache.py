@@ -1,4 +1,5 @@
-"""Static KV cache with shared prompts, for the sampler (generator processes).
+"""Static KV cache with shared prompts, and the attention that reads it, for the sampler
+(generator processes).
 
 Two stores per layer, allocated once (Hkv key/value heads, hd head dim):
   prefix  (max_prefixes, Hkv, max_prompt_len, hd): one entry per request, its prompt's K/V,
@@ -10,11 +11,15 @@ slot; RoPE uses the absolute position. Decode attention is the exact merge (see
 `common/attention.py`) of
   - the prompt part: the live samples of each entry, with their query heads, attend together
     as n*(H/Hkv) query rows against the entry's prompt, so a shared prompt is read once per
-    step instead of n times (measured at 128 rows, 32 prompts x 4 samples, ~250 positions:
-    see BENCHMARKS.md), and
+    step instead of n times (at 128 rows = 32 prompts x 4 samples, ~216 positions, attention
+    went from ~180 to ~145 ms per step; BENCHMARKS.md), and
   - the own part: each sample against its slot's generated tokens.
-Owned by one `Sampler` in one process: no locking. The sampler hands out the lowest free slot
-and entry, so decode reads rows 0..B-1 and entries 0..E-1 as views (no gather of K/V).
+Memory: ((max_batch + 1) x max_prompt_len + max_batch x max_seq_len) positions per layer, each
+2 x Hkv x hd values (K and V); pass the longest prompt as max_prompt_len (the generators, the
+eval and the benchmark do), else it defaults to max_seq_len - 1 and the prompt store is as big
+as the slots. Owned by one `Sampler` in one process: no locking. The sampler keeps live slots
+and entries at the lowest indices (`Sampler._compact`), so decode reads rows 0..B-1 and
+entries 0..E-1 as views (no gather of K/V).
 
 The sampler sets a mode before each forward of `Transformer.hidden(..., cache=self)`, and
 every layer's attention calls `attend`:
