@@ -1,16 +1,20 @@
 """`Linear`: nn.Linear whose CPU fp32 GEMMs run on oneDNN instead of MKL.
 
 Every process uses it through `common/model.py`: the generators' sampler, reference and eval
-passes, and the trainer's forward and backward. Why: PyTorch's CPU `F.linear` calls MKL sgemm, and
-MKL picks its AVX2 kernels on AMD CPUs even when they have AVX-512. oneDNN chooses kernels
+passes, and the trainer's forward and backward. Why: PyTorch's CPU `F.linear` calls MKL
+sgemm, and MKL picks its AVX2 kernels on AMD CPUs even when they have AVX-512. oneDNN chooses kernels
 by CPU feature flags, so on the AVX-512 dev box (AMD EPYC Zen 5) it runs 2.3x faster:
 measured 1 thread, fp32, (128 x 576) @ (576 x 1536): 96 GFLOP/s through F.linear vs 222
 GFLOP/s through oneDNN; the (576 x 49152) lm_head at one row, 7.3 ms vs 4.5 ms. Results are
 ordinary fp32 (max error vs fp64 3e-6, same order as MKL's 1.4e-6); nothing is down-converted.
 
-Routing rules (all measured; `bench/sampler.py --ablate-onednn` prints the effect):
-  - only for >= 4 rows or wide outputs (the lm_head): for 1-3 rows and small matrices MKL's
-    GEMV is as fast or faster (576 x 576 at one row: 19 us vs 28 us);
+Also at one row (batch-1 decode), where the weights stream from DRAM: SmolLM2's 30 layers of
+GEMVs take 27.3 ms through F.linear and 21.1 ms through oneDNN (20 GB/s vs 15.5 GB/s). (With
+the matrix hot in cache, MKL's GEMV is the faster one, 19 vs 28 us at 576 x 576: a benchmark
+that repeats one small matrix misleads here.)
+
+Routing (`bench/sampler.py --ablate-onednn` prints the effect):
+  - every CPU fp32 call with at least one row;
   - when a gradient is needed, through `_OneDNNLinear`, whose backward also runs its two GEMMs
     on oneDNN (oneDNN's op has no autograd formula of its own). A SmolLM2 forward + backward
     over 4 x 250 tokens: 9.3-10.7 s through F.linear, 5.8-6.5 s this way; gradients agree to
@@ -27,12 +31,10 @@ import torch.nn.functional as F
 
 _AVAILABLE = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _enabled = _AVAILABLE
-MIN_ROWS = 4             # below this many rows MKL's GEMV is at least as fast (see above)
-WIDE_OUT = 8192          # ... except for outputs this wide (the lm_head), where oneDNN wins at 1 row
 
 
 def set_onednn(enabled: bool) -> bool:
-    """Route CPU fp32 inference GEMMs to oneDNN (True) or F.linear (False); returns the old setting."""
+    """Route CPU fp32 GEMMs to oneDNN (True) or F.linear (False); returns the old setting."""
     global _enabled
     old, _enabled = _enabled, bool(enabled) and _AVAILABLE
     return old
@@ -73,12 +75,10 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N)."""
-    if _enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32:
-        rows = x.numel() // x.shape[-1]
-        if rows > 0 and (rows >= MIN_ROWS or weight.shape[0] >= WIDE_OUT):
-            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-                return _OneDNNLinear.apply(x, weight, bias)
-            return _mm(x, weight, bias)
+    if _enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0:
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+            return _OneDNNLinear.apply(x, weight, bias)
+        return _mm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
