@@ -36,6 +36,12 @@ import torch.nn.functional as F
 from common.attention import additive_mask, attend_lse, merge
 
 
+def _move(stores: list[torch.Tensor], src: int, dst: int, length: int) -> None:
+    """Copy row src's first `length` columns to row dst in every (rows, Hkv, cols, hd) store."""
+    for t in stores:
+        t[dst, :, :length] = t[src, :, :length]
+
+
 class KVCache:
     def __init__(self, cfg, max_batch: int, max_seq_len: int, dtype, device, max_prompt_len: int | None = None,
                  max_prefixes: int | None = None):
@@ -131,15 +137,11 @@ class KVCache:
     # ------------------------------------------------------------------ compaction (sampler)
     def move_slot(self, src: int, dst: int, length: int) -> None:
         """Move a sample's first `length` own K/V columns from slot src to slot dst."""
-        for k, v in zip(self.k, self.v):
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
+        _move(self.k + self.v, src, dst, length)
 
     def move_entry(self, src: int, dst: int, length: int) -> None:
         """Move a prompt's K/V (`length` columns) from prefix entry src to dst."""
-        for k, v in zip(self.pk, self.pv):
-            k[dst, :, :length] = k[src, :, :length]
-            v[dst, :, :length] = v[src, :, :length]
+        _move(self.pk + self.pv, src, dst, length)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pk + self.pv + self.k + self.v)
