@@ -1,6 +1,7 @@
-"""GSM8K with TBA (or the synchronous GRPO baseline): the script researchers edit and run.
+"""GSM8K with TBA, AReaL or the synchronous GRPO baseline: the script researchers edit and run.
 
-    python run_gsm8k.py                              # CPU preset, SmolLM2-135M-Instruct, offline
+    python run_gsm8k.py                              # TBA, CPU preset, SmolLM2-135M-Instruct, offline
+    python run_gsm8k.py --algo=areal                 # AReaL: decoupled PPO, eta = 4, interruptible generation
     python run_gsm8k.py --preset=gpu                 # the paper's settings (7 prompts x 20, k=2)
     python run_gsm8k.py --algo=grpo --train.mode=sync  # synchronous baseline, same code
     python run_gsm8k.py --help                       # every config key with its comment
@@ -213,6 +214,7 @@ def reward_fn(completion_text: str, gold: str) -> float:
 from common.generator import GenConfig, PromptSet  # noqa: E402
 from common.trainer import LogConfig, TrainConfig  # noqa: E402
 from tba.algo import GRPOConfig, TBAConfig  # noqa: E402
+from areal.algo import AReaLConfig  # noqa: E402
 
 
 @dataclass
@@ -231,7 +233,7 @@ class RunConfig:
     run_root: str = "runs"              # where runs/<name>/ (metrics, plots, checkpoints) go
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # policy: HF id or local checkpoint dir
     ref_model: Optional[str] = None     # frozen reference; None = the initial policy
-    algo: Literal["tba", "grpo"] = "tba"  # TBA, or the GRPO baseline (always on-policy)
+    algo: Literal["tba", "areal", "grpo"] = "tba"  # TBA, AReaL (decoupled PPO), or the GRPO baseline (always on-policy)
     preset: Literal["cpu", "gpu"] = "cpu"  # size preset applied before other overrides
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
@@ -244,6 +246,7 @@ class RunConfig:
         buffer_capacity=2048, micro_batch_tokens=4096, checkpoint_every=10, eval_every=0))
     tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_anneal_steps=40))
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    areal: AReaLConfig = field(default_factory=AReaLConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -259,13 +262,42 @@ def gpu_preset(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def areal_defaults(cfg: RunConfig) -> RunConfig:
+    """What AReaL changes in either preset (DESIGN.md section 5): publish every step (k = 1),
+    staleness bound eta = 4, in-flight samples re-prefilled under new weights (interrupt), no
+    reference model (no KL term), and a ring that holds (eta + 2) batches with room to spare.
+    GPU: group n = 16 with 8 prompts (128 trajectories per step), as one node of the paper's
+    512-trajectory batches."""
+    cfg.train.sync_every, cfg.train.max_staleness = 1, 4
+    cfg.gen.update_mode, cfg.gen.ref_logp = "interrupt", False
+    if cfg.preset == "gpu":
+        cfg.gen.n, cfg.train.prompts_per_step, cfg.train.min_buffer = 16, 8, 128
+    else:
+        cfg.train.min_buffer = cfg.train.prompts_per_step * cfg.gen.n
+    cfg.areal = AReaLConfig(eps_clip=0.2, n_minibatches=4, behav_imp_weight_cap=5.0, adv_norm="group")
+    return cfg
+
+
+def _flag(argv: list[str], key: str) -> str | None:
+    """The value given to --key on the command line (--key=v or --key v), else None."""
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{key}="):
+            return a.split("=", 1)[1]
+        if a == f"--{key}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def make_config(argv: list[str] | None = None) -> RunConfig:
+    """Defaults, then the preset, then the algorithm's defaults, then every other override."""
     from common.config import cli
     argv = sys.argv[1:] if argv is None else argv
     cfg = RunConfig()
-    if any(a in ("--preset=gpu", "--preset gpu") for a in argv) or (
-            "--preset" in argv and argv[argv.index("--preset") + 1:][:1] == ["gpu"]):
+    if _flag(argv, "preset") == "gpu":
+        cfg.preset = "gpu"
         cfg = gpu_preset(cfg)
+    if _flag(argv, "algo") == "areal":
+        cfg = areal_defaults(cfg)
     return cli(cfg, argv, description=__doc__)
 
 
@@ -294,6 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     from common.launch import set_process_defaults
     from common.log import plot_metrics
     from common.trainer import train
+    from areal.algo import AReaL
     from tba.algo import GRPO, TBA
 
     cfg = make_config(argv)
@@ -309,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
     P, K = cfg.train.prompts_per_step, cfg.gen.n
     if cfg.algo == "tba":
         algo = TBA(cfg.tba, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)
+    elif cfg.algo == "areal":
+        eta = 0 if cfg.train.mode == "sync" else cfg.train.max_staleness
+        algo = AReaL(cfg.areal, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, max_staleness=eta)
     else:
         algo = GRPO(cfg.grpo, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)
 

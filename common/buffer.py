@@ -85,6 +85,7 @@ class ReplayBuffer:
         self.cols = {k: v.share_memory_() for k, v in _empty_columns(self.capacity, self.max_seq_len, self.pad_id).items()}
         self._n_added = torch.zeros(1, dtype=torch.int64).share_memory_()  # (1,) total ever added
         self._lock = mp.get_context("spawn").Lock()
+        self.n_dropped_stale = 0  # reader-side count of rows `pop_oldest` dropped as too stale (this process)
 
     # ---------------------------------------------------------------- writers
     def _stage(self, trajs: list[Trajectory], trainer_version: int) -> dict[str, torch.Tensor]:
@@ -233,10 +234,14 @@ class ReplayBuffer:
     def pop_oldest(self, n: int, max_staleness: int | None, current_version: int) -> Batch | None:
         """AReaL: the n oldest unconsumed, fresh-enough rows in insertion order, marked consumed;
         None when fewer than n are available. Rows too stale are marked consumed (dropped)."""
+        dropped: list[int] = []
         def choose(meta):
             take = take_oldest(meta, n, max_staleness, current_version)
-            return (take if len(take) == n else []), stale_rows(meta, max_staleness, current_version)
-        return self._read(choose, consume=True)
+            dropped[:] = stale_rows(meta, max_staleness, current_version)  # the last decision is the one applied
+            return (take if len(take) == n else []), dropped
+        batch = self._read(choose, consume=True)
+        self.n_dropped_stale += len(dropped)
+        return batch
 
     # ---------------------------------------------------------------- persistence / monitoring
     def save(self, path) -> None:

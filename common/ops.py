@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 
 def logp_temperature(temperature: float) -> float:
@@ -83,3 +84,36 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 def seq_logp(token_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sequence log-prob (B,): SUM of completion-token log-probs (no length normalisation)."""
     return masked_sum(token_logp, loss_mask, dim=-1)
+
+
+# ---------------------------------------------------------------- per-group reductions
+# group_id (N,) int64 prompt ids in any order; G = number of distinct groups
+
+def group_index(group_id: Tensor) -> tuple[Tensor, Tensor]:
+    """Map arbitrary int64 prompt ids to dense 0..G-1 indices; also return group sizes (G,)."""
+    _, inv = torch.unique(group_id, return_inverse=True)
+    counts = torch.bincount(inv)
+    return inv, counts
+
+
+def group_sums(x: Tensor, inv: Tensor, n_groups: int) -> Tensor:
+    # index_add instead of a Python loop: one kernel whatever the number or order of groups
+    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inv, x)
+
+
+def group_mean(x: Tensor, group_id: Tensor) -> Tensor:
+    """(N,) -> (N,): each element replaced by the mean of its group (groups in any order/size)."""
+    if x.shape != group_id.shape or x.dim() != 1:
+        raise ValueError(f"group_mean: x {tuple(x.shape)} and group_id {tuple(group_id.shape)} must be equal 1-D")
+    inv, counts = group_index(group_id)
+    means = group_sums(x, inv, counts.numel()) / counts.to(x.dtype)
+    return means[inv]
+
+
+def group_normalised_advantages(reward: Tensor, group_id: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO advantage (r - mean_g r) / (std_g r + eps), population std; singleton groups -> 0."""
+    reward = reward.float() if not reward.is_floating_point() else reward
+    centred = reward - group_mean(reward, group_id)
+    std = group_mean(centred.pow(2), group_id).sqrt()
+    # a singleton group has centred == 0 exactly, so its advantage is 0 without special-casing
+    return centred / (std + eps)

@@ -1,10 +1,12 @@
 """The trainer loop, shared by every algorithm and task; runs in the launching process.
 
-    publish v0 -> start generators -> [wait for data] -> algo.next_batch -> algo.backward
-    -> clip + optimizer step -> publish every k steps -> log / eval / checkpoint -> ...
+    publish v0 -> start generators -> [wait for data] -> algo.next_batch
+    -> for each of algo.minibatches(...): algo.backward -> clip + optimizer step
+    -> LR schedule step -> publish every k steps -> log / eval / checkpoint -> ...
 
 Everything algorithm-specific sits behind `Algorithm` (tba/algo.py, areal/algo.py): which rows
-form a batch, and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
+form a batch, how a step splits into optimizer updates (TBA: one; AReaL: PPO minibatches),
+and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
 is its only writer), the `Control` quota (only writer of version/quota) and the buffer's
 reading side. Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0
 and k = 1: generators may start exactly one batch of prompts per published version, and the
@@ -19,7 +21,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal, Optional, Protocol
+from typing import Callable, Literal, Optional
 
 import torch
 
@@ -34,7 +36,7 @@ from common.weights import WeightStore
 
 @dataclass
 class TrainConfig:
-    steps: int = 100                  # trainer steps (optimizer updates)
+    steps: int = 100                  # trainer steps (one batch each; an optimizer update per minibatch)
     lr: float = 1e-5                  # peak learning rate (AdamW)
     warmup_steps: int = 5             # linear warm-up steps
     decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps
@@ -62,11 +64,24 @@ class LogConfig:
     wandb_project: str = "asyncrl"    # W&B project name
 
 
-class Algorithm(Protocol):
+class Algorithm:
+    """What the trainer asks of an algorithm each step (subclassed by tba/algo.py, areal/algo.py).
+
+    One trainer step = next_batch, then for each minibatch: zero_grad, backward, clip, optimizer
+    step; then the LR scheduler steps once and weights are published every k steps."""
+
     def next_batch(self, buffer: ReplayBuffer, step: int, version: int, sync: bool) -> Optional[Batch]:
         """Rows for this step, or None if the buffer cannot provide them yet."""
+        raise NotImplementedError
+
+    def minibatches(self, model, batch: Batch, step: int) -> list[Batch]:
+        """The batches to make one optimizer step on each, in order; called once per step, before
+        any update (AReaL computes its proximal log-probs here). Default: the whole batch once."""
+        return [batch]
+
     def backward(self, model, batch: Batch, step: int) -> dict:
-        """Accumulate gradients of this step's loss into model; return scalar stats."""
+        """Accumulate gradients of one minibatch's loss into model; return scalar stats."""
+        raise NotImplementedError
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -94,6 +109,31 @@ def _gen_device(train_device: str, rank: int) -> str:
         return "cpu"
     n = torch.cuda.device_count()
     return f"cuda:{(rank + 1) % n}"
+
+
+def _staleness(batch: Batch, version: int) -> tuple[list[int], float]:
+    """Per row, versions between its oldest token and the weights that train on it (0 =
+    on-policy); and the fraction of rows whose tokens came from more than one version."""
+    v = batch.versions
+    oldest = v.masked_fill(~batch.loss_mask, version).min(1).values
+    newest = v.masked_fill(~batch.loss_mask, -1).max(1).values
+    spans = ((newest > oldest) & batch.loss_mask.any(1)).float().mean().item()
+    return (version - oldest).tolist(), spans
+
+
+def _update(algo: Algorithm, model, opt, batch: Batch, step: int, grad_clip: float) -> tuple[dict, float]:
+    """One optimizer step per minibatch; stats (and the grad norm) averaged over minibatches."""
+    mbs = algo.minibatches(model, batch, step)
+    totals: dict[str, float] = {}
+    for mb in mbs:
+        opt.zero_grad(set_to_none=True)
+        st = algo.backward(model, mb, step)
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
+        opt.step()
+        for k, v in {**st, "grad_norm": float(gnorm)}.items():
+            totals[k] = totals.get(k, 0.0) + float(v) / len(mbs)
+    totals["opt_steps"] = len(mbs)
+    return totals, totals.pop("grad_norm")
 
 
 def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
@@ -155,7 +195,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         store.publish(model, version)
         per_version = tc.prompts_per_step * tc.sync_every
         control = Control(workers.ctx, per_version, tc.max_staleness, tc.n_generators)
-        control.set_version(version, started=version * per_version)  # AReaL: accepted = v * B on resume
+        # AReaL on resume: accepted = v x B, plus the groups the restored buffer holds untrained
+        # (they were admitted too; counting them keeps the bound; TBA never consumes, is unbounded)
+        pending = buffer.stats()["n_unconsumed"] // cfg.gen.n if tc.max_staleness is not None else 0
+        control.set_version(version, started=version * per_version + pending)
         if step == 0:
             run_eval("before")
         ref = cfg.ref_model or cfg.model
@@ -181,12 +224,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                         time.sleep(0.01)
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
-                stale = (version - batch.versions.masked_fill(~batch.loss_mask, version).min(1).values).tolist()
-                opt.zero_grad(set_to_none=True)
-                stats = algo.backward(model, batch.to(tc.device), step)
-                gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip or math.inf)
-                opt.step()
-                sched.step()
+                stale, multi_version = _staleness(batch, version)
+                stats, gnorm = _update(algo, model, opt, batch.to(tc.device), step, tc.grad_clip)
+                sched.step()  # once per trainer step, however many minibatch updates it made
                 step += 1
                 t2 = time.perf_counter()
                 publish_s = 0.0
@@ -197,11 +237,13 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                     publish_s = time.perf_counter() - t2
                 workers.check()
                 gen_tok, now = control.stats[:, Control.TOKENS].sum().item(), time.perf_counter()
-                last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=float(gnorm),
+                last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=gnorm,
                             lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
                             publish_s=publish_s, trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
                             gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
                             staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
+                            staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
+                            prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
                             gen_sync_s=control.stats[:, Control.SYNC_S].sum().item(),
                             gen_syncs=control.stats[:, Control.SYNCS].sum().item(),
                             reward_errors=control.stats[:, Control.REWARD_ERRORS].sum().item())

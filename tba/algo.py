@@ -23,6 +23,7 @@ import torch
 from common.batch import Batch
 from common.micro import micro_batches
 from common.ops import seq_logp, token_logp
+from common.trainer import Algorithm
 from tba.loss import group_mean, group_normalised_advantages, grpo_loss, linear_beta, tb_loss
 
 
@@ -49,7 +50,7 @@ def _accumulate(totals: dict, weight: float, loss, stats: dict) -> None:
         totals[key] = totals.get(key, 0.0) + weight * float(v)
 
 
-class _Base:
+class _Base(Algorithm):
     def __init__(self, prompts_per_step: int, k: int, temperature: float, micro_batch_tokens: int, seed: int = 0):
         self.P, self.K, self.temperature = prompts_per_step, k, temperature
         self.micro_batch_tokens = micro_batch_tokens

@@ -27,26 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def _group_index(group_id: Tensor) -> tuple[Tensor, Tensor]:
-    """Map arbitrary int64 prompt ids to dense 0..G-1 indices; also return group sizes (G,)."""
-    _, inv = torch.unique(group_id, return_inverse=True)
-    counts = torch.bincount(inv)
-    return inv, counts
-
-
-def _group_sums(x: Tensor, inv: Tensor, n_groups: int) -> Tensor:
-    # index_add instead of a Python loop: one kernel whatever the number or order of groups
-    return torch.zeros(n_groups, dtype=x.dtype, device=x.device).index_add_(0, inv, x)
-
-
-def group_mean(x: Tensor, group_id: Tensor) -> Tensor:
-    """(N,) -> (N,): each element replaced by the mean of its group (groups in any order/size)."""
-    if x.shape != group_id.shape or x.dim() != 1:
-        raise ValueError(f"group_mean: x {tuple(x.shape)} and group_id {tuple(group_id.shape)} must be equal 1-D")
-    inv, counts = _group_index(group_id)
-    means = _group_sums(x, inv, counts.numel()) / counts.to(x.dtype)
-    return means[inv]
+from common.ops import group_index, group_mean, group_normalised_advantages, group_sums  # noqa: F401 (re-exported)
 
 
 def _check_beta(beta) -> Tensor | float:
@@ -76,9 +57,9 @@ def tb_loss(seq_logp: Tensor, ref_seq_logp: Tensor, reward: Tensor, group_id: Te
 
     kl = seq_logp - ref_seq_logp                      # log pi/pi_ref of each whole response
     target = reward / beta                            # log of the unnormalised tilt
-    inv, counts = _group_index(group_id)
+    inv, counts = group_index(group_id)
     # logZ_hat is a per-group constant: detached so only logpi receives gradient (VarGrad)
-    log_z_g = _group_sums((target - kl).detach(), inv, counts.numel()) / counts.to(kl.dtype)
+    log_z_g = group_sums((target - kl).detach(), inv, counts.numel()) / counts.to(kl.dtype)
     residual = log_z_g[inv] + kl - target
     loss = residual.pow(2).mean()
 
@@ -96,15 +77,6 @@ def tb_loss_no_ref(seq_logp: Tensor, ref_seq_logp: Tensor | None, reward: Tensor
     """TB without a reference model (logpi_ref = 0): target pi* ∝ exp(r / beta).
     Same signature as tb_loss (ref_seq_logp is ignored) so variants are drop-in replacements."""
     return tb_loss(seq_logp, torch.zeros_like(seq_logp), reward, group_id, beta)
-
-
-def group_normalised_advantages(reward: Tensor, group_id: Tensor, eps: float = 1e-6) -> Tensor:
-    """GRPO advantage (r - mean_g r) / (std_g r + eps), population std; singleton groups -> 0."""
-    reward = reward.float() if not reward.is_floating_point() else reward
-    centred = reward - group_mean(reward, group_id)
-    std = group_mean(centred.pow(2), group_id).sqrt()
-    # a singleton group has centred == 0 exactly, so its advantage is 0 without special-casing
-    return centred / (std + eps)
 
 
 def grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, advantages: Tensor,

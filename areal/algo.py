@@ -1,0 +1,116 @@
+"""AReaL's trainer hooks (Fu et al. 2025), called by `common/trainer.py` in the trainer process.
+
+Per trainer step (DESIGN.md section 5):
+  batch       the oldest B = prompts_per_step x n unconsumed trajectories whose oldest token is
+              at most eta = max_staleness versions behind the current weights, each used once
+              (`ReplayBuffer.pop_oldest`; rows past the bound are dropped and counted). Sync mode
+              (eta = 0) takes exactly the batch the current weights generated.
+  prox pass   one no-grad pass of the current weights over the batch, at the sampling
+              temperature, through the one log-prob function (`common.ops.token_logp`):
+              prox_logp, fixed for every minibatch of the step.
+  advantages  no critic, no reference: the sequence reward normalised over the n samples of its
+              prompt ("group", default) or over the whole batch ("batch", the paper's), the
+              same for every token of the response (gamma = lambda = 1, reward on the last token).
+  updates     the batch split into `n_minibatches` minibatches of about equal token counts,
+              one optimizer step each (the trainer loops, see `Algorithm.minibatches`).
+  loss        `loss_fn` (areal/loss.py, default decoupled_ppo_loss): a token mean over the
+              whole minibatch; micro-batches (token-budget first-fit-decreasing packing) are
+              weighted by their share of its tokens, so micro-batching never changes the gradient.
+Staleness is bounded twice: by admission in the generators (`common.generator.Control`,
+started < (eta + v + 1) x prompts per version) and by the filter here, which makes the bound
+exact whatever order groups finish in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+
+from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss
+from common.batch import Batch
+from common.micro import micro_batches
+from common.ops import group_normalised_advantages, token_logp
+from common.trainer import Algorithm
+
+
+@dataclass
+class AReaLConfig:
+    eps_clip: float = 0.2             # PPO clip: u = pi/pi_prox kept in [1 - eps_clip, 1 + eps_clip_high]
+    eps_clip_high: Optional[float] = None  # upper clip bound (asymmetric clipping); None = eps_clip
+    behav_imp_weight_cap: Optional[float] = 5.0  # tokens with pi_prox/pi_behav above this are masked; None = no cap
+    n_minibatches: int = 4            # optimizer steps per trainer step (the batch split by tokens)
+    adv_norm: Literal["group", "batch"] = "group"  # normalise rewards over a prompt's n samples, or over the batch (paper)
+
+
+def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:
+    """Row indices in at most n parts of near-equal total length: longest first, each row to the
+    part with the fewest tokens so far. Rows inside a part stay in ascending order."""
+    parts: list[list[int]] = [[] for _ in range(min(n, len(lengths)))]
+    load = [0] * len(parts)
+    for r in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = load.index(min(load))
+        parts[j].append(r)
+        load[j] += lengths[r]
+    return [sorted(p) for p in parts]
+
+
+class AReaL(Algorithm):
+    def __init__(self, cfg: AReaLConfig, prompts_per_step: int, n: int, temperature: float,
+                 micro_batch_tokens: int, max_staleness: Optional[int], loss_fn: Callable = decoupled_ppo_loss):
+        if max_staleness is None:
+            raise ValueError("AReaL needs a staleness bound: set --train.max_staleness=ETA (paper: 4; 0 = sync)")
+        if cfg.n_minibatches < 1:
+            raise ValueError(f"areal.n_minibatches={cfg.n_minibatches}: need >= 1")
+        if cfg.adv_norm not in ("group", "batch"):
+            raise ValueError(f"areal.adv_norm={cfg.adv_norm!r}: expected 'group' or 'batch'")
+        self.cfg, self.loss_fn = cfg, loss_fn
+        self.B, self.temperature, self.max_staleness = prompts_per_step * n, temperature, max_staleness
+        self.micro_batch_tokens = micro_batch_tokens
+        self._batch_stats: dict = {}
+
+    def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
+        eta = 0 if sync else self.max_staleness
+        if buffer.capacity < (eta + 2) * self.B:  # rows in flight must never lap unconsumed ones
+            raise ValueError(f"train.buffer_capacity={buffer.capacity} is too small for AReaL: need at least "
+                             f"(max_staleness + 2) x batch = {(eta + 2) * self.B} rows")
+        return buffer.pop_oldest(self.B, max_staleness=eta, current_version=version)
+
+    @torch.no_grad()
+    def proximal_logp(self, model, batch: Batch) -> torch.Tensor:
+        """(B, T) log-probs of the batch under the current weights (0 off the mask)."""
+        prox = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
+        for rows in micro_batches(batch, self.micro_batch_tokens):
+            mb = batch.select(rows)
+            prox[rows.to(prox.device), :mb.tokens.shape[1]] = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
+        return prox
+
+    def advantages(self, batch: Batch) -> torch.Tensor:
+        if self.cfg.adv_norm == "group":
+            return group_normalised_advantages(batch.reward, batch.group_id)
+        return batch_normalised_advantages(batch.reward)
+
+    def minibatches(self, model, batch: Batch, step: int) -> list[Batch]:
+        batch.extra["prox_logp"] = self.proximal_logp(model, batch)
+        batch.extra["advantages"] = adv = self.advantages(batch)  # (B,)
+        self._batch_stats = {**behaviour_stats(batch.extra["prox_logp"], batch.behav_logp, batch.loss_mask,
+                                               self.cfg.behav_imp_weight_cap),
+                             "adv_abs": adv.abs().mean().item()}
+        lengths = (batch.prompt_lens + batch.comp_lens).tolist()
+        return [batch.select(rows) for rows in split_by_tokens(lengths, self.cfg.n_minibatches)]
+
+    def backward(self, model, batch: Batch, step: int) -> dict:
+        c, n_tok = self.cfg, batch.loss_mask.sum().clamp(min=1)
+        loss_sum = clip_sum = 0.0
+        for rows in micro_batches(batch, self.micro_batch_tokens):
+            mb = batch.select(rows)
+            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
+            loss, st = self.loss_fn(lp, mb.extra["prox_logp"], mb.behav_logp, mb.extra["advantages"], mb.loss_mask,
+                                    eps_clip=c.eps_clip, eps_clip_high=c.eps_clip_high,
+                                    behav_imp_weight_cap=c.behav_imp_weight_cap)
+            w = float(mb.loss_mask.sum() / n_tok)  # this micro-batch's share of the minibatch's tokens
+            (loss * w).backward()
+            loss_sum += w * loss.item()
+            clip_sum += w * st["clip_frac"]
+        # the behaviour-weight stats describe the whole batch (prox and behav are fixed for the step)
+        return {"loss": loss_sum, "clip_frac": clip_sum, **self._batch_stats}
