@@ -1,13 +1,17 @@
-"""Synchronous vs asynchronous TBA on GSM8K: seconds per trainer step on equal work.
+"""Synchronous vs asynchronous TBA or AReaL on GSM8K: seconds per trainer step on equal work.
 
 Runs `run_gsm8k.main` twice with the same config, `--train.mode=sync` then async (one generator
-process + the trainer), default model, fp32, one thread per process. Reads each run's
+process + the trainer), default model, fp32, one thread per process. TBA async publishes every
+`--sync-every` steps with unbounded staleness; AReaL (`--algo=areal`) is run_gsm8k's AReaL
+setting: async eta = 4, k = 1, interruptible generation, 4 minibatch updates per step, against
+sync eta = 0 on the same batches. Reads each run's
 metrics.jsonl and reports the mean wall seconds per trainer step after `--warmup` steps, the
 ratio sync/async, and the ideal ratio (G + T) / max(G, T) from the sync run's measured
 generation time G (the trainer's wait for its batch) and training time T per step.
 Prints one JSON line.
 
     python bench/async_speedup.py                 # 4 prompts x 4 samples, <= 96 new tokens
+    python bench/async_speedup.py --algo=areal    # AReaL: async eta = 4 vs sync eta = 0
     python bench/async_speedup.py --quick         # tiny smoke check
 """
 from __future__ import annotations
@@ -26,17 +30,18 @@ from common.log import plot_runs, read_metrics  # noqa: E402
 
 def run(mode: str, a, root: str) -> list[dict]:
     import run_gsm8k
-    argv = [f"--name=bench_{mode}", f"--run_root={root}", f"--train.mode={mode}", f"--train.steps={a.steps}",
+    argv = [f"--algo={a.algo}", f"--name=bench_{a.algo}_{mode}", f"--run_root={root}", f"--train.mode={mode}", f"--train.steps={a.steps}",
             f"--train.prompts_per_step={a.prompts}", f"--gen.n={a.n}", f"--gen.max_new_tokens={a.max_new}",
             f"--gen.max_batch={a.prompts * a.n}", f"--train.min_buffer={a.prompts * a.n}",
             "--train.checkpoint_every=0", "--train.keep_checkpoints=1", "--data.eval_size=0",
             f"--train.sync_every={a.sync_every}", f"--model={a.model}"]
     run_gsm8k.main(argv)
-    return [r for r in read_metrics(os.path.join(root, f"bench_{mode}", "metrics.jsonl")) if "step_s" in r]
+    return [r for r in read_metrics(os.path.join(root, f"bench_{a.algo}_{mode}", "metrics.jsonl")) if "step_s" in r]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--algo", choices=["tba", "areal"], default="tba")
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
@@ -50,7 +55,7 @@ def main():
     if a.quick:
         a.steps, a.warmup, a.prompts, a.n, a.max_new = 3, 1, 2, 2, 16
     root = a.root or tempfile.mkdtemp(prefix="asyncrl_bench_")
-    res = {"bench": "async_speedup", "model": a.model, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new,
+    res = {"bench": "async_speedup", "algo": a.algo, "model": a.model, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new,
            "steps": a.steps, "warmup": a.warmup, "sync_every_async": a.sync_every, "root": root}
     rows = {m: run(m, a, root)[a.warmup:] for m in ("sync", "async")}
     for m, rs in rows.items():
@@ -62,10 +67,10 @@ def main():
     res["speedup"] = res["sync"]["step_s"] / res["async"]["step_s"]
     res["ideal_speedup"] = (G + T) / max(G, T)
     res["frac_of_ideal"] = (res["speedup"] - 1) / max(res["ideal_speedup"] - 1, 1e-9)
-    png = plot_runs([(os.path.join(root, f"bench_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
-                    os.path.join(root, "sync_vs_async.png"), x="time", panels=(("version", "trainer steps (k=1: version = step)"),
+    png = plot_runs([(os.path.join(root, f"bench_{a.algo}_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
+                    os.path.join(root, f"sync_vs_async_{a.algo}.png"), x="time", panels=(("version", "trainer steps (k=1: version = step)"),
                                                    ("reward_mean", "train reward")),
-                    title="TBA on GSM8K: sync vs async")
+                    title=f"{a.algo.upper()} on GSM8K: sync vs async")
     res["plot"] = str(png) if png else None
     print(json.dumps(res))
 

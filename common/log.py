@@ -152,7 +152,9 @@ class MetricsLogger:
 
 
 # ---------------------------------------------------------------- plots
-_PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test accuracy"))
+# a panel is drawn only when its metric was logged (gap_mean: AReaL's prox/behav train-inference gap)
+_PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test accuracy"),
+           ("staleness_mean", "staleness (versions behind)"), ("gap_mean", "|prox - behav logp| per token"))
 
 
 def _series(records: list[dict], key: str, x: str) -> tuple[list[float], list[float]]:

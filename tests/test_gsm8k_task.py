@@ -152,3 +152,16 @@ def test_reward_math_verify_in_worker_thread():
     th.start()
     th.join()
     assert out == [1.0]
+
+
+def test_algo_defaults_then_overrides():
+    """--algo=areal applies AReaL's settings on top of the preset; explicit overrides still win."""
+    c = gsm.make_config(["--algo=areal"])
+    assert (c.train.sync_every, c.train.max_staleness, c.gen.update_mode, c.gen.ref_logp) == (1, 4, "interrupt", False)
+    assert c.areal.n_minibatches == 4 and c.areal.eps_clip == 0.2
+    c = gsm.make_config(["--algo", "areal", "--train.max_staleness=1", "--gen.update_mode=finish"])
+    assert (c.train.max_staleness, c.gen.update_mode) == (1, "finish")
+    c = gsm.make_config(["--preset=gpu", "--algo=areal"])
+    assert (c.gen.n, c.train.prompts_per_step, c.train.device, c.preset) == (16, 8, "cuda", "gpu")
+    c = gsm.make_config([])  # TBA's defaults untouched
+    assert (c.algo, c.train.max_staleness, c.gen.update_mode, c.train.sync_every) == ("tba", None, "finish", 2)

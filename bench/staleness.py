@@ -1,0 +1,191 @@
+"""AReaL's staleness ablation at CPU scale (the paper's Table 2 / Fig. 5): for each eta, decoupled
+PPO vs naive PPO, same trainer steps, same seeds. Prints one JSON line and writes a plot.
+
+Task (why this one): a small random Llama (vocab 512, 4 layers, d = 256, 3.6M parameters) learns
+to emit tokens from a target set (ids below LOW = 64; the reward is the fraction of completion
+tokens in it, ~LOW/V = 12.5% at the start). It is a real RL signal that a policy climbs from ~0.12 to ~1 within a few
+dozen AReaL steps on one core, so 20+ runs fit in well under an hour on 2 cores, and a large
+learning rate moves the policy far in one step, which is what makes stale data off-policy. The
+default SmolLM2 model was not used: it solves ~4% of sampled 2-digit additions, too weak a
+signal for runs of a few minutes (DESIGN.md section 7).
+
+Per run (one generator process + the trainer, `common.trainer.train`): eta = 0 is synchronous
+AReaL (`train.mode=sync`); eta > 0 is asynchronous with k = 1 and interruptible generation.
+Reported per (loss, eta), mean over seeds: final train reward (mean of the last 5 steps'
+batches), final policy reward (fresh samples of the final weights, 16 prompts x 16), wall-clock,
+trainer throughput (trained tokens / wall-clock) and the mean |prox - behav| gap.
+
+    python bench/staleness.py                      # etas 0 1 2 4 8, 3 seeds, 60 steps (~12 min)
+    python bench/staleness.py --quick              # etas 0 2, 1 seed, 6 steps (smoke check)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from common.generator import GenConfig, PromptSet  # noqa: E402
+from common.trainer import LogConfig, TrainConfig  # noqa: E402
+
+LOW, VOCAB = 64, 512
+
+
+def reward_fn(tokens, meta) -> float:
+    """Fraction of completion tokens below LOW (the checkpoint has no tokenizer: ids, not text)."""
+    return sum(t < LOW for t in tokens) / max(1, len(tokens))
+
+
+@dataclass
+class BenchConfig:
+    name: str = "run"
+    run_root: str = "runs"
+    model: str = ""
+    ref_model: Optional[str] = None
+    seed: int = 0
+    gen: GenConfig = field(default_factory=GenConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def make_model(path: str) -> None:
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+
+
+def prompts(n: int = 32) -> PromptSet:
+    g = torch.Generator().manual_seed(0)
+    return PromptSet([torch.randint(LOW, VOCAB, (int(k),), generator=g).tolist()
+                      for k in torch.randint(2, 7, (n,), generator=g)])
+
+
+@torch.no_grad()
+def policy_reward(model_dir: str, max_new: int) -> float:
+    from common.hf_io import load_model
+    from common.sampler import Sampler
+    from common.sampling import SamplingParams
+    m = load_model(model_dir, tokenizer=False)[0]
+    ps = prompts().tokens[:16]
+    outs = Sampler(m, max_batch=256, max_seq_len=8 + max_new).generate(
+        ps, SamplingParams(max_new_tokens=max_new, temperature=1.0, n=16, seed=123))
+    return statistics.mean(reward_fn(c.tokens, None) for c in outs)
+
+
+def run_one(a, model_dir: str, root: str, loss_name: str, eta: int, seed: int) -> dict:
+    from areal.algo import AReaL, AReaLConfig
+    from areal.loss import decoupled_ppo_loss, ppo_loss
+    from common.log import read_metrics
+    from common.trainer import train
+    name = f"{loss_name}_eta{eta}_s{seed}"
+    cfg = BenchConfig(name=name, run_root=root, model=model_dir, seed=seed,
+                      gen=GenConfig(max_batch=a.prompts * a.n, max_new_tokens=a.max_new, n=a.n, temperature=1.0,
+                                    update_mode="interrupt", ref_logp=False),
+                      train=TrainConfig(steps=a.steps, lr=a.lr, warmup_steps=1, prompts_per_step=a.prompts,
+                                        sync_every=1, mode="sync" if eta == 0 else "async", max_staleness=eta,
+                                        min_buffer=a.prompts * a.n, buffer_capacity=(eta + 4) * a.prompts * a.n,
+                                        micro_batch_tokens=4096, keep_checkpoints=1))
+    loss_fn = {"decoupled": decoupled_ppo_loss, "naive": ppo_loss}[loss_name]
+    algo = AReaL(AReaLConfig(n_minibatches=4), a.prompts, a.n, 1.0, 4096, max_staleness=eta, loss_fn=loss_fn)
+    torch.manual_seed(seed)
+    t = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+        train(cfg, algo, prompts(), reward_fn, stop_token_ids=())
+    wall = time.perf_counter() - t
+    rows = [r for r in read_metrics(os.path.join(root, name, "metrics.jsonl")) if "step_s" in r]
+    final = sorted(os.listdir(os.path.join(root, name, "checkpoints")))[-1]
+    tokens = sum(r["trainer_tok_s"] * r["train_s"] for r in rows)  # trained completion tokens
+    return {"loss": loss_name, "eta": eta, "seed": seed, "wall_s": wall,
+            "steps_s": sum(r["step_s"] for r in rows),
+            "train_reward": statistics.mean(r["reward_mean"] for r in rows[-5:]),
+            "steps_to_0.9": next((r["step"] for r in rows if r["reward_mean"] >= 0.9), None),
+            "policy_reward": policy_reward(os.path.join(root, name, "checkpoints", final, "model"), a.max_new),
+            "trainer_tok_per_s": tokens / sum(r["step_s"] for r in rows),
+            "gap_mean": statistics.mean(r["gap_mean"] for r in rows),
+            "staleness_mean": statistics.mean(r["staleness_mean"] for r in rows),
+            "dropped_stale": rows[-1]["dropped_stale"]}
+
+
+def plot(summary: dict, etas: list[int], out_png: str) -> str | None:
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    fig = Figure(figsize=(11, 3.4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 3)
+    for ax, key, title in zip(axes, ("policy_reward", "train_reward", "trainer_tok_per_s"),
+                              ("final policy reward", "train reward (last 5 steps)", "trainer tokens / s (wall)")):
+        for loss in ("decoupled", "naive"):
+            pts = [(e, summary[f"{loss}_eta{e}"]) for e in etas if f"{loss}_eta{e}" in summary]
+            ax.errorbar([p[0] for p in pts], [p[1][key] for p in pts], yerr=[p[1][key + "_sd"] for p in pts],
+                        marker="o", capsize=3, label=loss)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xticks(etas, [str(e) for e in etas])
+        ax.set_xlabel("max staleness eta")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("AReaL staleness ablation (toy task, tiny Llama, CPU)")
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--max-new", type=int, default=24)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--root", default=None, help="run directory root (default: a temp dir)")
+    ap.add_argument("--png", default=None, help="plot path (default: <root>/staleness.png)")
+    ap.add_argument("--quick", action="store_true", help="etas 0 2, one seed, 6 steps")
+    a = ap.parse_args()
+    if a.quick:
+        a.etas, a.seeds, a.steps = [0, 2], [0], 6
+    torch.set_num_threads(1)
+    root = a.root or tempfile.mkdtemp(prefix="asyncrl_staleness_")
+    model_dir = os.path.join(root, "model")
+    make_model(model_dir)
+    runs = []
+    for seed in a.seeds:
+        for eta in a.etas:
+            for loss in ("decoupled", "naive"):
+                runs.append(run_one(a, model_dir, root, loss, eta, seed))
+                print(json.dumps({"run": runs[-1]}), file=sys.stderr)
+    summary = {}
+    for loss in ("decoupled", "naive"):
+        for eta in a.etas:
+            rs = [r for r in runs if r["loss"] == loss and r["eta"] == eta]
+            s = {}
+            for k in ("policy_reward", "train_reward", "trainer_tok_per_s", "wall_s", "gap_mean", "staleness_mean"):
+                vals = [r[k] for r in rs]
+                s[k], s[k + "_sd"] = statistics.mean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+            s["dropped_stale"] = sum(r["dropped_stale"] for r in rs)
+            s["steps_to_0.9"] = [r["steps_to_0.9"] for r in rs]  # per seed; None = never reached
+            summary[f"{loss}_eta{eta}"] = s
+    png = plot(summary, a.etas, a.png or os.path.join(root, "staleness.png"))
+    print(json.dumps({"bench": "staleness", "task": f"toy: fraction of tokens < {LOW} of {VOCAB}",
+                      "steps": a.steps, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new, "lr": a.lr,
+                      "seeds": a.seeds, "etas": a.etas, "summary": summary, "runs": runs, "plot": png, "root": root}))
+
+
+if __name__ == "__main__":
+    main()
