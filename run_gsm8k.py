@@ -212,6 +212,7 @@ def reward_fn(completion_text: str, gold: str) -> float:
 # config: every field can be overridden from the command line (--section.field=value)
 
 from common.generator import GenConfig, PromptSet  # noqa: E402
+from common.precision import PrecisionConfig
 from common.trainer import LogConfig, TrainConfig  # noqa: E402
 from tba.algo import GRPOConfig, TBAConfig  # noqa: E402
 from areal.algo import AReaLConfig  # noqa: E402
@@ -248,6 +249,7 @@ class RunConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     areal: AReaLConfig = field(default_factory=AReaLConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # auto: bf16 / GEMM backend measured per machine
 
 
 def gpu_preset(cfg: RunConfig) -> RunConfig:

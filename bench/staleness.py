@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from common.generator import GenConfig, PromptSet  # noqa: E402
+from common.precision import PrecisionConfig
 from common.trainer import LogConfig, TrainConfig  # noqa: E402
 
 LOW, VOCAB = 64, 512
@@ -56,6 +57,8 @@ class BenchConfig:
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # fp32 everywhere so results do not depend on whether this CPU has bf16 units (bf16: tests/test_precision.py)
+    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(dtype="fp32"))
 
 
 def make_model(path: str) -> None:

@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from common.batch import Trajectory, collate
+from common.linear import onednn_enabled
 from common.ops import seq_logp, token_logp
+from common.precision import Precision
 from common.reward_service import RewardClient
 from common.sampler import Sampler
 from common.sampling import SamplingParams
@@ -138,12 +140,14 @@ def reference_seq_logp(ref_model, trajs: list[Trajectory], temperature: float) -
 
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,
                    control: Control, prompts: PromptSet, reward_fn: Callable, seed: int, max_seq_len: int,
-                   stop_token_ids: tuple, device: str = "cpu", *, stop_event) -> None:
-    """Process entry point (started by `common.launch.Workers.start`)."""
-    from common.hf_io import load_model
+                   stop_token_ids: tuple, device: str = "cpu", precision: Optional[Precision] = None,
+                   *, stop_event) -> None:
+    """Process entry point (started by `common.launch.Workers.start`). `precision`: the
+    trainer's resolved choice (default fp32 with this process's GEMM backend left as is)."""
+    prec = (precision or Precision(gemm="onednn" if onednn_enabled() else "aten")).apply()
     dev = torch.device(device)
-    model, tok = load_model(model_path, device=dev)
-    ref = load_model(ref_path, device=dev, tokenizer=False)[0] if (cfg.ref_logp and ref_path) else None
+    model, tok = prec.load(model_path, device=dev, role="generator")
+    ref = prec.load(ref_path, device=dev, tokenizer=False)[0] if (cfg.ref_logp and ref_path) else None
     while store.version < 0 and not stop_event.is_set():  # trainer publishes version 0 first
         time.sleep(0.01)
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,

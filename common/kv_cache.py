@@ -101,7 +101,12 @@ class KVCache:
 
     # ------------------------------------------------------------------ attention (called by every layer)
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (B, H, T, hd), k/v (B, Hkv, T, hd) of the current tokens -> attention output (B, H, T, hd)."""
+        """q (B, H, T, hd), k/v (B, Hkv, T, hd) of the current tokens -> attention output (B, H, T, hd).
+        Attention runs in the cache's dtype (fp32 with bf16 weights where that is faster, see
+        `common/precision.py`); the output goes back in q's dtype."""
+        if q.dtype != self.dtype:
+            dt = q.dtype
+            return self.attend(layer, q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)).to(dt)
         if self.mode == "decode":
             return self._decode(layer, q, k, v)
         T = q.shape[2]

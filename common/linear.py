@@ -1,4 +1,8 @@
-"""`Linear`: nn.Linear whose CPU fp32 GEMMs run on oneDNN instead of MKL.
+"""`Linear`: nn.Linear whose CPU fp32 GEMMs can run on oneDNN instead of ATen's F.linear.
+
+Whether they do is decided per machine by `common/precision.py` (measured at start, `gemm`
+auto|onednn|aten) and set in every process with `set_onednn`; the numbers below are from the
+machine where oneDNN won. On an Intel Xeon (MKL takes its AVX-512 kernels there) F.linear won.
 
 Every process uses it through `common/model.py`: the generators' sampler, reference and eval
 passes, and the trainer's forward and backward. Why: PyTorch's CPU `F.linear` calls MKL
@@ -20,7 +24,8 @@ Routing (`bench/sampler.py --ablate-onednn` prints the effect):
     over 4 x 250 tokens: 9.3-10.7 s through F.linear, 5.8-6.5 s this way; gradients agree to
     6e-6 relative. Its backward makes transient contiguous copies of W^T, dY^T and X^T (for the
     lm_head dY^T is tokens x V floats, as big as the logits' gradient);
-  - never on CUDA or for other dtypes (F.linear is already the right kernel there).
+  - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), or under autocast
+    (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule).
 `set_onednn(False)` turns it off (for A/B benchmarks and bisecting numerical questions).
 """
 from __future__ import annotations
@@ -42,6 +47,10 @@ def set_onednn(enabled: bool) -> bool:
 
 def onednn_enabled() -> bool:
     return _enabled
+
+
+def onednn_available() -> bool:
+    return _AVAILABLE
 
 
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -75,7 +84,8 @@ class _OneDNNLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N)."""
-    if _enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0:
+    if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
+            and not torch.is_autocast_enabled("cpu")):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
             return _OneDNNLinear.apply(x, weight, bias)
         return _mm(x, weight, bias)

@@ -106,6 +106,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, nh, T, hd); cos/sin (B, 1, T, hd). Hugging Face's rotate-half convention."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # under autocast x is bf16, the tables fp32
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -194,6 +195,10 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self._rope_cache: tuple | None = None  # (cos, sin) tables (P, hd), grown on demand
+        # Mixed precision (trainer): fp32 weights, forward passes under autocast to this dtype.
+        # None = run in the weights' dtype (generators hold bf16 or fp32 weights directly).
+        self.compute_dtype: torch.dtype | None = None
+        self.kv_dtype: torch.dtype | None = None  # the sampler's KV cache dtype; None = the weights'
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
@@ -211,6 +216,12 @@ class Transformer(nn.Module):
             c = self._rope_cache = (ang.cos(), ang.sin())
         dt = self.lm_head.weight.dtype
         return c[0][pos].unsqueeze(1).to(dt), c[1][pos].unsqueeze(1).to(dt)
+
+    def autocast(self):
+        """Context for forward passes: autocast to `compute_dtype` when it differs from the
+        weights' dtype (log-softmax and losses run outside it, in fp32: `common/ops.py`)."""
+        dt = self.compute_dtype
+        return torch.autocast(self.device.type, dtype=dt, enabled=dt is not None and dt != self.dtype)
 
     def hidden(self, tokens, cache=None, pos=None):
         """Final-norm hidden states (B, T, D). pos (B, T): absolute positions for RoPE

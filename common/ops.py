@@ -12,6 +12,8 @@ Shapes: B rows, T tokens, V vocab.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -56,14 +58,18 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     B, T = tokens.shape
     outs = []
     step = chunk_rows or B
+    autocast = getattr(model, "autocast", contextlib.nullcontext)  # mixed precision: model.compute_dtype
     for i in range(0, B, step):
         x = tokens[i:i + step]
         if loss_mask is None:
-            lp = logp_from_logits(model(x)[:, :-1], x[:, 1:], T_eff)  # (b, T-1): predicts tokens 1..T-1
+            with autocast():
+                logits = model(x)[:, :-1]
+            lp = logp_from_logits(logits, x[:, 1:], T_eff)  # (b, T-1): predicts tokens 1..T-1
         else:
             sel = loss_mask[i:i + step, 1:]                    # (b, T-1): targets we need
-            h = model.hidden(x)[:, :-1][sel]                   # (n, D) states predicting them
-            lp_sel = logp_from_logits(model.lm_head(h), x[:, 1:][sel], T_eff)  # (n,)
+            with autocast():
+                logits = model.lm_head(model.hidden(x)[:, :-1][sel])  # (n, V) from the states predicting them
+            lp_sel = logp_from_logits(logits, x[:, 1:][sel], T_eff)  # (n,), fp32 outside autocast
             lp = torch.zeros(sel.shape, dtype=lp_sel.dtype, device=x.device).masked_scatter(sel, lp_sel)
         outs.append(F.pad(lp, (1, 0)))  # (b, T): position 0 has no prediction
     return torch.cat(outs, 0)

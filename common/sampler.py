@@ -62,13 +62,18 @@ def _hole_below(items: list) -> tuple[int, int] | None:
 
 class Sampler:
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
-                 max_prompt_len: int | None = None):
+                 max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
-        bounds prompts and sizes the cache's prompt store (memory: see `common/kv_cache.py`)."""
+        bounds prompts and sizes the cache's prompt store (memory: see `common/kv_cache.py`).
+        kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
+        run's `Precision`: fp32 with bf16 weights where the machine attends faster in fp32),
+        else the model's dtype."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_prompt_len = min(max_prompt_len or max_seq_len - 1, max_seq_len - 1)
         dev = model.device
-        self.cache = KVCache(model.cfg, max_batch, max_seq_len, model.dtype, dev, max_prompt_len=self.max_prompt_len)
+        kv_dtype = kv_dtype or getattr(model, "kv_dtype", None) or model.dtype
+        self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev,
+                             max_prompt_len=self.max_prompt_len)
         self.entries: list[_Request | None] = [None] * self.cache.max_prefixes  # prompt store owners
         self.version = version                      # stamped on every token sampled from now on
         self.generator = torch.Generator(device=dev).manual_seed(seed)

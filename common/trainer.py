@@ -13,10 +13,16 @@ and k = 1: generators may start exactly one batch of prompts per published versi
 trainer consumes exactly that batch, so sync and async runs do equal work per step.
 
 A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
-train (TrainConfig), gen (GenConfig), log (LogConfig).
+train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig).
+
+Precision (`common/precision.py`): resolved once here (measured per machine when `auto`),
+printed, saved as runs/<name>/precision.json and handed to the generators. bf16 keeps the
+model and AdamW state in fp32 and runs forward passes under autocast; the weight store holds
+the generators' dtype, so `publish` casts while it copies.
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +36,7 @@ from common.buffer import ReplayBuffer
 from common.config import save_config, to_dict
 from common.generator import Control, PromptSet, generator_main
 from common.launch import Workers
+from common.precision import resolve
 from common.reward_service import RewardClient, reward_worker_main
 from common.weights import WeightStore
 
@@ -144,7 +151,6 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     train.reward_workers > 0 and pass `reward_factory`, a module-level function that builds
     fn(texts, metas) -> list[float] once per reward worker (common/reward_service.py)."""
     from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.hf_io import load_model
     from common.log import MetricsLogger, Progress
     tc = check_config(cfg.train)
     if tc.reward_workers > 0 and reward_factory is None:
@@ -155,7 +161,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                               f"--name (or delete the directory)")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
-    model, tok = load_model(cfg.model, device=tc.device)
+    prec = resolve(cfg.precision, tc.device).apply()
+    print(f"[asyncrl] precision: {prec.summary()}")
+    (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
+    model, tok = prec.load(cfg.model, device=tc.device, role="trainer")
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))
@@ -171,7 +180,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     if buffer is None:
         buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=(tok.pad_token_id or 0) if tok else 0)
     logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
-                           wandb_project=cfg.log.wandb_project, config=to_dict(cfg))
+                           wandb_project=cfg.log.wandb_project,
+                           config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
     last: dict = {}
 
     def checkpoint():  # the current step, everything needed to resume
@@ -183,7 +193,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             return {}
         t = time.perf_counter()
         model.eval()
-        out = evaluate(model, tok)
+        out = evaluate(prec.inference_copy(model), tok)  # in the generators' dtype
         model.train()
         out = {**out, "eval_s": time.perf_counter() - t}
         logger.log(step, **out)
@@ -191,7 +201,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         return out
 
     with Workers() as workers:
-        store = WeightStore.from_module(model, device=model.device)  # CUDA: shared with generators via IPC
+        # in the generators' dtype; CUDA: shared with generators via IPC
+        store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
         store.publish(model, version)
         per_version = tc.prompts_per_step * tc.sync_every
         control = Control(workers.ctx, per_version, tc.max_staleness, tc.n_generators)
@@ -208,7 +219,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn)
         for r in range(tc.n_generators):
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
-                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r))
+                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r),
+                          prec)
         if tc.mode == "async":
             workers.wait_event(lambda: len(buffer) >= tc.min_buffer, timeout=math.inf)
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")

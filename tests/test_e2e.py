@@ -12,6 +12,7 @@ import torch
 
 from common.generator import GenConfig, PromptSet
 from common.log import read_metrics
+from common.precision import PrecisionConfig
 from common.trainer import LogConfig, TrainConfig, train
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
@@ -42,6 +43,8 @@ class ToyConfig:
         steps=100, lr=3e-3, warmup_steps=1, prompts_per_step=4, sync_every=2, min_buffer=16,
         buffer_capacity=512, micro_batch_tokens=256))
     log: LogConfig = field(default_factory=LogConfig)
+    # fp32 everywhere so results do not depend on whether this CPU has bf16 units (bf16: tests/test_precision.py)
+    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(dtype="fp32"))
 
 
 def _prompts():

@@ -1,0 +1,229 @@
+"""Which precision and GEMM backend this machine should use, decided from the CPU, not a constant.
+
+The trainer (main process) calls `resolve` once at start; the resolved `Precision` is printed,
+saved with the run (`precision.json` and the metrics' config) and handed to the generator
+processes, which apply it without measuring again. Three choices, each `auto` or forced:
+
+  dtype   compute dtype. bf16 means mixed precision as on GPUs: the trainer keeps fp32 master
+          weights and optimizer state and runs forward passes under bf16 autocast (log-softmax
+          and losses stay fp32, `common/ops.py`); generators and the reference model hold bf16
+          weights; the weight store publishes bf16 (the fp32 -> bf16 cast is the copy it
+          already makes). auto on CPU: bf16 only if the CPU reports bf16 dot-product hardware
+          (AMX-BF16 or AVX512-BF16) AND a measured bf16 GEMM beats the best fp32 GEMM by
+          BF16_MIN_GAIN; otherwise fp32. auto on CUDA: bf16.
+  gemm    backend of CPU fp32 GEMMs (`common/linear.py`): oneDNN or ATen's F.linear (MKL or
+          OpenBLAS); auto = the faster one measured. Where MKL takes its AVX2 kernels on an
+          AVX-512 CPU oneDNN wins; on others plain F.linear does. bf16 GEMMs already run on oneDNN.
+  kv      dtype of the sampler's KV cache and attention. The CPU flash-attention kernel can be
+          much slower in bf16 than in fp32 at decode shapes (one query row); auto on CPU = the
+          faster one measured (only asked when dtype is bf16); on CUDA = dtype.
+
+The measurement: three GEMMs of a decoder layer's MLP shape (256 x 576 @ 576 x 1536, about a
+micro-batch slice or a 256-slot decode step) and one decode attention, at the process's thread
+count, best of a few repeats: about 0.2-0.4 s. The result is cached per machine in
+$ASYNCRL_CACHE/precision/ (keyed by CPU model, flags, torch version and thread count) so that
+reruns on one machine make the same choice; `--precision.remeasure` refreshes it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
+# autocast adds a weight cast per micro-batch, so a smaller GEMM gain would not pay for them
+_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"   # compute dtype; auto: bf16 only where the CPU is measured faster in it
+    gemm: Literal["auto", "onednn", "aten"] = "auto"  # CPU fp32 GEMM backend; auto: the faster one measured
+    kv: Literal["auto", "fp32", "bf16"] = "auto"      # sampler KV cache / attention dtype; auto: measured (CPU), = dtype (CUDA)
+    remeasure: bool = False                           # ignore this machine's cached measurement and measure again
+
+
+@dataclass
+class Precision:
+    """A resolved choice; plain strings so it pickles to workers and saves as JSON."""
+    dtype: str = "fp32"      # "fp32" | "bf16"
+    gemm: str = "aten"       # "onednn" | "aten" (CPU fp32 GEMMs)
+    kv: str = "fp32"         # "fp32" | "bf16"
+    why: str = ""            # one line: what decided it
+    cpu: dict = field(default_factory=dict)       # model name, bf16-relevant flags, torch capability
+    measured: dict = field(default_factory=dict)  # GFLOP/s and attention ms, when measured
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return _DTYPES[self.kv]
+
+    def apply(self) -> "Precision":
+        """Set this process's GEMM backend (call in every process that runs the model)."""
+        from common.linear import set_onednn
+        set_onednn(self.gemm == "onednn")
+        return self
+
+    def load(self, name_or_path: str, device="cpu", role: str = "generator", tokenizer: bool = True):
+        """(model, tokenizer) set up for `role`: "trainer" keeps fp32 master weights and runs
+        forward passes under autocast to `dtype`; "generator" (sampler, reference) holds
+        weights in `dtype`. Both sample with a KV cache in `kv`."""
+        from common.hf_io import load_model
+        if role not in ("trainer", "generator"):
+            raise ValueError(f"Precision.load: role={role!r}, expected 'trainer' or 'generator'")
+        model, tok = load_model(name_or_path, device=device, tokenizer=tokenizer,
+                                dtype=torch.float32 if role == "trainer" else self.torch_dtype)
+        return self.configure(model, role), tok
+
+    def configure(self, model, role: str):
+        if role == "trainer":
+            model.compute_dtype = None if self.dtype == "fp32" else self.torch_dtype
+        model.kv_dtype = self.kv_dtype
+        return model
+
+    def inference_copy(self, model):
+        """The trainer's model as a generator would hold it (for evaluation in the trainer):
+        the model itself in fp32, else a copy in `dtype` (fp32 weights would run at fp32 speed)."""
+        if model.dtype == self.torch_dtype and model.compute_dtype is None:
+            return model
+        import copy
+        m = copy.deepcopy(model).to(self.torch_dtype)
+        m.compute_dtype = None
+        return m
+
+    def summary(self) -> str:
+        return f"dtype={self.dtype} gemm={self.gemm} kv={self.kv} ({self.why})"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def cpu_info() -> dict:
+    """CPU model name, the flags that matter for bf16, and the ISA torch dispatches to."""
+    name, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name":
+                name = val.strip()
+            elif key.strip() == "flags":
+                flags = set(val.split())
+                break
+    except OSError:
+        pass
+    return {"model": name, "flags": [f for f in _FLAGS if f in flags],
+            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
+
+
+def has_bf16_hardware(info: dict) -> bool:
+    return any(f in info["flags"] for f in ("amx_bf16", "avx512_bf16"))
+
+
+def _best_time(fn, reps: int = 5) -> float:
+    fn()  # warm-up: oneDNN builds its kernel on the first call
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(bf16: bool = True) -> dict:
+    """GFLOP/s of fp32 GEMMs through ATen and oneDNN (and bf16 if asked), and the ms of one
+    decode-shaped attention in fp32 and bf16. Single call; ~0.2-0.4 s on one core."""
+    from common.linear import onednn_available
+    M, K, N = 256, 576, 1536
+    flops = 2 * M * K * N
+    x, w = torch.randn(M, K), torch.randn(N, K) / K ** 0.5
+    out = {"shape": [M, K, N], "fp32_aten_gflops": flops / _best_time(lambda: F.linear(x, w)) / 1e9}
+    if onednn_available():
+        mm = torch.ops.mkldnn._linear_pointwise
+        out["fp32_onednn_gflops"] = flops / _best_time(lambda: mm(x, w, None, "none", [], "")) / 1e9
+    if bf16:
+        xb, wb = x.bfloat16(), w.bfloat16()
+        out["bf16_gflops"] = flops / _best_time(lambda: F.linear(xb, wb)) / 1e9
+        # one layer's decode attention: 64 rows, 9 query / 3 kv heads, 256 cached tokens
+        from common.attention import attend_lse
+        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            q, k = torch.randn(64, 9, 1, 64, dtype=dt), torch.randn(64, 3, 256, 64, dtype=dt)
+            mask = torch.zeros(64, 1, 1, 256, dtype=dt)
+            out[f"attn_{name}_ms"] = 1e3 * _best_time(lambda: attend_lse(q, k, k, mask))
+    return out
+
+
+def _cache_file(info: dict) -> Path:
+    from common.hf_io import cache_root
+    key = json.dumps([info, torch.__version__], sort_keys=True)
+    return cache_root() / "precision" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
+    """`measure()` through the per-machine cache (a file per CPU/flags/torch/threads key)."""
+    path = _cache_file(info)
+    if not remeasure and path.is_file():
+        try:
+            m = json.loads(path.read_text())
+            if not bf16 or "bf16_gflops" in m:
+                return {**m, "cached": str(path)}
+        except (OSError, ValueError):
+            pass  # unreadable cache: measure again
+    m = measure(bf16)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(m))
+        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
+    except OSError:
+        pass  # read-only home: the choice still holds for this run
+    return m
+
+
+def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
+    """Turn `auto`s into concrete choices for this machine (see the module docstring)."""
+    if torch.device(device).type == "cuda":
+        dtype = "bf16" if cfg.dtype == "auto" else cfg.dtype
+        kv = dtype if cfg.kv == "auto" else cfg.kv
+        gemm = cfg.gemm if cfg.gemm != "auto" else "aten"
+        return Precision(dtype, gemm, kv, why="CUDA: bf16 autocast with fp32 master weights unless forced")
+    info = cpu_info()
+    hw = has_bf16_hardware(info)
+    need = cfg.gemm == "auto" or cfg.dtype == "auto" or (cfg.kv == "auto" and cfg.dtype != "fp32")
+    m = measured(info, bf16=hw or cfg.dtype == "bf16", remeasure=cfg.remeasure) if need else {}
+    why = []
+    gemm = cfg.gemm
+    if gemm == "auto":
+        one = m.get("fp32_onednn_gflops", 0.0)
+        gemm = "onednn" if one > m["fp32_aten_gflops"] else "aten"
+        why.append(f"fp32 GEMM oneDNN {one:.0f} vs ATen {m['fp32_aten_gflops']:.0f} GFLOP/s")
+    dtype = cfg.dtype
+    if dtype == "auto":
+        fp32_best = max(m["fp32_aten_gflops"], m.get("fp32_onednn_gflops", 0.0))
+        if not hw:
+            dtype = "fp32"
+            why.append("no AMX-BF16 / AVX512-BF16: fp32")
+        else:
+            gain = m["bf16_gflops"] / fp32_best
+            dtype = "bf16" if gain >= BF16_MIN_GAIN else "fp32"
+            why.append(f"bf16 GEMM {gain:.2f}x fp32 (need {BF16_MIN_GAIN}x)")
+    kv = cfg.kv
+    if kv == "auto":
+        if dtype == "fp32":
+            kv = "fp32"
+        else:
+            kv = "bf16" if m["attn_bf16_ms"] < m["attn_fp32_ms"] else "fp32"
+            why.append(f"decode attention bf16 {m['attn_bf16_ms']:.2f} vs fp32 {m['attn_fp32_ms']:.2f} ms")
+    return Precision(dtype, gemm, kv, why="; ".join(why) or "all forced", cpu=info, measured=m)

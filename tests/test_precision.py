@@ -1,0 +1,183 @@
+"""Per-machine precision: the choice logic, and bf16 numerics checked against fp32.
+
+Tolerances (tiny random models, logits std ~1 so log-probs span a few nats):
+  - bf16 (autocast or bf16 weights) token log-probs vs fp32: max |diff| < 0.05 nats (measured
+    here: 0.012);
+  - the sampler's recorded log-probs (bf16 weights, fp32 or bf16 KV cache) vs the trainer's
+    recomputation (fp32 master weights under bf16 autocast), the train/inference mismatch:
+    mean |diff| < 0.02 and max < 0.1 nats per token (measured here: mean 0.008, max 0.04; fp32
+    vs fp32 agrees to ~1e-6, test_sampler.py);
+  - fp32 greedy decoding equals transformers exactly, through either GEMM backend.
+"""
+import json
+
+import pytest
+import torch
+
+import common.precision as P
+from common.hf_io import load_model
+from common.linear import Linear, set_onednn
+from common.ops import token_logp
+from common.precision import Precision, PrecisionConfig, resolve
+from common.sampler import Sampler
+from common.sampling import SamplingParams
+from common.weights import WeightStore
+from tests.tiny import save_hf
+
+FAKE = {"shape": [256, 576, 1536], "fp32_aten_gflops": 100.0, "fp32_onednn_gflops": 200.0,
+        "bf16_gflops": 500.0, "attn_fp32_ms": 1.0, "attn_bf16_ms": 5.0}
+
+
+def _fake_machine(monkeypatch, flags, measured=FAKE):
+    calls = []
+    monkeypatch.setattr(P, "cpu_info", lambda: {"model": "test cpu", "flags": flags, "capability": "AVX512",
+                                                "threads": 1})
+    monkeypatch.setattr(P, "measured", lambda info, bf16, remeasure=False: calls.append(bf16) or dict(measured))
+    return calls
+
+
+# ------------------------------------------------------------------------------ the choice
+
+def test_auto_picks_bf16_only_with_bf16_hardware_and_a_measured_gain(monkeypatch):
+    _fake_machine(monkeypatch, ["avx512f", "amx_bf16"])
+    p = resolve(PrecisionConfig())
+    assert (p.dtype, p.gemm, p.kv) == ("bf16", "onednn", "fp32")  # 2.5x GEMM; attention faster in fp32
+    assert "2.50x" in p.why and p.measured["bf16_gflops"] == 500.0
+    _fake_machine(monkeypatch, ["avx512f", "avx512_bf16"], {**FAKE, "bf16_gflops": 250.0, "attn_bf16_ms": 0.5})
+    assert resolve(PrecisionConfig()).dtype == "fp32"  # 1.25x < BF16_MIN_GAIN
+    calls = _fake_machine(monkeypatch, ["avx512f", "avx2"], {**FAKE, "fp32_aten_gflops": 300.0})
+    p = resolve(PrecisionConfig())
+    assert (p.dtype, p.gemm, p.kv) == ("fp32", "aten", "fp32") and calls == [False]  # bf16 not even measured
+    assert "no AMX-BF16" in p.why
+
+
+def test_forced_choices_skip_the_measurement(monkeypatch):
+    calls = _fake_machine(monkeypatch, ["amx_bf16"])
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16"))
+    assert (p.dtype, p.gemm, p.kv, p.why) == ("bf16", "aten", "bf16", "all forced") and calls == []
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten"))  # kv auto needs the attention timing
+    assert p.kv == "fp32" and calls == [True]
+    assert resolve(PrecisionConfig(dtype="fp32"), device="cuda").dtype == "fp32"
+    p = resolve(PrecisionConfig(), device="cuda")
+    assert (p.dtype, p.kv) == ("bf16", "bf16")
+
+
+def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    info = P.cpu_info()
+    m = P.measured(info, bf16=True)
+    assert m["fp32_aten_gflops"] > 0 and m["bf16_gflops"] > 0 and m["attn_fp32_ms"] > 0 and "cached" not in m
+    files = list((tmp_path / "precision").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["bf16_gflops"] == m["bf16_gflops"]
+    again = P.measured(info, bf16=True)
+    assert again["cached"] == str(files[0]) and again["bf16_gflops"] == m["bf16_gflops"]
+    assert "cached" not in P.measured(info, bf16=True, remeasure=True)
+    p = resolve(PrecisionConfig())  # on this machine, whatever it is: a valid, explained choice
+    assert p.dtype in ("fp32", "bf16") and p.gemm in ("onednn", "aten") and p.why and p.cpu["model"]
+
+
+# ------------------------------------------------------------------------------ numerics
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prec")
+    m = save_hf("llama3_untied", d)
+    with torch.no_grad():  # spread the logits (std ~1) so bf16 rounding shows in log-probs
+        m.lm_head.weight.mul_(1.0 / m.lm_head.weight.std() / 32 ** 0.5 / m.model.norm.weight.abs().mean())
+    m.save_pretrained(d)
+    return str(d)
+
+
+def _seqs(n=6, T=24, V=97):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, V, (n, T), generator=g)
+    mask = torch.zeros(n, T, dtype=torch.bool)
+    mask[:, 6:] = True
+    return tokens, mask
+
+
+def test_autocast_token_logp_close_to_fp32(ckpt):
+    tokens, mask = _seqs()
+    fp32 = Precision("fp32", "onednn", "fp32")
+    bf16 = Precision("bf16", "onednn", "fp32")
+    master, _ = bf16.load(ckpt, role="trainer", tokenizer=False)
+    assert master.dtype == torch.float32 and master.compute_dtype == torch.bfloat16
+    ref, _ = fp32.load(ckpt, role="trainer", tokenizer=False)
+    assert ref.compute_dtype is None
+    with torch.no_grad():
+        want = token_logp(ref, tokens, 0.7, mask)
+        assert want[mask].std() > 0.3  # log-probs that differ: the check below is not vacuous
+        got = token_logp(master, tokens, 0.7, mask)
+        gen = token_logp(bf16.load(ckpt, tokenizer=False)[0], tokens, 0.7, mask)  # bf16 weights
+    assert got.dtype == torch.float32
+    assert 0 < (got - want).abs().max() < 0.05  # bf16 really ran (not a silent fp32 path), and stayed close
+    assert (gen - want).abs().max() < 0.05
+
+
+def test_autocast_linear_runs_in_bf16_and_grads_reach_fp32_master(ckpt):
+    lin = Linear(8, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lin(torch.randn(3, 8)).dtype == torch.bfloat16  # not the fp32 oneDNN route
+    model, _ = Precision("bf16", "onednn", "fp32").load(ckpt, role="trainer", tokenizer=False)
+    tokens, mask = _seqs()
+    token_logp(model, tokens, 1.0, mask).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_bf16_sampler_logp_vs_trainer_recompute(ckpt, kv):
+    prec = Precision("bf16", "onednn", kv)
+    gen, _ = prec.load(ckpt, tokenizer=False)
+    master, _ = prec.load(ckpt, role="trainer", tokenizer=False)
+    assert gen.dtype == torch.bfloat16 and gen.kv_dtype == prec.kv_dtype
+    s = Sampler(gen, max_batch=6, max_seq_len=48)
+    assert s.cache.k[0].dtype == prec.kv_dtype
+    outs = s.generate([[5, 17, 33], [9] * 10, [40, 41, 42, 43]], SamplingParams(max_new_tokens=16, temperature=0.7,
+                                                                               n=2, seed=0))
+    diffs = []
+    for c in outs:
+        seq = torch.tensor([c.prompt_tokens + c.tokens])
+        with torch.no_grad():
+            lp = token_logp(master, seq, 0.7)[0, len(c.prompt_tokens):]
+        diffs.append((c.logp_tensor() - lp).abs())
+    d = torch.cat(diffs)
+    assert d.mean() < 0.02 and d.max() < 0.1, (d.mean(), d.max())
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_fp32_greedy_equals_transformers_on_either_backend(onednn, tmp_path):
+    from tests.test_sampler import PROMPTS, _hf_greedy
+    ref = save_hf("qwen2_bias", tmp_path)
+    old = set_onednn(onednn)
+    try:
+        ours, _ = Precision("fp32", "onednn" if onednn else "aten", "fp32").load(str(tmp_path), tokenizer=False)
+        outs = Sampler(ours, max_batch=2, max_seq_len=64).generate(PROMPTS, SamplingParams(max_new_tokens=12,
+                                                                                            temperature=0))
+    finally:
+        set_onednn(old)
+    assert [c.tokens for c in outs] == [_hf_greedy(ref, p, 12) for p in PROMPTS]
+
+
+def test_store_publishes_fp32_master_as_bf16(ckpt):
+    master, _ = load_model(ckpt, tokenizer=False)
+    gen, _ = Precision("bf16", "aten", "fp32").load(ckpt, tokenizer=False)
+    with torch.no_grad():
+        for p in master.parameters():
+            p.add_(0.01)
+    store = WeightStore.from_module(master, dtype=torch.bfloat16)
+    assert store.nbytes == sum(p.numel() * 2 for p in master.parameters())  # half of fp32
+    store.publish(master, 1)
+    assert store.load_into(gen) == 1
+    for (n, a), b in zip(master.named_parameters(), gen.parameters()):
+        assert b.dtype == torch.bfloat16 and torch.equal(b, a.detach().bfloat16()), n
+
+
+def test_inference_copy_for_eval(ckpt):
+    prec = Precision("bf16", "onednn", "fp32")
+    master, _ = prec.load(ckpt, role="trainer", tokenizer=False)
+    m = prec.inference_copy(master)
+    assert m.dtype == torch.bfloat16 and m.compute_dtype is None and m.kv_dtype == torch.float32
+    assert master.dtype == torch.float32  # the master weights are untouched
+    fp32 = Precision("fp32", "onednn", "fp32")
+    plain, _ = fp32.load(ckpt, role="trainer", tokenizer=False)
+    assert fp32.inference_copy(plain) is plain
