@@ -1,7 +1,8 @@
 """Synchronous vs asynchronous TBA or AReaL on GSM8K: seconds per trainer step on equal work.
 
 Runs `run_gsm8k.main` twice with the same config, `--train.mode=sync` then async (one generator
-process + the trainer), default model, fp32, one thread per process. TBA async publishes every
+process + the trainer), default model, one thread per process, at `--dtype` (default auto: the
+precision picked for this machine; the runs' precision.json says which). TBA async publishes every
 `--sync-every` steps with unbounded staleness; AReaL (`--algo=areal`) is run_gsm8k's AReaL
 setting: async eta = 4, k = 1, interruptible generation, 4 minibatch updates per step, against
 sync eta = 0 on the same batches. Reads each run's
@@ -34,7 +35,7 @@ def run(mode: str, a, root: str) -> list[dict]:
             f"--train.prompts_per_step={a.prompts}", f"--gen.n={a.n}", f"--gen.max_new_tokens={a.max_new}",
             f"--gen.max_batch={a.prompts * a.n}", f"--train.min_buffer={a.prompts * a.n}",
             "--train.checkpoint_every=0", "--train.keep_checkpoints=1", "--data.eval_size=0",
-            f"--train.sync_every={a.sync_every}", f"--model={a.model}"]
+            f"--train.sync_every={a.sync_every}", f"--model={a.model}", f"--precision.dtype={a.dtype}"]
     run_gsm8k.main(argv)
     return [r for r in read_metrics(os.path.join(root, f"bench_{a.algo}_{mode}", "metrics.jsonl")) if "step_s" in r]
 
@@ -51,18 +52,22 @@ def main():
     ap.add_argument("--sync-every", type=int, default=1, help="async: publish weights every k steps")
     ap.add_argument("--root", default=None, help="run directory root (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="2 prompts x 2 samples, 16 tokens, 3 steps")
+    ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
+                    help="run_gsm8k's --precision.dtype (auto: picked per machine, common/precision.py)")
     a = ap.parse_args()
     if a.quick:
         a.steps, a.warmup, a.prompts, a.n, a.max_new = 3, 1, 2, 2, 16
     root = a.root or tempfile.mkdtemp(prefix="asyncrl_bench_")
     res = {"bench": "async_speedup", "algo": a.algo, "model": a.model, "prompts": a.prompts, "n": a.n, "max_new_tokens": a.max_new,
-           "steps": a.steps, "warmup": a.warmup, "sync_every_async": a.sync_every, "root": root}
+           "steps": a.steps, "warmup": a.warmup, "sync_every_async": a.sync_every, "dtype_flag": a.dtype, "root": root}
     rows = {m: run(m, a, root)[a.warmup:] for m in ("sync", "async")}
     for m, rs in rows.items():
         res[m] = {"step_s": statistics.mean(r["step_s"] for r in rs),
                   "train_s": statistics.mean(r["train_s"] for r in rs),
                   "wait_s": statistics.mean(r["wait_s"] for r in rs),
                   "reward_mean": statistics.mean(r["reward_mean"] for r in rs)}
+    with open(os.path.join(root, f"bench_{a.algo}_async", "precision.json")) as f:
+        res["precision"] = {k: v for k, v in json.load(f).items() if k in ("dtype", "gemm", "kv")}
     G, T = res["sync"]["wait_s"], res["sync"]["train_s"]
     res["speedup"] = res["sync"]["step_s"] / res["async"]["step_s"]
     res["ideal_speedup"] = (G + T) / max(G, T)

@@ -182,6 +182,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
                            wandb_project=cfg.log.wandb_project,
                            config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
+    logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
     last: dict = {}
 
     def checkpoint():  # the current step, everything needed to resume
