@@ -185,9 +185,13 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
     last: dict = {}
 
+    # generation_config.json of every saved model: the policy's stop tokens and sampling settings
+    generation = {"stop_token_ids": tuple(stop_token_ids), "sampling": {
+        "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
+
     def checkpoint():  # the current step, everything needed to resume
         return save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                               buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+                               buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
     def run_eval(tag):
         if evaluate is None:
