@@ -8,7 +8,8 @@
 
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
 (final answer after '####' / "answer is" / last number, compared numerically, math-verify as a
-fallback; exactly 1 or 0), the dataset (local jsonl, `--data.dir`), the config presets, the
+fallback; exactly 1 or 0), the dataset (`--data.source`: local jsonl, a `datasets` folder or
+the hub's openai/gsm8k), the config presets, the
 evaluation (greedy pass@1 on a fixed test subset) and main(). The trainer runs in this process;
 generator processes import this module to call `reward_fn`, so it must stay importable.
 
@@ -59,12 +60,31 @@ def default_data_dir() -> Path | None:
     return None
 
 
+HUB_DATASET = "openai/gsm8k"  # on the hub: configs "main" / "socratic", splits train / test, same fields
+
+
+def example_from_row(row, where: str) -> GSM8KExample:
+    """One {"question", "answer": "...#### 42"} row -> GSM8KExample; errors name `where`."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    for key in ("question", "answer"):
+        if not isinstance(row.get(key), str):
+            raise ValueError(f"{where}: missing or non-string key {key!r}")
+    answer = row["answer"]
+    if "####" not in answer:
+        raise ValueError(f"{where}: answer has no '####' gold marker")
+    gold = _normalise_number(answer.rsplit("####", 1)[1].strip())
+    if not gold:
+        raise ValueError(f"{where}: empty gold answer after '####'")
+    return GSM8KExample(question=row["question"], answer=answer, gold=gold)
+
+
 def load_gsm8k(path, limit: int | None = None) -> list[GSM8KExample]:
     """Read a GSM8K JSONL file; errors name the file and the 1-based line number."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"GSM8K data file not found: {path} "
-                                f"(point the run at the right folder with --data.dir=<dir with train/test.jsonl>)")
+        raise FileNotFoundError(f"GSM8K data file not found: {path} (point the run at the right folder with "
+                                f"--data.source=<folder with train/test.jsonl>, or a hub id such as {HUB_DATASET})")
     examples: list[GSM8KExample] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -72,24 +92,26 @@ def load_gsm8k(path, limit: int | None = None) -> list[GSM8KExample]:
                 break
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: malformed JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            for key in ("question", "answer"):
-                if not isinstance(row.get(key), str):
-                    raise ValueError(f"{where}: missing or non-string key {key!r}")
-            answer = row["answer"]
-            if "####" not in answer:
-                raise ValueError(f"{where}: answer has no '####' gold marker")
-            gold = _normalise_number(answer.rsplit("####", 1)[1].strip())
-            if not gold:
-                raise ValueError(f"{where}: empty gold answer after '####'")
-            examples.append(GSM8KExample(question=row["question"], answer=answer, gold=gold))
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            examples.append(example_from_row(row, f"{path}:{lineno}"))
     return examples
+
+
+def load_split(source: str, split: str, limit: int | None = None, hub_config: str | None = "main") -> list[GSM8KExample]:
+    """`split` ("train" / "test") from a folder with <split>.jsonl, a `datasets` save_to_disk
+    folder, or a hub id such as openai/gsm8k (with `hub_config`); see `common/data.py`."""
+    from common.data import is_jsonl_folder, iter_rows
+    if is_jsonl_folder(source, split):
+        return load_gsm8k(Path(source) / f"{split}.jsonl", limit)
+    out: list[GSM8KExample] = []
+    for i, row in enumerate(iter_rows(source, split, hub_config)):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(example_from_row(dict(row), f"{source} [{split}] row {i}"))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,7 +242,8 @@ from areal.algo import AReaLConfig  # noqa: E402
 
 @dataclass
 class DataConfig:
-    dir: str = str(default_data_dir() or "data/gsm8k")  # folder with train.jsonl and test.jsonl
+    source: str = str(default_data_dir() or HUB_DATASET)  # folder with train/test.jsonl, a datasets save_to_disk folder, or a hub id
+    hub_config: Optional[str] = "main"  # dataset config when source is a hub id (openai/gsm8k: main | socratic)
     prompt_style: Literal["chat", "paper"] = "chat"  # model's chat template, or the paper's [MATH TASK] template
     train_limit: Optional[int] = None   # use only the first N training problems
     eval_size: int = 128                # fixed test subset for greedy pass@1 (first N of test.jsonl)
@@ -311,20 +334,11 @@ def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
             for ex in examples]
 
 
-def stop_ids(tokenizer) -> tuple[int, ...]:
-    """EOS and the chat template's end-of-turn token (they coincide for SmolLM2)."""
-    ids = {tokenizer.eos_token_id}
-    for t in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-        i = tokenizer.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tokenizer.unk_token_id:
-            ids.add(i)
-    return tuple(sorted(i for i in ids if i is not None))
-
-
 def main(argv: list[str] | None = None) -> dict:
     import torch
     from common.evaluate import greedy_pass_at_1
     from common.hf_io import load_tokenizer, resolve_checkpoint
+    from common.hf_save import tokenizer_stop_ids
     from common.launch import set_process_defaults
     from common.log import plot_metrics
     from common.trainer import train
@@ -335,12 +349,11 @@ def main(argv: list[str] | None = None) -> dict:
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
     tok = load_tokenizer(resolve_checkpoint(cfg.model))
-    data_dir = Path(cfg.data.dir)
-    train_ex = load_gsm8k(data_dir / "train.jsonl", limit=cfg.data.train_limit)
-    test_ex = load_gsm8k(data_dir / "test.jsonl", limit=cfg.data.eval_size)
+    train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)
+    test_ex = load_split(cfg.data.source, "test", cfg.data.eval_size, cfg.data.hub_config)
     prompts = PromptSet(tokenize_prompts(train_ex, tok, cfg.data.prompt_style), [ex.gold for ex in train_ex])
     eval_prompts = tokenize_prompts(test_ex, tok, cfg.data.prompt_style)
-    stops = stop_ids(tok)
+    stops = tokenizer_stop_ids(tok)  # EOS and the chat template's end of turn
     P, K = cfg.train.prompts_per_step, cfg.gen.n
     if cfg.algo == "tba":
         algo = TBA(cfg.tba, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)

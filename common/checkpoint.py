@@ -4,7 +4,8 @@ replay buffer, run config. Written and read by the trainer process only.
 Layout (one directory per checkpoint, named by the trainer step):
 
     <run_dir>/checkpoints/step_000120/
-        model/             save_pretrained output (+ tokenizer files when one is given)
+        model/             a complete Hugging Face model directory (common/hf_save.py): config,
+                           generation config, weights, tokenizer + chat template when given
         trainer_state.pt   optimizer / scheduler state dicts, RNG states, counters
         buffer.pt          ReplayBuffer.save (optional)
         config.json        the resolved run config (optional)
@@ -149,8 +150,10 @@ def _write_meta(d: Path, meta: dict) -> None:
 
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, counters: dict | None = None,
                     config=None, buffer: ReplayBuffer | None = None, tokenizer=None,
-                    keep_last: int | None = 2) -> Path:
-    """Write checkpoint `step` atomically; prune to the newest `keep_last` (None/<=0: keep all)."""
+                    generation: dict | None = None, keep_last: int | None = 2) -> Path:
+    """Write checkpoint `step` atomically; prune to the newest `keep_last` (None/<=0: keep all).
+    `generation` = {"stop_token_ids": ..., "sampling": {"temperature", "top_p", "top_k"}} goes
+    into model/generation_config.json (`common/hf_save.py`)."""
     step = int(step)
     counters = dict(counters or {})
     bad = [k for k, v in counters.items() if isinstance(v, bool) or not isinstance(v, (int, float, np.number))]
@@ -166,9 +169,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
     tmp, final = root / (_TMP + name), root / name
 
     tmp.mkdir()
-    save_pretrained(model, tmp / "model")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / "model"))
+    save_pretrained(model, tmp / "model", tokenizer=tokenizer, **(generation or {}))
     torch.save({"optimizer": optimizer.state_dict(),
                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": _rng_state(), "counters": counters}, tmp / "trainer_state.pt")

@@ -32,6 +32,7 @@ from common.precision import Precision
 from common.reward_service import RewardClient
 from common.sampler import Sampler
 from common.sampling import SamplingParams
+from common.watchdog import Beat
 
 log = logging.getLogger("asyncrl.generator")
 _UNBOUNDED = 2**62
@@ -105,14 +106,15 @@ def prompt_order(seed: int, n_prompts: int, claim_idx: int) -> int:
 
 
 def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row,
-          rank: int = 0, stop_event=None) -> list[float] | None:
+          rank: int = 0, stop_event=None, beat=None) -> list[float] | None:
     """Rewards for one group; a reward_fn that raises scores 0 and is logged, never fatal.
-    `reward_fn` is fn(text, meta), or a RewardClient (reward-worker processes, batched)."""
+    `reward_fn` is fn(text, meta), or a RewardClient (reward-worker processes, batched; while
+    waiting for it this generator keeps beating, so a stuck reward worker is the one named)."""
     meta = prompts.meta[prompt_idx] if prompts.meta else None
     texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) if tokenizer is not None else c.tokens
              for c in completions]
     if isinstance(reward_fn, RewardClient):
-        got = reward_fn.score(rank, texts, [meta] * len(texts), stop_event)
+        got = reward_fn.score(rank, texts, [meta] * len(texts), stop_event, beat)
         if got is None:
             return None
         stats_row[Control.REWARD_ERRORS] += got[1]
@@ -141,15 +143,20 @@ def reference_seq_logp(ref_model, trajs: list[Trajectory], temperature: float) -
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,
                    control: Control, prompts: PromptSet, reward_fn: Callable, seed: int, max_seq_len: int,
                    stop_token_ids: tuple, device: str = "cpu", precision: Optional[Precision] = None,
-                   *, stop_event) -> None:
+                   *, stop_event, beat: Optional[Beat] = None) -> None:
     """Process entry point (started by `common.launch.Workers.start`). `precision`: the
-    trainer's resolved choice (default fp32 with this process's GEMM backend left as is)."""
+    trainer's resolved choice (default fp32 with this process's GEMM backend left as is).
+    `beat`: this worker's heartbeat (common/watchdog.py), called at least once per loop."""
+    beat = beat.start() if beat is not None else (lambda phase, request=-1: None)
     prec = (precision or Precision(gemm="onednn" if onednn_enabled() else "aten")).apply()
     dev = torch.device(device)
+    beat("loading")
     model, tok = prec.load(model_path, device=dev, role="generator")
     ref = prec.load(ref_path, device=dev, tokenizer=False)[0] if (cfg.ref_logp and ref_path) else None
     while store.version < 0 and not stop_event.is_set():  # trainer publishes version 0 first
+        beat("waiting")
         time.sleep(0.01)
+    beat("applying_weights")
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
                       max_prompt_len=max(len(p) for p in prompts.tokens),
                       version=store.load_into(model), seed=seed * 1000 + rank)
@@ -160,6 +167,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     n_prompts = len(prompts.tokens)
 
     def load(m):  # copies the active weight buffer into m; returns the version it held
+        beat("applying_weights", store.version)  # "finish" mode applies inside sampler.step()
         t = time.perf_counter()
         v = store.load_into(m)
         row[Control.SYNC_S] += time.perf_counter() - t
@@ -168,6 +176,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
 
     while not stop_event.is_set():
         if store.version > sampler.version and not sampler.update_pending:
+            beat("applying_weights", store.version)
             sampler.update_weights(load, store.version, mode=cfg.update_mode)
         while len(sampler.queue) < cfg.queue_depth and not sampler.update_pending:
             i = control.claim()
@@ -177,21 +186,25 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
             sampler.submit(prompts.tokens[p], params, request_id=i)  # request id = claim index
             groups[i] = (p, [])
         if not sampler.has_work():
+            beat("waiting")  # for quota (the trainer's next version)
             time.sleep(0.005)
             continue
         t = time.perf_counter()
+        beat("decoding")
         for c in sampler.step():
             p, g = groups[c.request_id]
             g.append(c)
             if len(g) < cfg.n:
                 continue
             del groups[c.request_id]
-            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event)
+            beat("scoring", c.request_id)
+            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event, beat)
             if rewards is None:  # shutting down while the reward workers were busy
                 break
             trajs = [Trajectory(torch.tensor(x.prompt_tokens), torch.tensor(x.tokens), x.logp_tensor(),
                                 torch.tensor(x.versions), r, p, x.finish_reason) for x, r in zip(g, rewards)]
             if ref is not None:
+                beat("reference", c.request_id)
                 for t_, rf in zip(trajs, reference_seq_logp(ref, trajs, cfg.temperature)):
                     t_.ref_seq_logp = rf
             buffer.add(trajs, trainer_version=min(min(x.versions) for x in g))

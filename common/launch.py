@@ -108,6 +108,17 @@ class Workers:
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self._queues = [self.error_queue]
         self._closed = False
+        self.watchdog = None  # common/watchdog.py: set by watch(); check() runs it
+
+    def watch(self, hb, timeout: float, action: str = "stop"):
+        """Check the workers named in `hb` for stalls on every check() (timeout 0 = off)."""
+        from common.watchdog import Watchdog
+        self.watchdog = Watchdog(hb, self.pid_of, timeout, action)
+        return self.watchdog
+
+    def pid_of(self, name: str) -> int | None:
+        p = self.procs.get(name)
+        return p.pid if p is not None and p.is_alive() else None
 
     # ---- starting -------------------------------------------------------------------------
     def queue(self, maxsize: int = 0):
@@ -145,13 +156,17 @@ class Workers:
         return None
 
     def check(self) -> None:
-        """Raise WorkerError (after shutting everything down) if any worker failed."""
+        """Raise WorkerError (after shutting everything down) if any worker failed, or
+        WorkerStalled (workers left running: the caller checkpoints, then leaves the `with`
+        block, which stops them) if the watchdog finds one that stopped making progress."""
         if self._closed:
             return
         err = self._pending_error()
         if err is not None:
             self.shutdown()
             raise err
+        if self.watchdog is not None:
+            self.watchdog.check()
 
     def alive(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.is_alive()]

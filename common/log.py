@@ -238,6 +238,15 @@ class Progress:
             self._bar.set_postfix_str(" ".join(f"{k}={_fmt(v)}" for k, v in postfix.items()), refresh=False)
         self._bar.update(n)
 
+    def waiting(self, what) -> bool:
+        """Show what the trainer is waiting for, `what` a string or a function returning one
+        (evaluated at most once a second); returns False so it can sit in a wait condition."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_wait", 0.0) >= 1.0:
+            self._last_wait = now
+            self._bar.set_postfix_str(f"waiting for {what() if callable(what) else what}", refresh=True)
+        return False
+
     def close(self) -> None:
         self._bar.close()
 

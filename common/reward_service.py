@@ -30,9 +30,10 @@ class RewardClient:
         self.results = [ctx.Queue() for _ in range(n_generators)]
         self.timeout = timeout
 
-    def score(self, rank: int, texts: list, metas: list, stop_event=None) -> tuple[list[float], int] | None:
+    def score(self, rank: int, texts: list, metas: list, stop_event=None, beat=None) -> tuple[list[float], int] | None:
         """(rewards, n_errors) for one group, computed by whichever worker is free; None if
-        `stop_event` is set while waiting (the run is shutting down)."""
+        `stop_event` is set while waiting (the run is shutting down). `beat`: the calling
+        generator's heartbeat, called every poll (waiting on a worker is not a stall)."""
         self.requests.put((rank, list(texts), list(metas)))
         waited = 0.0
         while waited < self.timeout:
@@ -40,6 +41,8 @@ class RewardClient:
                 return self.results[rank].get(timeout=0.5)
             except queue_mod.Empty:
                 waited += 0.5
+                if beat is not None:
+                    beat("waiting")
                 if stop_event is not None and stop_event.is_set():
                     return None
         raise TimeoutError(f"no reward from the reward workers within {self.timeout} s")
@@ -67,12 +70,16 @@ def _safe_scores(fn: Callable, texts: list, metas: list) -> tuple[list[float], i
     return out, errors
 
 
-def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_event) -> None:
-    """Process entry point (started by `common.launch.Workers.start`)."""
+def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_event, beat=None) -> None:
+    """Process entry point (started by `common.launch.Workers.start`); `beat`: its heartbeat."""
+    beat = beat.start() if beat is not None else (lambda phase, request=-1: None)
+    beat("loading")
     fn = make_reward_fn()
     while not stop_event.is_set():
+        beat("waiting")
         try:
             rank, texts, metas = client.requests.get(timeout=0.1)
         except queue_mod.Empty:
             continue
+        beat("scoring", rank)  # request = the generator it scores for
         client.results[rank].put(_safe_scores(fn, texts, metas))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from common.generator import Control, PromptSet, generator_main
 from common.launch import Workers
 from common.precision import resolve
 from common.reward_service import RewardClient, reward_worker_main
+from common.watchdog import Heartbeats, WorkerStalled
 from common.weights import WeightStore
 
 
@@ -62,6 +64,8 @@ class TrainConfig:
     keep_checkpoints: int = 2         # how many checkpoints to keep
     eval_every: int = 0               # steps between evaluations; 0 = before and after only
     device: str = "cpu"               # trainer device; generator r uses cuda:(r+1) % n_gpus on CUDA
+    stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
+    stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
 
 
 @dataclass
@@ -185,9 +189,13 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
     last: dict = {}
 
+    # generation_config.json of every saved model: the policy's stop tokens and sampling settings
+    generation = {"stop_token_ids": tuple(stop_token_ids), "sampling": {
+        "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
+
     def checkpoint():  # the current step, everything needed to resume
         return save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                               buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints)
+                               buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
     def run_eval(tag):
         if evaluate is None:
@@ -214,17 +222,26 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         if step == 0:
             run_eval("before")
         ref = cfg.ref_model or cfg.model
+        names = [f"reward{r}" for r in range(tc.reward_workers)] + [f"generator{r}" for r in range(tc.n_generators)]
+        hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/watchdog.py
+        workers.watch(hb, tc.stall_timeout, tc.stall_action)
         if tc.reward_workers > 0:
             reward_fn = RewardClient(workers.ctx, tc.n_generators)
             for r in range(tc.reward_workers):
-                workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn)
+                workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn, beat=hb.beat_for(f"reward{r}"))
         for r in range(tc.n_generators):
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r),
-                          prec)
-        if tc.mode == "async":
-            workers.wait_event(lambda: len(buffer) >= tc.min_buffer, timeout=math.inf)
+                          prec, beat=hb.beat_for(f"generator{r}"))
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
+        if tc.mode == "async":
+            try:
+                workers.wait_event(lambda: bar.waiting(lambda: f"first batch: buffer {len(buffer)}/{tc.min_buffer}")
+                                   or len(buffer) >= tc.min_buffer, timeout=math.inf)
+            except WorkerStalled:
+                bar.close()
+                print(f"\n[asyncrl] stopped: a worker is hung; checkpoint {checkpoint()}", file=sys.stderr)
+                raise
         gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
         try:
             while step < tc.steps:
@@ -233,6 +250,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 while batch is None:
                     batch = algo.next_batch(buffer, step, version, tc.mode == "sync")
                     if batch is None:
+                        if time.perf_counter() - t0 > 2:  # say what we wait for (not on short waits)
+                            bar.waiting(lambda: f"data for step {step + 1}: buffer {len(buffer)}, "
+                                                f"{buffer.stats()['n_unconsumed']} unconsumed")
                         workers.check()
                         time.sleep(0.01)
                 t1 = time.perf_counter()
@@ -267,6 +287,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                     last.update(run_eval("periodic"))
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
                     checkpoint()
+        except WorkerStalled:  # a hung worker (reported with its stack): keep the work, stop non-zero
+            bar.close()
+            print(f"\n[asyncrl] stopped at step {step}: a worker is hung; checkpoint {checkpoint()}; "
+                  f"fix the cause, then continue with --resume", file=sys.stderr)
+            raise
         except KeyboardInterrupt:  # nothing lost: save the last completed step, then stop
             # (a Ctrl-C inside opt.step(), ~1% of a CPU step, saves a half-applied update: still
             # a valid model, one partial step off)

@@ -14,7 +14,7 @@ from common.batch import Trajectory
 from common.buffer import ReplayBuffer
 from common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from common.hf_io import load_model
-from tests.tiny import save_hf
+from tests.tiny import save_hf, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +23,6 @@ def tiny_dirs(tmp_path_factory):
     save_hf("llama_tied", root / "llama_tied")
     save_hf("qwen3_qknorm", root / "qwen3_qknorm")
     return root
-
-
-class _FakeTokenizer:
-    def save_pretrained(self, d):
-        (Path(d) / "tokenizer.json").write_text("{}")
 
 
 def _setup(tiny_dirs, arch="llama_tied"):
@@ -61,8 +56,12 @@ def test_round_trip_restores_params_optimizer_rng(tiny_dirs, tmp_path):
     params, ostate = _snapshot(model, opt)
     lr = opt.param_groups[0]["lr"]
     path = save_checkpoint(tmp_path, 7, model, opt, sched, counters={"version": 3, "accepted": 11},
-                           config={"lr": 1e-2, "algo": "tba"}, tokenizer=_FakeTokenizer())
-    assert (path / "model" / "tokenizer.json").read_text() == "{}"
+                           config={"lr": 1e-2, "algo": "tba"}, tokenizer=tokenizer(),
+                           generation={"stop_token_ids": (5,), "sampling": {"temperature": 0.7}})
+    assert (path / "model" / "tokenizer.json").is_file()
+    gen = json.loads((path / "model" / "generation_config.json").read_text())  # the run's stops and T
+    assert sorted(gen["eos_token_id"]) == [2, 5] and gen["temperature"] == 0.7 and gen["do_sample"]
+    assert json.loads((path / "model" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     assert path.name == "step_000007" and latest_checkpoint(tmp_path) == path
     after_save = (torch.rand(3), random.random(), np.random.rand())
 

@@ -53,7 +53,7 @@ def test_malformed_lines_name_file_and_line(tmp_path, bad, needle):
 
 
 def test_missing_file_suggests_override(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--data.dir") as e:
+    with pytest.raises(FileNotFoundError, match="--data.source") as e:
         load_gsm8k(tmp_path / "nope.jsonl")
     assert "nope.jsonl" in str(e.value)
 
@@ -165,3 +165,46 @@ def test_algo_defaults_then_overrides():
     assert (c.gen.n, c.train.prompts_per_step, c.train.device, c.preset) == (16, 8, "cuda", "gpu")
     c = gsm.make_config([])  # TBA's defaults untouched
     assert (c.algo, c.train.max_staleness, c.gen.update_mode, c.train.sync_every) == ("tba", None, "finish", 2)
+
+
+ROWS = [{"question": "What is 2 + 3?", "answer": "2 + 3 = 5\n#### 5"},
+        {"question": "Twelve hundred?", "answer": "#### 1,200", "extra": "ignored"}]
+
+
+def test_datasets_folder_in_both_layouts(tmp_path):
+    """A folder written by the `datasets` library (the hub's format, saved for offline use)."""
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS), "test": datasets.Dataset.from_list(ROWS[:1])})
+    dd.save_to_disk(str(tmp_path / "dict"))
+    for split in ("train", "test"):
+        dd[split].save_to_disk(str(tmp_path / "per_split" / split))
+    from run_gsm8k import load_split
+    for folder in ("dict", "per_split"):
+        train = load_split(str(tmp_path / folder), "train")
+        assert [(e.question, e.gold) for e in train] == [("What is 2 + 3?", "5"), ("Twelve hundred?", "1200")]
+        assert len(load_split(str(tmp_path / folder), "test")) == 1
+        assert len(load_split(str(tmp_path / folder), "train", limit=1)) == 1
+    bad = datasets.Dataset.from_list([{"question": "q", "answer": "no marker"}])
+    datasets.DatasetDict({"train": bad}).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(ValueError, match=r"row 0: answer has no '####'"):
+        load_split(str(tmp_path / "bad"), "train")
+    from common.data import DataSourceError
+    with pytest.raises(DataSourceError, match="no split 'test'"):
+        load_split(str(tmp_path / "bad"), "test")
+
+
+def test_hub_id_offline_says_use_a_local_folder(monkeypatch):
+    pytest.importorskip("datasets")
+    import datasets
+    import huggingface_hub.constants
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", "/nonexistent-asyncrl-test-cache")
+    from common.data import DataSourceError
+    from run_gsm8k import load_split
+    with pytest.raises(DataSourceError, match="Use a local folder") as e:
+        load_split("openai/gsm8k", "train", hub_config="main")
+    assert "openai/gsm8k" in str(e.value)
+    with pytest.raises(DataSourceError, match="not a local folder"):
+        load_split("/no/such/folder", "train")

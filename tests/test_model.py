@@ -118,3 +118,14 @@ def test_default_model_from_pypi_gguf(tmp_path, monkeypatch):
     again, _ = load_model()  # second load comes from the cache
     with torch.no_grad():
         torch.testing.assert_close(again(ids), logits)
+    # a complete HF directory: transformers' pipeline runs it with the saved generation config
+    import json
+    import transformers
+    from common.hf_io import default_model_dir
+    d = default_model_dir()
+    assert json.loads((d / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    eos = json.loads((d / "generation_config.json").read_text())["eos_token_id"]
+    assert 2 in (eos if isinstance(eos, list) else [eos])  # <|im_end|>, the chat turn's end
+    pipe = transformers.pipeline("text-generation", model=str(d), dtype=torch.float32)
+    out = pipe([{"role": "user", "content": "What is 2+3?"}], max_new_tokens=8, do_sample=False)
+    assert out[0]["generated_text"][-1]["role"] == "assistant"

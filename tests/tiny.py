@@ -38,3 +38,23 @@ def save_hf(arch: str, path, seed: int = 0):
     m = hf_model(arch, seed)
     m.save_pretrained(path)
     return m
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def tokenizer(vocab_size: int = BASE["vocab_size"]):
+    """A word-level tokenizer over the tiny vocabulary: ids 0 <pad>, 1 <|im_start|> (bos),
+    2 <|im_end|> (eos, end of turn), then words "w3".."w{V-1}"; with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(3, vocab_size)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<|im_start|>",
+                                   eos_token="<|im_end|>", unk_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast

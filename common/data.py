@@ -1,0 +1,65 @@
+"""Where a task's rows come from: a local folder, or a Hugging Face hub dataset (trainer process).
+
+A task script names its splits and turns one row (a dict) into its example type; this file only
+finds the rows. `source` is one of
+  - a local folder with `<split>.jsonl` files (the offline default; the task reads them itself,
+    with file:line in its errors),
+  - a local folder written by the `datasets` library (`DatasetDict.save_to_disk`, or a
+    `Dataset.save_to_disk` per split in `<folder>/<split>`),
+  - a hub dataset id, `owner/name` (the task supplies the config name, e.g. openai/gsm8k
+    "main"), loaded through `datasets.load_dataset` when the hub is reachable. Offline, or
+    without `datasets` installed, the error says what to do instead.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+class DataSourceError(RuntimeError):
+    """The data source could not be read; the message says what was tried and the fix."""
+
+
+def is_jsonl_folder(source: str | os.PathLike, split: str) -> bool:
+    return (Path(source) / f"{split}.jsonl").is_file()
+
+
+def _saved_split(folder: Path, split: str):
+    import datasets
+    if (folder / "dataset_dict.json").is_file():
+        dd = datasets.load_from_disk(str(folder))
+        if split not in dd:
+            raise DataSourceError(f"{folder}: no split {split!r} (has {list(dd)})")
+        return dd[split]
+    if (folder / split / "dataset_info.json").is_file():
+        return datasets.load_from_disk(str(folder / split))
+    raise DataSourceError(f"{folder}: neither {split}.jsonl nor a `datasets` save_to_disk folder "
+                          f"(dataset_dict.json, or {split}/dataset_info.json)")
+
+
+def iter_rows(source: str, split: str, hub_config: str | None = None) -> Iterator[dict]:
+    """Rows (dicts) of `split` from a `datasets` folder or a hub id (see the module docstring).
+    Local `<split>.jsonl` folders are the task's to read; passing one here is an error."""
+    folder = Path(source).expanduser()
+    try:
+        import datasets
+    except ImportError:
+        raise DataSourceError(f"reading {source!r} needs the `datasets` library (pip install datasets), "
+                              f"or point the run at a local folder with {split}.jsonl") from None
+    if folder.is_dir():
+        yield from _saved_split(folder, split)
+        return
+    if source.count("/") != 1 or source.startswith((".", "/", "~")):
+        raise DataSourceError(f"data source {source!r} is not a local folder (it does not exist) and not a "
+                              f"hub id of the form owner/name")
+    try:
+        ds = datasets.load_dataset(source, hub_config, split=split)
+    except Exception as e:  # offline (connection errors), unknown id, missing split: all end here
+        first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise DataSourceError(
+            f"could not load hub dataset {source!r} (config {hub_config!r}, split {split!r}): {first}. "
+            f"Offline or behind a firewall? Use a local folder instead: one with {split}.jsonl, or one "
+            f"written by datasets' save_to_disk on a machine with access (HF_HUB_OFFLINE=1 makes the "
+            f"failure immediate)") from e
+    yield from ds
