@@ -1,5 +1,6 @@
 """Liveness watchdog: a hung worker is named with its phase, its silence and its stack; a
 worker that waits while beating is not; warn mode keeps going; a stopped process is reported."""
+import contextlib
 import os
 import signal
 import time
@@ -26,17 +27,19 @@ def _wait_but_beat(beat, *, stop_event):
         time.sleep(0.05)
 
 
-def _started(workers, hb, name):
-    """Wait for the worker's first beat (spawn + imports take seconds on a busy box)."""
-    assert workers.wait_event(lambda: hb.row(name)[1] not in ("spawning", "starting"), timeout=60)
+@contextlib.contextmanager
+def _watched(tmp_path, name, fn, timeout, action="stop", join_timeout=10.0):
+    """Workers running `fn` as `name`, watched once its first beat is in (spawn and imports
+    take seconds on a busy box and are not what these tests time). Yields (workers, watchdog)."""
+    hb = Heartbeats([name], tmp_path / "stacks")
+    with Workers(join_timeout=join_timeout) as w:
+        w.start(name, fn, beat=hb.beat_for(name))
+        assert w.wait_event(lambda: hb.row(name)[1] not in ("spawning", "starting"), timeout=60)
+        yield w, w.watch(hb, timeout=timeout, action=action)
 
 
 def test_hung_worker_is_named_with_phase_and_stack(tmp_path):
-    hb = Heartbeats(["reward0"], tmp_path / "stacks")
-    with Workers() as w:
-        w.start("reward0", _hang_in_reward, beat=hb.beat_for("reward0"))
-        _started(w, hb, "reward0")
-        w.watch(hb, timeout=1.5)
+    with _watched(tmp_path, "reward0", _hang_in_reward, timeout=1.5) as (w, _):
         t = time.monotonic()
         with pytest.raises(WorkerStalled) as e:
             w.wait_event(lambda: False, timeout=30)
@@ -48,20 +51,12 @@ def test_hung_worker_is_named_with_phase_and_stack(tmp_path):
 
 
 def test_waiting_worker_that_beats_is_not_flagged(tmp_path):
-    hb = Heartbeats(["generator0"], tmp_path / "stacks")
-    with Workers() as w:
-        w.start("generator0", _wait_but_beat, beat=hb.beat_for("generator0"))
-        _started(w, hb, "generator0")
-        w.watch(hb, timeout=1.0)
+    with _watched(tmp_path, "generator0", _wait_but_beat, timeout=1.0) as (w, _):
         assert w.wait_event(lambda: False, timeout=3.5) is False  # waited it out, no stall raised
 
 
 def test_warn_mode_reports_and_keeps_going(tmp_path, capsys):
-    hb = Heartbeats(["reward0"], tmp_path / "stacks")
-    with Workers() as w:
-        w.start("reward0", _hang_in_reward, beat=hb.beat_for("reward0"))
-        _started(w, hb, "reward0")
-        dog = w.watch(hb, timeout=1.0, action="warn")
+    with _watched(tmp_path, "reward0", _hang_in_reward, timeout=1.0, action="warn") as (w, dog):
         w.wait_event(lambda: dog.n_reports >= 2, timeout=30)
         assert w.alive() == ["reward0"]  # still running: warn never stops the run
     err = capsys.readouterr().err
@@ -69,11 +64,7 @@ def test_warn_mode_reports_and_keeps_going(tmp_path, capsys):
 
 
 def test_stopped_process_is_reported_as_stopped(tmp_path):
-    hb = Heartbeats(["generator0"], tmp_path / "stacks")
-    with Workers(join_timeout=2) as w:
-        w.start("generator0", _wait_but_beat, beat=hb.beat_for("generator0"))
-        _started(w, hb, "generator0")
-        w.watch(hb, timeout=1.0)
+    with _watched(tmp_path, "generator0", _wait_but_beat, timeout=1.0, join_timeout=2) as (w, _):
         os.kill(w.pid_of("generator0"), signal.SIGSTOP)  # a hang the worker cannot see
         with pytest.raises(WorkerStalled, match=r"(?s)state T\).*phase 'waiting'.*process is stopped") as e:
             w.wait_event(lambda: False, timeout=30)
@@ -81,11 +72,7 @@ def test_stopped_process_is_reported_as_stopped(tmp_path):
 
 
 def test_timeout_zero_is_off(tmp_path):
-    hb = Heartbeats(["reward0"], tmp_path / "stacks")
-    with Workers() as w:
-        w.start("reward0", _hang_in_reward, beat=hb.beat_for("reward0"))
-        _started(w, hb, "reward0")
-        w.watch(hb, timeout=0)
+    with _watched(tmp_path, "reward0", _hang_in_reward, timeout=0) as (w, _):
         assert w.wait_event(lambda: False, timeout=2.0) is False
 
 
