@@ -232,6 +232,7 @@ class Progress:
     def __init__(self, total: int | None, initial: int = 0, desc: str | None = None):
         from tqdm import tqdm
         self._bar = tqdm(total=total, initial=initial, desc=desc, mininterval=1.0, dynamic_ncols=True)
+        self._last_wait = 0.0  # when `waiting` last redrew
 
     def update(self, n: int = 1, **postfix) -> None:
         if postfix:  # no refresh here: tqdm redraws at most every mininterval inside update()
@@ -242,7 +243,7 @@ class Progress:
         """Show what the trainer is waiting for, `what` a string or a function returning one
         (evaluated at most once a second); returns False so it can sit in a wait condition."""
         now = time.monotonic()
-        if now - getattr(self, "_last_wait", 0.0) >= 1.0:
+        if now - self._last_wait >= 1.0:
             self._last_wait = now
             self._bar.set_postfix_str(f"waiting for {what() if callable(what) else what}", refresh=True)
         return False

@@ -234,16 +234,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r),
                           prec, beat=hb.beat_for(f"generator{r}"))
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
-        if tc.mode == "async":
-            try:
+        try:
+            if tc.mode == "async":
                 workers.wait_event(lambda: bar.waiting(lambda: f"first batch: buffer {len(buffer)}/{tc.min_buffer}")
                                    or len(buffer) >= tc.min_buffer, timeout=math.inf)
-            except WorkerStalled:
-                bar.close()
-                print(f"\n[asyncrl] stopped: a worker is hung; checkpoint {checkpoint()}", file=sys.stderr)
-                raise
-        gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
-        try:
+            gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
             while step < tc.steps:
                 t0 = time.perf_counter()
                 batch = None
