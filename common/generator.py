@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from common.batch import Trajectory, collate
-from common.linear import onednn_enabled
 from common.ops import seq_logp, token_logp
 from common.precision import Precision
 from common.reward_service import RewardClient
@@ -142,13 +141,12 @@ def reference_seq_logp(ref_model, trajs: list[Trajectory], temperature: float) -
 
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,
                    control: Control, prompts: PromptSet, reward_fn: Callable, seed: int, max_seq_len: int,
-                   stop_token_ids: tuple, device: str = "cpu", precision: Optional[Precision] = None,
-                   *, stop_event, beat: Optional[Beat] = None) -> None:
+                   stop_token_ids: tuple, device: str, precision: Precision, *, stop_event, beat: Beat) -> None:
     """Process entry point (started by `common.launch.Workers.start`). `precision`: the
-    trainer's resolved choice (default fp32 with this process's GEMM backend left as is).
-    `beat`: this worker's heartbeat (common/watchdog.py), called at least once per loop."""
-    beat = beat.start() if beat is not None else (lambda phase, request=-1: None)
-    prec = (precision or Precision(gemm="onednn" if onednn_enabled() else "aten")).apply()
+    trainer's resolved choice. `beat`: this worker's heartbeat (common/watchdog.py), called at
+    least once per loop."""
+    beat.start()
+    prec = precision.apply()
     dev = torch.device(device)
     beat("loading")
     model, tok = prec.load(model_path, device=dev, role="generator")
@@ -167,7 +165,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     n_prompts = len(prompts.tokens)
 
     def load(m):  # copies the active weight buffer into m; returns the version it held
-        beat("applying_weights", store.version)  # "finish" mode applies inside sampler.step()
+        beat("applying_weights", store.version)  # both modes come here ("finish": inside sampler.step())
         t = time.perf_counter()
         v = store.load_into(m)
         row[Control.SYNC_S] += time.perf_counter() - t
@@ -176,7 +174,6 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
 
     while not stop_event.is_set():
         if store.version > sampler.version and not sampler.update_pending:
-            beat("applying_weights", store.version)
             sampler.update_weights(load, store.version, mode=cfg.update_mode)
         while len(sampler.queue) < cfg.queue_depth and not sampler.update_pending:
             i = control.claim()

@@ -70,9 +70,9 @@ def _safe_scores(fn: Callable, texts: list, metas: list) -> tuple[list[float], i
     return out, errors
 
 
-def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_event, beat=None) -> None:
+def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_event, beat) -> None:
     """Process entry point (started by `common.launch.Workers.start`); `beat`: its heartbeat."""
-    beat = beat.start() if beat is not None else (lambda phase, request=-1: None)
+    beat.start()
     beat("loading")
     fn = make_reward_fn()
     while not stop_event.is_set():
