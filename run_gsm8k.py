@@ -348,9 +348,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = make_config(argv)
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
+    train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:
+    test_ex = load_split(cfg.data.source, "test", cfg.data.eval_size, cfg.data.hub_config)  # they take a second
     tok = load_tokenizer(resolve_checkpoint(cfg.model))
-    train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)
-    test_ex = load_split(cfg.data.source, "test", cfg.data.eval_size, cfg.data.hub_config)
     prompts = PromptSet(tokenize_prompts(train_ex, tok, cfg.data.prompt_style), [ex.gold for ex in train_ex])
     eval_prompts = tokenize_prompts(test_ex, tok, cfg.data.prompt_style)
     stops = tokenizer_stop_ids(tok)  # EOS and the chat template's end of turn

@@ -15,7 +15,8 @@ Crash-safety rules:
 - Everything is written into `checkpoints/.tmp_step_XXXXXX`, fsynced, and only then renamed to
   `step_XXXXXX` (rename is atomic on POSIX). A crash mid-write leaves at most a `.tmp_*` dir,
   which `latest_checkpoint` ignores and the next save deletes; the last good checkpoint is never
-  touched before the new one is complete.
+  touched before the new one is complete. A write that fails with an OSError (disk full, quota)
+  removes its partial copy and raises `CheckpointError` naming the intact previous checkpoint.
 - A checkpoint counts only if its meta.json parses; `load_checkpoint` additionally checks every
   listed file exists with its recorded size (catches truncation) and validates everything
   (architecture, tensor names/shapes, optimizer groups) BEFORE mutating the model or optimizer.
@@ -148,6 +149,30 @@ def _write_meta(d: Path, meta: dict) -> None:
     (d / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation,
+                step: int) -> None:
+    """Every file of one checkpoint into `tmp` (meta.json last), fsynced."""
+    tmp.mkdir()
+    save_pretrained(model, tmp / "model", tokenizer=tokenizer, **(generation or {}))
+    torch.save({"optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": _rng_state(), "counters": counters}, tmp / "trainer_state.pt")
+    if buffer is not None:
+        buffer.save(tmp / "buffer.pt")
+    if config is not None:
+        if isinstance(config, dict):
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        else:
+            save_config(config, tmp / "config.json")
+    meta = {"format_version": FORMAT_VERSION, "step": step, "version": counters["version"],
+            "counters": counters, "wall_time": time.time(),
+            "wall_time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _file_sizes(tmp)}
+    _write_meta(tmp, meta)
+    for f in tmp.rglob("*"):  # data on disk before the rename publishes it (power-loss safety)
+        if f.is_file():
+            _fsync(f)
+
+
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, counters: dict | None = None,
                     config=None, buffer: ReplayBuffer | None = None, tokenizer=None,
                     generation: dict | None = None, keep_last: int | None = 2) -> Path:
@@ -168,25 +193,15 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
     name = f"{_PREFIX}{step:06d}"
     tmp, final = root / (_TMP + name), root / name
 
-    tmp.mkdir()
-    save_pretrained(model, tmp / "model", tokenizer=tokenizer, **(generation or {}))
-    torch.save({"optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": _rng_state(), "counters": counters}, tmp / "trainer_state.pt")
-    if buffer is not None:
-        buffer.save(tmp / "buffer.pt")
-    if config is not None:
-        if isinstance(config, dict):
-            (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
-        else:
-            save_config(config, tmp / "config.json")
-    meta = {"format_version": FORMAT_VERSION, "step": step, "version": counters["version"],
-            "counters": counters, "wall_time": time.time(),
-            "wall_time_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": _file_sizes(tmp)}
-    _write_meta(tmp, meta)
-    for f in tmp.rglob("*"):  # data on disk before the rename publishes it (power-loss safety)
-        if f.is_file():
-            _fsync(f)
+    try:
+        _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step)
+    except OSError as e:  # disk full, quota, I/O error: drop the partial copy (frees the space it took)
+        shutil.rmtree(tmp, ignore_errors=True)
+        prev = latest_checkpoint(run_dir)
+        kept = (f"the previous checkpoint {prev} is intact (--resume continues from it)" if prev is not None
+                else "there is no earlier checkpoint")
+        raise CheckpointError(f"could not write checkpoint step {step} in {root} ({type(e).__name__}: {e}); "
+                              f"nothing was replaced: {kept}") from e
 
     if final.exists():  # re-saving a step (e.g. after a resume): swap, old one goes last
         old = root / (_TMP + "replaced_" + name)

@@ -21,7 +21,8 @@ Shutdown protocol
    `os._exit`, segfault) shows up as a non-zero exit code.
 2. The next `check()` (or `wait_event`, or leaving the `with` block) sees either, shuts down and
    raises `WorkerError` carrying the child's traceback, so the run ends within seconds.
-3. `shutdown()` (idempotent) sets `stop_event`, joins everyone against one deadline, then
+3. `shutdown()` (idempotent) SIGKILLs workers the watchdog reported hung (they cannot honour
+   `stop_event`), sets `stop_event`, joins everyone against one deadline, then
    SIGTERMs stragglers, then SIGKILLs them; every join has a timeout and every child is reaped
    (no zombies). Even a cooperative worker needs ~0.5 s after `fn` returns (interpreter
    teardown with torch loaded; more on a busy box), hence the 10 s default. Queues get
@@ -109,12 +110,17 @@ class Workers:
         self._queues = [self.error_queue]
         self._closed = False
         self.watchdog = None  # common/watchdog.py: set by watch(); check() runs it
+        self._hung: set[str] = set()  # workers the watchdog found stalled
 
     def watch(self, hb, timeout: float, action: str = "stop"):
         """Check the workers named in `hb` for stalls on every check() (timeout 0 = off)."""
         from common.watchdog import Watchdog
         self.watchdog = Watchdog(hb, self.pid_of, timeout, action)
         return self.watchdog
+
+    def pids(self) -> dict[str, int]:
+        """{name: pid} of every started worker (for `py-spy dump --pid`, gdb, fault injection)."""
+        return {n: p.pid for n, p in self.procs.items()}
 
     def pid_of(self, name: str) -> int | None:
         p = self.procs.get(name)
@@ -166,7 +172,12 @@ class Workers:
             self.shutdown()
             raise err
         if self.watchdog is not None:
-            self.watchdog.check()
+            from common.watchdog import WorkerStalled
+            try:
+                self.watchdog.check()
+            except WorkerStalled as e:
+                self._hung.add(e.worker)  # shutdown() will not wait for it to stop by itself
+                raise
 
     def alive(self) -> list[str]:
         return [n for n, p in self.procs.items() if p.is_alive()]
@@ -199,6 +210,8 @@ class Workers:
         self.stop_event.set()
         timeout = self.join_timeout if timeout is None else timeout
         procs, interrupted = list(self.procs.values()), False
+        for n in self._hung:  # stuck in a call (or SIGSTOPped): it will never see stop_event
+            self.procs[n].kill()
         try:
             left = self._join_all(procs, time.monotonic() + timeout)  # polite: honour stop_event
             for p in left:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ from common.batch import Batch
 from common.buffer import ReplayBuffer
 from common.config import save_config, to_dict
 from common.generator import Control, PromptSet, generator_main
-from common.launch import Workers
+from common.launch import WorkerError, Workers
 from common.precision import resolve
 from common.reward_service import RewardClient, reward_worker_main
 from common.watchdog import Heartbeats, WorkerStalled
@@ -233,6 +234,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r),
                           prec, beat=hb.beat_for(f"generator{r}"))
+        # who is who, for a debugger or py-spy (`py-spy dump --pid N`): every worker's pid
+        (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **workers.pids()}) + "\n")
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         try:
             if tc.mode == "async":
@@ -282,9 +285,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                     last.update(run_eval("periodic"))
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
                     checkpoint()
-        except WorkerStalled:  # a hung worker (reported with its stack): keep the work, stop non-zero
-            bar.close()
-            print(f"\n[asyncrl] stopped at step {step}: a worker is hung; checkpoint {checkpoint()}; "
+        except (WorkerStalled, WorkerError) as e:  # a hung (reported with its stack) or dead worker:
+            bar.close()  # the trainer's own state is whole (checks run between updates): keep it, stop non-zero
+            what = "is hung" if isinstance(e, WorkerStalled) else "failed"
+            print(f"\n[asyncrl] stopped at step {step}: a worker {what}; checkpoint {checkpoint()}; "
                   f"fix the cause, then continue with --resume", file=sys.stderr)
             raise
         except KeyboardInterrupt:  # nothing lost: save the last completed step, then stop

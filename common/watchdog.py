@@ -37,6 +37,10 @@ _STACK_WAIT_S = 1.0  # how long the trainer waits for a worker's stack dump to a
 class WorkerStalled(RuntimeError):
     """A worker made no progress for train.stall_timeout seconds (message: who, what, stack)."""
 
+    def __init__(self, message: str, worker: str = ""):
+        super().__init__(message)
+        self.worker = worker  # its name: shutdown kills it at once (it cannot honour stop_event)
+
 
 class Heartbeats:
     """Shared heartbeat table, one row per worker name; create in the trainer before spawning."""
@@ -146,7 +150,7 @@ class Watchdog:
             if pid is None or self.hb.row(name)[0] <= self.timeout:
                 continue
             if self.action == "stop":
-                raise WorkerStalled(self.report(name))
+                raise WorkerStalled(self.report(name), name)
             if now - self._warned.get(name, -float("inf")) >= self.timeout:
                 self._warned[name] = now
                 self.n_reports += 1

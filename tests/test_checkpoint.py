@@ -83,7 +83,7 @@ def test_round_trip_restores_params_optimizer_rng(tiny_dirs, tmp_path):
             and np.random.rand() == after_save[2])
 
 
-def test_crash_mid_write_keeps_previous(tiny_dirs, tmp_path, monkeypatch):
+def test_failed_write_keeps_previous(tiny_dirs, tmp_path, monkeypatch):
     model, opt, _ = _setup(tiny_dirs)
     good = save_checkpoint(tmp_path, 10, model, opt, counters={"version": 1})
     params, _ = _snapshot(model, opt)
@@ -92,12 +92,14 @@ def test_crash_mid_write_keeps_previous(tiny_dirs, tmp_path, monkeypatch):
     def crash(*a, **k):
         raise OSError("disk full (simulated)")
     monkeypatch.setattr(ck, "_write_meta", crash)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 20 .*disk full \(simulated\).*"
+                                              r"previous checkpoint .*step_000010 is intact") as e:
         save_checkpoint(tmp_path, 20, model, opt, counters={"version": 2})
+    assert isinstance(e.value.__cause__, OSError)
     monkeypatch.undo()
     root = tmp_path / "checkpoints"
-    assert (root / ".tmp_step_000020").is_dir()  # the half-written one is left behind...
-    assert latest_checkpoint(tmp_path) == good   # ...and ignored
+    assert not (root / ".tmp_step_000020").exists()  # the half-written copy is removed (frees the space)...
+    assert latest_checkpoint(tmp_path) == good   # ...and the previous one is the latest
     assert load_checkpoint(good, model, opt).step == 10
     assert torch.equal(model.state_dict()["lm_head.weight"], params["lm_head.weight"])
 
