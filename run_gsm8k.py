@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 import sys
 import threading
@@ -49,15 +48,8 @@ class GSM8KExample:
 
 def default_data_dir() -> Path | None:
     """First existing of $ASYNCRL_DATA_DIR/gsm8k, <repo>/../shared/data/gsm8k, <repo>/data/gsm8k."""
-    repo = Path(__file__).resolve().parent
-    candidates = []
-    if os.environ.get("ASYNCRL_DATA_DIR"):
-        candidates.append(Path(os.environ["ASYNCRL_DATA_DIR"]) / "gsm8k")
-    candidates += [repo.parent / "shared" / "data" / "gsm8k", repo / "data" / "gsm8k"]
-    for c in candidates:
-        if c.is_dir():
-            return c
-    return None
+    from common.data import default_data_dir as find
+    return find("gsm8k")
 
 
 HUB_DATASET = "openai/gsm8k"  # on the hub: configs "main" / "socratic", splits train / test, same fields
@@ -81,37 +73,16 @@ def example_from_row(row, where: str) -> GSM8KExample:
 
 def load_gsm8k(path, limit: int | None = None) -> list[GSM8KExample]:
     """Read a GSM8K JSONL file; errors name the file and the 1-based line number."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GSM8K data file not found: {path} (point the run at the right folder with "
-                                f"--data.source=<folder with train/test.jsonl>, or a hub id such as {HUB_DATASET})")
-    examples: list[GSM8KExample] = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            examples.append(example_from_row(row, f"{path}:{lineno}"))
-    return examples
+    from common.data import read_jsonl
+    return read_jsonl(path, example_from_row, limit, hint="point the run at the right folder with "
+                      f"--data.source=<folder with train/test.jsonl>, or a hub id such as {HUB_DATASET}")
 
 
 def load_split(source: str, split: str, limit: int | None = None, hub_config: str | None = "main") -> list[GSM8KExample]:
     """`split` ("train" / "test") from a folder with <split>.jsonl, a `datasets` save_to_disk
     folder, or a hub id such as openai/gsm8k (with `hub_config`); see `common/data.py`."""
-    from common.data import is_jsonl_folder, iter_rows
-    if is_jsonl_folder(source, split):
-        return load_gsm8k(Path(source) / f"{split}.jsonl", limit)
-    out: list[GSM8KExample] = []
-    for i, row in enumerate(iter_rows(source, split, hub_config)):
-        if limit is not None and len(out) >= limit:
-            break
-        out.append(example_from_row(dict(row), f"{source} [{split}] row {i}"))
-    return out
+    from common.data import load_examples
+    return load_examples(source, split, example_from_row, limit, hub_config)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,10 +205,9 @@ def reward_fn(completion_text: str, gold: str) -> float:
 # config: every field can be overridden from the command line (--section.field=value)
 
 from common.generator import GenConfig, PromptSet  # noqa: E402
-from common.precision import PrecisionConfig
-from common.trainer import LogConfig, TrainConfig  # noqa: E402
-from tba.algo import GRPOConfig, TBAConfig  # noqa: E402
-from areal.algo import AReaLConfig  # noqa: E402
+from common.task import RunConfig  # noqa: E402
+from common.trainer import TrainConfig  # noqa: E402
+from tba.algo import TBAConfig  # noqa: E402
 
 
 @dataclass
@@ -252,16 +222,8 @@ class DataConfig:
 
 
 @dataclass
-class RunConfig:
+class GSM8KConfig(RunConfig):
     name: str = "gsm8k_tba"             # run directory name under run_root
-    run_root: str = "runs"              # where runs/<name>/ (metrics, plots, checkpoints) go
-    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"  # policy: HF id or local checkpoint dir
-    ref_model: Optional[str] = None     # frozen reference; None = the initial policy
-    algo: Literal["tba", "areal", "grpo"] = "tba"  # TBA, AReaL (decoupled PPO), or the GRPO baseline (always on-policy)
-    preset: Literal["cpu", "gpu"] = "cpu"  # size preset applied before other overrides
-    seed: int = 0                       # seeds prompt order, buffer sampling and generators
-    resume: bool = False                # continue from the latest checkpoint of runs/<name>
-    data: DataConfig = field(default_factory=DataConfig)
     # CPU preset (2 cores, ~30 min): 2 prompts x 4 samples per step (a step of ~2.6k tokens
     # trains in ~35 s on one core), 40 steps, paper lr and beta schedule compressed to 40 steps.
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=32, max_new_tokens=192, n=4))
@@ -269,13 +231,10 @@ class RunConfig:
         steps=40, lr=1e-5, warmup_steps=2, prompts_per_step=2, sync_every=2, min_buffer=8,
         buffer_capacity=2048, micro_batch_tokens=4096, checkpoint_every=10, eval_every=0))
     tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_anneal_steps=40))
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-    areal: AReaLConfig = field(default_factory=AReaLConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # auto: bf16 / GEMM backend measured per machine
+    data: DataConfig = field(default_factory=DataConfig)
 
 
-def gpu_preset(cfg: RunConfig) -> RunConfig:
+def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     """The paper's GSM8K settings (DESIGN.md section 4): 7 prompts x K=20, k=2, m=0.95, lr 1e-5."""
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7)
     cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=50, decay_steps=200, prompts_per_step=7,
@@ -287,43 +246,10 @@ def gpu_preset(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def areal_defaults(cfg: RunConfig) -> RunConfig:
-    """What AReaL changes in either preset (DESIGN.md section 5): publish every step (k = 1),
-    staleness bound eta = 4, in-flight samples re-prefilled under new weights (interrupt), no
-    reference model (no KL term), and a ring that holds (eta + 2) batches with room to spare.
-    GPU: group n = 16 with 8 prompts (128 trajectories per step), as one node of the paper's
-    512-trajectory batches."""
-    cfg.train.sync_every, cfg.train.max_staleness = 1, 4
-    cfg.gen.update_mode, cfg.gen.ref_logp = "interrupt", False
-    if cfg.preset == "gpu":
-        cfg.gen.n, cfg.train.prompts_per_step, cfg.train.min_buffer = 16, 8, 128
-    else:
-        cfg.train.min_buffer = cfg.train.prompts_per_step * cfg.gen.n
-    cfg.areal = AReaLConfig(eps_clip=0.2, n_minibatches=4, behav_imp_weight_cap=5.0, adv_norm="group")
-    return cfg
-
-
-def _flag(argv: list[str], key: str) -> str | None:
-    """The value given to --key on the command line (--key=v or --key v), else None."""
-    for i, a in enumerate(argv):
-        if a.startswith(f"--{key}="):
-            return a.split("=", 1)[1]
-        if a == f"--{key}" and i + 1 < len(argv):
-            return argv[i + 1]
-    return None
-
-
-def make_config(argv: list[str] | None = None) -> RunConfig:
+def make_config(argv: list[str] | None = None) -> GSM8KConfig:
     """Defaults, then the preset, then the algorithm's defaults, then every other override."""
-    from common.config import cli
-    argv = sys.argv[1:] if argv is None else argv
-    cfg = RunConfig()
-    if _flag(argv, "preset") == "gpu":
-        cfg.preset = "gpu"
-        cfg = gpu_preset(cfg)
-    if _flag(argv, "algo") == "areal":
-        cfg = areal_defaults(cfg)
-    return cli(cfg, argv, description=__doc__)
+    from common import task
+    return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,45 +261,24 @@ def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import torch
+    from common import task
     from common.evaluate import greedy_pass_at_1
-    from common.hf_io import load_tokenizer, resolve_checkpoint
     from common.hf_save import tokenizer_stop_ids
-    from common.launch import set_process_defaults
-    from common.log import plot_metrics
-    from common.trainer import train
-    from areal.algo import AReaL
-    from tba.algo import GRPO, TBA
 
     cfg = make_config(argv)
-    set_process_defaults(cfg.train.device)
-    torch.manual_seed(cfg.seed)
+    task.setup(cfg)
     train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:
     test_ex = load_split(cfg.data.source, "test", cfg.data.eval_size, cfg.data.hub_config)  # they take a second
-    tok = load_tokenizer(resolve_checkpoint(cfg.model))
+    tok = task.tokenizer_of(cfg)
     prompts = PromptSet(tokenize_prompts(train_ex, tok, cfg.data.prompt_style), [ex.gold for ex in train_ex])
     eval_prompts = tokenize_prompts(test_ex, tok, cfg.data.prompt_style)
     stops = tokenizer_stop_ids(tok)  # EOS and the chat template's end of turn
-    P, K = cfg.train.prompts_per_step, cfg.gen.n
-    if cfg.algo == "tba":
-        algo = TBA(cfg.tba, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)
-    elif cfg.algo == "areal":
-        eta = 0 if cfg.train.mode == "sync" else cfg.train.max_staleness
-        algo = AReaL(cfg.areal, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, max_staleness=eta)
-    else:
-        algo = GRPO(cfg.grpo, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens, seed=cfg.seed)
 
     def evaluate(model, tokenizer):
         return greedy_pass_at_1(model, tokenizer, eval_prompts, [ex.gold for ex in test_ex], reward_fn,
                                 cfg.data.eval_max_new_tokens, stops, max_batch=cfg.data.eval_max_batch)
 
-    last = train(cfg, algo, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None,
-                 resume=cfg.resume)
-    run_dir = Path(cfg.run_root) / cfg.name
-    png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"GSM8K {cfg.algo} ({cfg.train.mode})")
-    if png:
-        print(f"[asyncrl] plot: {png}")
-    return last
+    return task.run(cfg, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K")
 
 
 if __name__ == "__main__":

@@ -96,16 +96,18 @@ def child(a) -> None:
     import torch
     from common.generator import GenConfig, PromptSet
     from common.trainer import TrainConfig, train
-    from staleness import BenchConfig
+    from common.precision import PrecisionConfig
+    from common.task import RunConfig
     from tba.algo import TBA, TBAConfig
     d = Path(a.dir)
     if a.child == "malformed_data_line":
         import run_gsm8k
         run_gsm8k.main([f"--model={a.model}", f"--data.source={d / 'data'}", f"--run_root={d / 'runs'}"])
         return
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal, even if we run in the background
     if a.checkpoint_fault:
         _patch_checkpoint_writes(a.checkpoint_fault, d)
-    cfg = BenchConfig(name="job", run_root=str(d / "runs"), model=a.model,
+    cfg = RunConfig(name="job", run_root=str(d / "runs"), model=a.model, precision=PrecisionConfig(dtype="fp32"),
                       gen=GenConfig(max_batch=8, max_new_tokens=8, n=4, temperature=1.0),
                       train=TrainConfig(steps=STEPS, lr=1e-3, warmup_steps=1, prompts_per_step=2, sync_every=1,
                                         min_buffer=8, buffer_capacity=16384, micro_batch_tokens=512,

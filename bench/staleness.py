@@ -28,8 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -37,7 +35,8 @@ import torch  # noqa: E402
 
 from common.generator import GenConfig, PromptSet  # noqa: E402
 from common.precision import PrecisionConfig
-from common.trainer import LogConfig, TrainConfig  # noqa: E402
+from common.task import RunConfig  # noqa: E402
+from common.trainer import TrainConfig  # noqa: E402
 
 LOW, VOCAB = 64, 512
 
@@ -45,20 +44,6 @@ LOW, VOCAB = 64, 512
 def reward_fn(tokens, meta) -> float:
     """Fraction of completion tokens below LOW (the checkpoint has no tokenizer: ids, not text)."""
     return sum(t < LOW for t in tokens) / max(1, len(tokens))
-
-
-@dataclass
-class BenchConfig:
-    name: str = "run"
-    run_root: str = "runs"
-    model: str = ""
-    ref_model: Optional[str] = None
-    seed: int = 0
-    gen: GenConfig = field(default_factory=GenConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    # fp32 everywhere so results do not depend on whether this CPU has bf16 units (bf16: tests/test_precision.py)
-    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(dtype="fp32"))
 
 
 def make_model(path: str) -> None:
@@ -94,13 +79,14 @@ def run_one(a, model_dir: str, root: str, loss_name: str, eta: int, seed: int) -
     from common.log import read_metrics
     from common.trainer import train
     name = f"{loss_name}_eta{eta}_s{seed}"
-    cfg = BenchConfig(name=name, run_root=root, model=model_dir, seed=seed,
+    cfg = RunConfig(name=name, run_root=root, model=model_dir, seed=seed,
                       gen=GenConfig(max_batch=a.prompts * a.n, max_new_tokens=a.max_new, n=a.n, temperature=1.0,
                                     update_mode="interrupt", ref_logp=False),
                       train=TrainConfig(steps=a.steps, lr=a.lr, warmup_steps=1, prompts_per_step=a.prompts,
                                         sync_every=1, mode="sync" if eta == 0 else "async", max_staleness=eta,
                                         min_buffer=a.prompts * a.n, buffer_capacity=(eta + 4) * a.prompts * a.n,
-                                        micro_batch_tokens=4096, keep_checkpoints=1))
+                                        micro_batch_tokens=4096, keep_checkpoints=1),
+                    precision=PrecisionConfig(dtype="fp32"))  # results independent of the CPU's bf16 units
     loss_fn = {"decoupled": decoupled_ppo_loss, "naive": ppo_loss}[loss_name]
     algo = AReaL(AReaLConfig(n_minibatches=4), a.prompts, a.n, 1.0, 4096, max_staleness=eta, loss_fn=loss_fn)
     torch.manual_seed(seed)

@@ -2,8 +2,7 @@
 
 A task script names its splits and turns one row (a dict) into its example type; this file only
 finds the rows. `source` is one of
-  - a local folder with `<split>.jsonl` files (the offline default; the task reads them itself,
-    with file:line in its errors),
+  - a local folder with `<split>.jsonl` files (the offline default; errors name file:line),
   - a local folder written by the `datasets` library (`DatasetDict.save_to_disk`, or a
     `Dataset.save_to_disk` per split in `<folder>/<split>`),
   - a hub dataset id, `owner/name` (the task supplies the config name, e.g. openai/gsm8k
@@ -12,13 +11,24 @@ finds the rows. `source` is one of
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
+
+T = TypeVar("T")
 
 
 class DataSourceError(RuntimeError):
     """The data source could not be read; the message says what was tried and the fix."""
+
+
+def default_data_dir(task: str) -> Path | None:
+    """First existing of $ASYNCRL_DATA_DIR/<task>, <repo>/../shared/data/<task>, <repo>/data/<task>."""
+    repo = Path(__file__).resolve().parent.parent
+    candidates = [Path(os.environ["ASYNCRL_DATA_DIR"]) / task] if os.environ.get("ASYNCRL_DATA_DIR") else []
+    candidates += [repo.parent / "shared" / "data" / task, repo / "data" / task]
+    return next((c for c in candidates if c.is_dir()), None)
 
 
 def is_jsonl_folder(source: str | os.PathLike, split: str) -> bool:
@@ -63,3 +73,40 @@ def iter_rows(source: str, split: str, hub_config: str | None = None) -> Iterato
             f"written by datasets' save_to_disk on a machine with access (HF_HUB_OFFLINE=1 makes the "
             f"failure immediate)") from e
     yield from ds
+
+
+def read_jsonl(path: str | os.PathLike, make: Callable[[dict, str], T], limit: int | None = None,
+               hint: str = "") -> list[T]:
+    """`make(row, where)` for each non-empty line of a JSONL file (where = "file:line", for
+    the errors `make` raises); a missing file or malformed line is an error naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"data file not found: {path}" + (f" ({hint})" if hint else ""))
+    out: list[T] = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if limit is not None and len(out) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
+            out.append(make(row, f"{path}:{lineno}"))
+    return out
+
+
+def load_examples(source: str, split: str, make: Callable[[dict, str], T], limit: int | None = None,
+                  hub_config: str | None = None) -> list[T]:
+    """`split` of `source` (a folder with <split>.jsonl, a `datasets` folder or a hub id) as
+    examples: `make(row, where)` turns one row into the task's example type, or raises naming
+    `where`."""
+    if is_jsonl_folder(source, split):
+        return read_jsonl(Path(source) / f"{split}.jsonl", make, limit)
+    out: list[T] = []
+    for i, row in enumerate(iter_rows(source, split, hub_config)):
+        if limit is not None and len(out) >= limit:
+            break
+        out.append(make(dict(row), f"{source} [{split}] row {i}"))
+    return out

@@ -48,6 +48,7 @@ class GenConfig:
     update_mode: Literal["finish", "interrupt"] = "finish"  # finish in-flight samples first (TBA) or re-prefill (AReaL)
     ref_logp: bool = True           # compute reference sequence log-probs here (TBA's KL term)
     queue_depth: int = 2            # prompts queued beyond what fits the free slots
+    no_stop_reward: Optional[float] = None  # reward of a sample cut at max_new_tokens without a stop token (TL;DR paper: -1); None = score it
 
 
 @dataclass
@@ -105,31 +106,35 @@ def prompt_order(seed: int, n_prompts: int, claim_idx: int) -> int:
 
 
 def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row,
-          rank: int = 0, stop_event=None, beat=None) -> list[float] | None:
+          rank: int = 0, stop_event=None, beat=None, no_stop_reward: float | None = None) -> list[float] | None:
     """Rewards for one group; a reward_fn that raises scores 0 and is logged, never fatal.
     `reward_fn` is fn(text, meta), or a RewardClient (reward-worker processes, batched; while
-    waiting for it this generator keeps beating, so a stuck reward worker is the one named)."""
+    waiting for it this generator keeps beating, so a stuck reward worker is the one named).
+    With `no_stop_reward` set, a sample cut at max_new_tokens gets that value unscored."""
     meta = prompts.meta[prompt_idx] if prompts.meta else None
+    cut = [no_stop_reward is not None and c.finish_reason == "length" for c in completions]
     texts = [tokenizer.decode(c.tokens, skip_special_tokens=True) if tokenizer is not None else c.tokens
-             for c in completions]
-    if isinstance(reward_fn, RewardClient):
+             for c, k in zip(completions, cut) if not k]
+    out = []
+    if texts and isinstance(reward_fn, RewardClient):
         got = reward_fn.score(rank, texts, [meta] * len(texts), stop_event, beat)
         if got is None:
             return None
         stats_row[Control.REWARD_ERRORS] += got[1]
-        return got[0]
-    out = []
-    for text in texts:
-        try:
-            r = float(reward_fn(text, meta))
-            if not math.isfinite(r):
-                raise ValueError(f"reward_fn returned {r}")
-        except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
-            log.warning("reward_fn failed on prompt %d (scored 0): %r", prompt_idx, e)
-            stats_row[Control.REWARD_ERRORS] += 1
-            r = 0.0
-        out.append(r)
-    return out
+        out = got[0]
+    elif texts:
+        for text in texts:
+            try:
+                r = float(reward_fn(text, meta))
+                if not math.isfinite(r):
+                    raise ValueError(f"reward_fn returned {r}")
+            except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
+                log.warning("reward_fn failed on prompt %d (scored 0): %r", prompt_idx, e)
+                stats_row[Control.REWARD_ERRORS] += 1
+                r = 0.0
+            out.append(r)
+    scored = iter(out)
+    return [no_stop_reward if k else next(scored) for k in cut]
 
 
 @torch.no_grad()
@@ -195,7 +200,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
                 continue
             del groups[c.request_id]
             beat("scoring", c.request_id)
-            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event, beat)
+            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event, beat, cfg.no_stop_reward)
             if rewards is None:  # shutting down while the reward workers were busy
                 break
             trajs = [Trajectory(torch.tensor(x.prompt_tokens), torch.tensor(x.tokens), x.logp_tensor(),

@@ -4,16 +4,14 @@ Toy task: the reward of a completion is the fraction of its tokens below LOW (id
 tiny random model starts near LOW/V ~ 0.2; trajectory balance towards pi_ref * exp(r / beta) must
 raise it.
 """
-from dataclasses import dataclass, field
-from typing import Optional
-
 import pytest
 import torch
 
 from common.generator import GenConfig, PromptSet
 from common.log import read_metrics
 from common.precision import PrecisionConfig
-from common.trainer import LogConfig, TrainConfig, train
+from common.task import RunConfig
+from common.trainer import TrainConfig, train
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
 
@@ -31,22 +29,6 @@ def flaky_reward(tokens, meta) -> float:
     return toy_reward(tokens, meta)
 
 
-@dataclass
-class ToyConfig:
-    name: str = "toy"
-    run_root: str = "runs"
-    model: str = ""
-    ref_model: Optional[str] = None
-    seed: int = 0
-    gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=6, n=4, temperature=1.0))
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        steps=100, lr=3e-3, warmup_steps=1, prompts_per_step=4, sync_every=2, min_buffer=16,
-        buffer_capacity=512, micro_batch_tokens=256))
-    log: LogConfig = field(default_factory=LogConfig)
-    # fp32 everywhere so results do not depend on whether this CPU has bf16 units (bf16: tests/test_precision.py)
-    precision: PrecisionConfig = field(default_factory=lambda: PrecisionConfig(dtype="fp32"))
-
-
 def _prompts():
     g = torch.Generator().manual_seed(0)
     return PromptSet([torch.randint(10, 90, (int(n),), generator=g).tolist() for n in torch.randint(2, 6, (16,), generator=g)])
@@ -54,7 +36,12 @@ def _prompts():
 
 def _cfg(tmp_path, **train_kw):
     save_hf("llama_tied", tmp_path / "model")
-    cfg = ToyConfig(model=str(tmp_path / "model"), run_root=str(tmp_path / "runs"))
+    cfg = RunConfig(name="toy", model=str(tmp_path / "model"), run_root=str(tmp_path / "runs"),
+                    gen=GenConfig(max_batch=16, max_new_tokens=6, n=4, temperature=1.0),
+                    train=TrainConfig(steps=100, lr=3e-3, warmup_steps=1, prompts_per_step=4, sync_every=2,
+                                      min_buffer=16, buffer_capacity=512, micro_batch_tokens=256),
+                    # fp32 everywhere so results do not depend on whether this CPU has bf16 units (bf16: tests/test_precision.py)
+                    precision=PrecisionConfig(dtype="fp32"))
     for k, v in train_kw.items():
         setattr(cfg.train, k, v)
     return cfg

