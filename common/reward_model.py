@@ -8,8 +8,8 @@ trainer (a "gold" RM scoring evaluation summaries) and in a task's RM-training c
 Any `AutoModelForSequenceClassification` checkpoint with a scalar head (num_labels = 1) works:
 the papers' Pythia RMs (decoder: "<prompt> <response>" is one text, scored at its last token,
 truncated from the left so the response survives) or an encoder cross-encoder such as
-the offline default built on MiniLM (prompt and response as a sentence pair, the prompt
-truncated first). `input="auto"` picks pair encoding when the tokenizer has a separator token.
+the offline default built on MiniLM (prompt and response as a sentence pair; the longer of
+the two, in practice the post, is truncated first). `input="auto"` picks pair encoding when the tokenizer has a separator token.
 
 Bradley-Terry (the RM objective of the RLHF papers): P(chosen > rejected) = sigmoid(r_c - r_r),
     loss = -mean log sigmoid(r_c - r_r).
@@ -50,7 +50,7 @@ class RewardModel:
 
     def encode(self, prompts: Sequence[str], responses: Sequence[str]) -> dict[str, torch.Tensor]:
         if self.pair:
-            enc = self.tok(list(prompts), list(responses), truncation="only_first", max_length=self.max_tokens,
+            enc = self.tok(list(prompts), list(responses), truncation="longest_first", max_length=self.max_tokens,
                            padding=True, return_tensors="pt")
         else:
             enc = self.tok([f"{p} {r}" for p, r in zip(prompts, responses)], truncation=True, max_length=self.max_tokens,
