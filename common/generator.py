@@ -49,6 +49,7 @@ class GenConfig:
     ref_logp: bool = True           # compute reference sequence log-probs here (TBA's KL term)
     queue_depth: int = 2            # prompts queued beyond what fits the free slots
     no_stop_reward: Optional[float] = None  # reward of a sample cut at max_new_tokens without a stop token (TL;DR paper: -1); None = score it
+    error_reward: float = 0.0       # reward of a sample whose reward fn raised or was not finite (counted in reward_errors)
 
 
 @dataclass
@@ -106,8 +107,10 @@ def prompt_order(seed: int, n_prompts: int, claim_idx: int) -> int:
 
 
 def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row,
-          rank: int = 0, stop_event=None, beat=None, no_stop_reward: float | None = None) -> list[float] | None:
-    """Rewards for one group; a reward_fn that raises scores 0 and is logged, never fatal.
+          rank: int = 0, stop_event=None, beat=None, no_stop_reward: float | None = None,
+          error_reward: float = 0.0) -> list[float] | None:
+    """Rewards for one group; a reward_fn that raises scores `error_reward`, is counted and logged,
+    never fatal.
     `reward_fn` is fn(text, meta), or a RewardClient (reward-worker processes, batched; while
     waiting for it this generator keeps beating, so a stuck reward worker is the one named).
     With `no_stop_reward` set, a sample cut at max_new_tokens gets that value unscored."""
@@ -129,9 +132,9 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
                 if not math.isfinite(r):
                     raise ValueError(f"reward_fn returned {r}")
             except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
-                log.warning("reward_fn failed on prompt %d (scored 0): %r", prompt_idx, e)
+                log.warning("reward_fn failed on prompt %d (scored %g): %r", prompt_idx, error_reward, e)
                 stats_row[Control.REWARD_ERRORS] += 1
-                r = 0.0
+                r = error_reward
             out.append(r)
     scored = iter(out)
     return [no_stop_reward if k else next(scored) for k in cut]
@@ -200,7 +203,8 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
                 continue
             del groups[c.request_id]
             beat("scoring", c.request_id)
-            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event, beat, cfg.no_stop_reward)
+            rewards = score(g, p, prompts, reward_fn, tok, row, rank, stop_event, beat, cfg.no_stop_reward,
+                            cfg.error_reward)
             if rewards is None:  # shutting down while the reward workers were busy
                 break
             trajs = [Trajectory(torch.tensor(x.prompt_tokens), torch.tensor(x.tokens), x.logp_tensor(),

@@ -8,7 +8,7 @@ built once per worker by `make_reward_fn()` (a module-level factory, so spawn ca
 which returns `fn(texts: list, metas: list) -> list[float]`.
 
 Failure rules: a batched call that raises is retried sample by sample; a sample that still
-raises scores 0 and is counted (`n_errors` in the answer), the same contract as in-process
+raises scores `error_reward` (`gen.error_reward`, default 0) and is counted (`n_errors` in the answer), the same contract as in-process
 rewards (common/generator.py: score). A worker that dies is noticed by the trainer's
 `Workers.check()`; a generator waiting on it gives up after `timeout` seconds with an error.
 """
@@ -25,7 +25,8 @@ log = logging.getLogger("asyncrl.reward")
 class RewardClient:
     """Picklable handle a generator uses to score a group on the reward workers."""
 
-    def __init__(self, ctx, n_generators: int, timeout: float = 600.0):
+    def __init__(self, ctx, n_generators: int, timeout: float = 600.0, error_reward: float = 0.0):
+        self.error_reward = error_reward  # what a sample whose reward raises scores (the workers read it)
         self.requests = ctx.Queue()
         self.results = [ctx.Queue() for _ in range(n_generators)]
         self.timeout = timeout
@@ -48,7 +49,7 @@ class RewardClient:
         raise TimeoutError(f"no reward from the reward workers within {self.timeout} s")
 
 
-def _safe_scores(fn: Callable, texts: list, metas: list) -> tuple[list[float], int]:
+def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0.0) -> tuple[list[float], int]:
     try:
         out = [float(r) for r in fn(texts, metas)]
         if len(out) != len(texts):
@@ -63,9 +64,9 @@ def _safe_scores(fn: Callable, texts: list, metas: list) -> tuple[list[float], i
             r = float(fn([t], [m])[0])
             if not math.isfinite(r):
                 raise ValueError(f"reward {r}")
-        except Exception as e:  # noqa: BLE001 - one bad sample scores 0, the run goes on
-            log.warning("reward failed on one sample (scored 0): %r", e)
-            r, errors = 0.0, errors + 1
+        except Exception as e:  # noqa: BLE001 - one bad sample scores error_reward, the run goes on
+            log.warning("reward failed on one sample (scored %g): %r", error_reward, e)
+            r, errors = error_reward, errors + 1
         out.append(r)
     return out, errors
 
@@ -82,4 +83,4 @@ def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_e
         except queue_mod.Empty:
             continue
         beat("scoring", rank)  # request = the generator it scores for
-        client.results[rank].put(_safe_scores(fn, texts, metas))
+        client.results[rank].put(_safe_scores(fn, texts, metas, client.error_reward))

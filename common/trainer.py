@@ -227,7 +227,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/watchdog.py
         workers.watch(hb, tc.stall_timeout, tc.stall_action)
         if tc.reward_workers > 0:
-            reward_fn = RewardClient(workers.ctx, tc.n_generators)
+            reward_fn = RewardClient(workers.ctx, tc.n_generators, error_reward=cfg.gen.error_reward)
             for r in range(tc.reward_workers):
                 workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn, beat=hb.beat_for(f"reward{r}"))
         for r in range(tc.n_generators):
