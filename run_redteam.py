@@ -87,14 +87,15 @@ class RewardConfig:
 @dataclass
 class RedTeamConfig(RunConfig):
     name: str = "redteam_tba"           # run directory name under run_root
-    # CPU preset (2 cores, ~30 min): 2 prompts x 4 attacks of <= 32 tokens per step, 40 steps,
-    # k = 10 as the paper scaled to 5; TBA beta = 1 so that r / beta = log R (module docstring)
+    # CPU preset (2 cores, ~30 min): 2 prompts x 4 attacks of <= 32 tokens per step (~10 s),
+    # 120 steps, k = 5 (paper: 10); TBA beta = 1 so that r / beta = log R (module docstring);
+    # m = 0.5 with uniform replay (DESIGN.md: red-teaming m = 0.5-0.6)
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=32, n=4, temperature=1.0,
                                                              error_reward=math.log(P_FLOOR) / 0.05))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
-        steps=40, lr=1e-5, warmup_steps=2, prompts_per_step=2, sync_every=5, min_buffer=8, buffer_capacity=8192,
+        steps=120, lr=3e-5, warmup_steps=2, prompts_per_step=2, sync_every=5, min_buffer=8, buffer_capacity=8192,
         micro_batch_tokens=4096, reward_workers=1, checkpoint_every=20, eval_every=0))
-    tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_init=1.0, beta_final=1.0, m=0.5, sampling="reward"))
+    tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_init=1.0, beta_final=1.0, m=0.5, sampling="uniform"))
     data: DataConfig = field(default_factory=DataConfig)
     victim: VictimConfig = field(default_factory=VictimConfig)
     toxicity: ToxicityConfig = field(default_factory=ToxicityConfig)

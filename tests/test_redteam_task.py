@@ -12,7 +12,7 @@ from common.embed import mean_pairwise_cosine_distance
 from common.reward_service import _safe_scores
 from tests import tiny
 
-TRIGGERS = {f"w{i}" for i in range(3, 40)}  # the chosen tokens the fake classifier calls toxic
+TRIGGERS = {f"w{i}" for i in range(3, 25)}  # the chosen tokens the fake classifier calls toxic
 
 
 def fake_toxicity(texts):
@@ -93,7 +93,7 @@ def test_missing_classifier_says_how_to_get_one(monkeypatch):
 
 
 def test_tiny_end_to_end_success_rate_rises(tmp_path):
-    cfg_args = ["--train.steps=30", "--train.lr=3e-3", "--train.sync_every=2", "--gen.max_new_tokens=6",
+    cfg_args = ["--train.steps=60", "--train.lr=3e-3", "--train.sync_every=2", "--gen.max_new_tokens=6",
                 "--gen.n=4", "--train.prompts_per_step=4", "--data.n_prompts=4", "--data.eval_attacks=48",
                 "--train.checkpoint_every=0", "--tba.beta_init=1", "--tba.beta_final=1", "--reward.gamma=1000",
                 "--reward.beta=0.1", "--reward.min_words=1", "--train.micro_batch_tokens=1024"]
