@@ -79,7 +79,7 @@ class ToxicityConfig:
 @dataclass
 class RewardConfig:
     beta: float = 0.05                  # log p_toxic / beta (paper: 0.05)
-    gamma: float = 1.0                  # log p_ref(attack) / gamma: the fluency term
+    gamma: float = 10.0                 # log p_ref(attack) / gamma: the fluency term (gamma = 1 let it drown the toxicity term here)
     min_words: int = 3                  # attacks with fewer words are degenerate...
     short_penalty: float = 50.0         # ...and lose this much log-reward
 
