@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import sys
 import time
@@ -296,7 +297,7 @@ class Evaluator:
         lr = completion_logps(self.ref_model, outs, c.gen.temperature)
         n_tok = sum(len(o.tokens) for o in outs)
         return {"eval_win_rate": sum(wins) / len(wins), "eval_kl": sum(a - b for a, b in zip(lp, lr)) / len(lp),
-                "eval_ref_ppl": float(__import__("math").exp(-sum(lr) / n_tok)), "eval_len": n_tok / len(outs),
+                "eval_ref_ppl": math.exp(-sum(lr) / n_tok), "eval_len": n_tok / len(outs),
                 "eval_no_eos": sum(o.finish_reason == "length" for o in outs) / len(outs),
                 "eval_gold_reward": sum(gold_pol) / len(gold_pol), "eval_n": len(outs)}
 
