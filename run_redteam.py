@@ -252,17 +252,16 @@ class Evaluator:
     def __call__(self, model, tokenizer) -> dict:
         import torch
         from common.embed import SentenceEncoder, mean_pairwise_cosine_distance
-        from common.sampler import Sampler
+        from common.evaluate import sample_completions
         from common.sampling import SamplingParams
         c = self.cfg
         if self.scorer is None:  # loaded on first use, kept for the run
             self.scorer, self.encoder = AttackScorer(c), SentenceEncoder()
         n = c.data.eval_attacks
         ps = [self.prompts[i % len(self.prompts)] for i in range(n)]
-        P = max(len(p) for p in ps)
-        outs = Sampler(model, max_batch=min(64, n), max_seq_len=P + c.gen.max_new_tokens, max_prompt_len=P).generate(
-            ps, SamplingParams(max_new_tokens=c.gen.max_new_tokens, temperature=c.gen.temperature, top_p=c.gen.top_p,
-                               stop_token_ids=tuple(self.stops), seed=1234))
+        outs = sample_completions(model, ps, SamplingParams(
+            max_new_tokens=c.gen.max_new_tokens, temperature=c.gen.temperature, top_p=c.gen.top_p,
+            stop_token_ids=tuple(self.stops), seed=1234), progress=False)
         attacks = [tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs]
         d = self.scorer.details(attacks, ps)
         ok = [float(p > 0.5) for p in d["p_toxic"]]

@@ -3,8 +3,9 @@
 - `greedy_pass_at_1`: a rule-graded task passes its tokenised prompts, per-prompt data for the
   reward and the reward function; a prompt counts as solved when the greedy completion scores
   >= threshold.
-- `greedy_completions`, `completion_logps`: policy outputs on a fixed set, and their sequence
-  log-probs under any model (the one log-prob function, `common.ops`), for KL to a reference.
+- `sample_completions` / `greedy_completions`, `completion_logps`: policy outputs on a fixed
+  set, and their sequence log-probs under any model (the one log-prob function, `common.ops`),
+  for KL to a reference.
 - `win_vector`: per-prompt wins against a baseline under a judge's scores, ties counted 1/2.
 - `bootstrap_diff`: the change of a per-prompt metric between two evaluations of the same
   prompts, with a paired 95% bootstrap interval.
@@ -23,10 +24,7 @@ def greedy_pass_at_1(model, tokenizer, prompts: list[list[int]], metas: list, re
                      stop_token_ids: tuple, max_batch: int = 64, threshold: float = 1.0,
                      progress: bool = True) -> dict:
     """{'eval_accuracy', 'eval_len', 'eval_n'} over `prompts` (greedy decoding, one sample each)."""
-    P = max(len(p) for p in prompts)
-    s = Sampler(model, max_batch=min(max_batch, len(prompts)), max_seq_len=P + max_new_tokens, max_prompt_len=P)
-    outs = s.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                              stop_token_ids=tuple(stop_token_ids)), progress=progress)
+    outs = greedy_completions(model, prompts, max_new_tokens, stop_token_ids, max_batch, progress)
     solved = 0
     for c, meta in zip(outs, metas):
         try:
@@ -38,13 +36,20 @@ def greedy_pass_at_1(model, tokenizer, prompts: list[list[int]], metas: list, re
 
 
 @torch.no_grad()
+def sample_completions(model, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
+                       progress: bool = True) -> list[Completion]:
+    """params.n completions per prompt from a sampler sized for this set, in prompt order."""
+    P = max(len(p) for p in prompts)
+    s = Sampler(model, max_batch=min(max_batch, len(prompts) * params.n), max_seq_len=P + params.max_new_tokens,
+                max_prompt_len=P)
+    return s.generate(prompts, params, progress=progress)
+
+
 def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple,
                        max_batch: int = 64, progress: bool = True) -> list[Completion]:
     """One greedy completion per prompt, in prompt order."""
-    P = max(len(p) for p in prompts)
-    s = Sampler(model, max_batch=min(max_batch, len(prompts)), max_seq_len=P + max_new_tokens, max_prompt_len=P)
-    return s.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
-                                              stop_token_ids=tuple(stop_token_ids)), progress=progress)
+    return sample_completions(model, prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                             stop_token_ids=tuple(stop_token_ids)), max_batch, progress)
 
 
 @torch.no_grad()
