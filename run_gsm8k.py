@@ -29,6 +29,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+import torch
+
+from common import task
+from common.data import default_data_dir as find_data_dir
+from common.data import load_examples, read_jsonl
+from common.engine.hf_save import tokenizer_stop_ids
+from common.evaluate import greedy_pass_at_1
+from common.runtime.generator import GenConfig, PromptSet
+from common.runtime.trainer import TrainConfig
+from tba.algo import TBAConfig
+
 log = logging.getLogger("asyncrl.gsm8k")
 
 PAPER_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"
@@ -48,8 +59,7 @@ class GSM8KExample:
 
 def default_data_dir() -> Path | None:
     """First existing of $ASYNCRL_DATA_DIR/gsm8k, <repo>/../shared/data/gsm8k, <repo>/data/gsm8k."""
-    from common.data import default_data_dir as find
-    return find("gsm8k")
+    return find_data_dir("gsm8k")
 
 
 HUB_DATASET = "openai/gsm8k"  # on the hub: configs "main" / "socratic", splits train / test, same fields
@@ -73,7 +83,6 @@ def example_from_row(row, where: str) -> GSM8KExample:
 
 def load_gsm8k(path, limit: int | None = None) -> list[GSM8KExample]:
     """Read a GSM8K JSONL file; errors name the file and the 1-based line number."""
-    from common.data import read_jsonl
     return read_jsonl(path, example_from_row, limit, hint="point the run at the right folder with "
                       f"--data.source=<folder with train/test.jsonl>, or a hub id such as {HUB_DATASET}")
 
@@ -81,7 +90,6 @@ def load_gsm8k(path, limit: int | None = None) -> list[GSM8KExample]:
 def load_split(source: str, split: str, limit: int | None = None, hub_config: str | None = "main") -> list[GSM8KExample]:
     """`split` ("train" / "test") from a folder with <split>.jsonl, a `datasets` save_to_disk
     folder, or a hub id such as openai/gsm8k (with `hub_config`); see `common/data.py`."""
-    from common.data import load_examples
     return load_examples(source, split, example_from_row, limit, hub_config)
 
 
@@ -204,12 +212,6 @@ def reward_fn(completion_text: str, gold: str) -> float:
 # ---------------------------------------------------------------------------------------------
 # config: every field can be overridden from the command line (--section.field=value)
 
-from common.generator import GenConfig, PromptSet  # noqa: E402
-from common.task import RunConfig  # noqa: E402
-from common.trainer import TrainConfig  # noqa: E402
-from tba.algo import TBAConfig  # noqa: E402
-
-
 @dataclass
 class DataConfig:
     source: str = str(default_data_dir() or HUB_DATASET)  # folder with train/test.jsonl, a datasets save_to_disk folder, or a hub id
@@ -222,7 +224,7 @@ class DataConfig:
 
 
 @dataclass
-class GSM8KConfig(RunConfig):
+class GSM8KConfig(task.RunConfig):
     name: str = "gsm8k_tba"             # run directory name under run_root
     # CPU preset (2 cores, ~30 min): 2 prompts x 4 samples per step (a step of ~2.6k tokens
     # trains in ~35 s on one core), 40 steps, paper lr and beta schedule compressed to 40 steps.
@@ -239,7 +241,7 @@ def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7)
     cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=50, decay_steps=200, prompts_per_step=7,
                             sync_every=2, min_buffer=500, buffer_capacity=65536, micro_batch_tokens=32768,
-                            n_generators=max(1, __import__("torch").cuda.device_count() - 1),
+                            n_generators=max(1, torch.cuda.device_count() - 1),
                             checkpoint_every=100, eval_every=100, device="cuda")
     cfg.tba = TBAConfig(beta_init=0.012, beta_final=0.004, beta_anneal_steps=500, m=0.95)
     cfg.data.eval_size, cfg.data.eval_max_new_tokens = 1319, 512
@@ -248,7 +250,6 @@ def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
 
 def make_config(argv: list[str] | None = None) -> GSM8KConfig:
     """Defaults, then the preset, then the algorithm's defaults, then every other override."""
-    from common import task
     return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
 
 
@@ -261,10 +262,6 @@ def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from common import task
-    from common.evaluate import greedy_pass_at_1
-    from common.hf_save import tokenizer_stop_ids
-
     cfg = make_config(argv)
     task.setup(cfg)
     train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:

@@ -34,17 +34,27 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import random
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-from common.data import default_data_dir
-from common.generator import GenConfig, PromptSet
-from common.task import RunConfig
-from common.trainer import TrainConfig
+import torch
+
+from common import task
+from common.data import default_data_dir, load_examples
+from common.embed import minilm_dir
+from common.engine.hf_io import cache_root, load_model
+from common.engine.hf_save import tokenizer_stop_ids
+from common.evaluate import bootstrap_diff, completion_logps, greedy_completions, win_vector
+from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
+from common.runtime.generator import GenConfig, PromptSet
+from common.runtime.trainer import TrainConfig
 from tba.algo import TBAConfig
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
@@ -79,7 +89,6 @@ def example_from_row(row, where: str) -> TLDRExample:
 
 
 def load_split(source: str, split: str, limit: int | None = None, hub_config: str | None = None) -> list[TLDRExample]:
-    from common.data import load_examples
     return load_examples(source, split, example_from_row, limit, hub_config)
 
 
@@ -139,7 +148,7 @@ class RMTrainConfig:
 
 
 @dataclass
-class TLDRConfig(RunConfig):
+class TLDRConfig(task.RunConfig):
     name: str = "tldr_tba"              # run directory name under run_root
     # CPU preset (2 cores, ~30 min with RM training): 2 posts x 4 summaries of <= 64 tokens per
     # step, 48 steps; the paper's beta 1.0 -> 0.05 dropping by step 32 of 256, scaled to step 16
@@ -158,7 +167,6 @@ class TLDRConfig(RunConfig):
 def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
     """The paper's TL;DR settings (DESIGN.md section 4): 8 prompts x 20, 128 tokens, T = 0.7,
     lr 3e-6, k = 10, 256 steps, beta 1.0 -> 0.05 by step 32, m = 0.5, softmax(reward) sampling."""
-    import torch
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=128, n=20, temperature=0.7, no_stop_reward=-1.0)
     cfg.train = TrainConfig(steps=256, lr=3e-6, warmup_steps=10, prompts_per_step=8, sync_every=10, min_buffer=160,
                             buffer_capacity=65536, micro_batch_tokens=32768, reward_workers=1, checkpoint_every=64,
@@ -169,15 +177,13 @@ def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
 
 
 def make_config(argv: list[str] | None = None) -> TLDRConfig:
-    from common import task
     return task.make_config(TLDRConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
 
 
 # -------------------------------------------------------------------------------- reward models
 def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int):
-    """Reward-worker factory (common/reward_service.py): load the RM once, then score a group
+    """Reward-worker factory (common/runtime/reward_service.py): load the RM once, then score a group
     fn(summaries, posts) in one batched call."""
-    from common.reward_model import RewardModel
     rm = RewardModel(path, max_tokens=max_tokens, batch_size=batch_size, input=input)
     return lambda texts, posts: rm.score(rm_prompts(rm, posts), [t.strip() for t in texts])
 
@@ -189,14 +195,12 @@ def rm_prompts(rm, posts: list[str]) -> list[str]:
 
 
 def offline_rm_dir(which: str) -> Path:
-    from common.hf_io import cache_root
     return cache_root() / "tldr_rm" / which
 
 
 def preference_pairs(examples: list[TLDRExample], per_post: int, seed: int) -> list[tuple[str, str, str, str]]:
     """(post, chosen = the true TL;DR, rejected, kind) with `per_post` kinds drawn per post of:
     another post's TL;DR, the post's lead sentence, the TL;DR cut to its first half, shuffled."""
-    import random
     rng = random.Random(seed)
     out = []
     for i, ex in enumerate(examples):
@@ -218,11 +222,7 @@ def preference_pairs(examples: list[TLDRExample], per_post: int, seed: int) -> l
 def train_offline_rms(cfg: TLDRConfig) -> dict:
     """Fine-tune the policy RM and the gold RM from MiniLM (Bradley-Terry), report held-out
     pair accuracy on the eval split, save both as Hugging Face directories in the cache."""
-    import os
-    import shutil
-    from transformers import AutoModelForSequenceClassification
-    from common.embed import minilm_dir
-    from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
+    from transformers import AutoModelForSequenceClassification  # lazy: slow import, train-rm only
     base = minilm_dir()
     train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
     val_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.rm.eval_posts, cfg.data.hub_config)
@@ -279,9 +279,6 @@ class Evaluator:
         self.wins: list[list[float]] = []
 
     def __call__(self, model, tokenizer) -> dict:
-        from common.evaluate import completion_logps, greedy_completions, win_vector
-        from common.hf_io import load_model
-        from common.reward_model import RewardModel
         c = self.cfg
         if self.gold is None:  # loaded on first use, kept for the run
             self.gold = RewardModel(self.gold_path, max_tokens=c.reward.max_tokens, batch_size=c.reward.batch_size,
@@ -307,9 +304,6 @@ PANELS = (("reward_mean", "train reward (policy RM)"), ("eval_win_rate", "win-ra
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from common import task
-    from common.evaluate import bootstrap_diff
-    from common.hf_save import tokenizer_stop_ids
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-rm"]:
         cfg = make_config(argv[1:])

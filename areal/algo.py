@@ -1,4 +1,4 @@
-"""AReaL's trainer hooks (Fu et al. 2025), called by `common/trainer.py` in the trainer process.
+"""AReaL's trainer hooks (Fu et al. 2025), called by `common/runtime/trainer.py` in the trainer process.
 
 Per trainer step (DESIGN.md section 5):
   batch       the oldest B = prompts_per_step x n unconsumed trajectories whose oldest token is
@@ -12,11 +12,11 @@ Per trainer step (DESIGN.md section 5):
               prompt ("group", default) or over the whole batch ("batch", the paper's), the
               same for every token of the response (gamma = lambda = 1, reward on the last token).
   updates     the batch split into `n_minibatches` minibatches of about equal token counts,
-              one optimizer step each (the trainer loops, see `Algorithm.minibatches`).
+              one optimizer step each (the trainer loops, see `common.algorithm.Algorithm.minibatches`).
   loss        `loss_fn` (areal/loss.py, default decoupled_ppo_loss): a token mean over the
               whole minibatch; micro-batches (token-budget first-fit-decreasing packing) are
               weighted by their share of its tokens, so micro-batching never changes the gradient.
-Staleness is bounded twice: by admission in the generators (`common.generator.Control`,
+Staleness is bounded twice: by admission in the generators (`common.runtime.generator.Control`,
 started < (eta + v + 1) x prompts per version) and by the filter here, which makes the bound
 exact whatever order groups finish in.
 """
@@ -28,10 +28,10 @@ from typing import Callable, Literal, Optional
 import torch
 
 from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss
+from common.algorithm import Algorithm
 from common.batch import Batch
 from common.micro import micro_batches
 from common.ops import group_normalised_advantages, token_logp
-from common.trainer import Algorithm
 
 
 @dataclass

@@ -69,7 +69,7 @@ def main():
     ap.add_argument("--root", default=None, help="run directory root (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="2 prompts x 2 samples, 16 tokens, 3 steps")
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                    help="run_gsm8k's --precision.dtype (auto: picked per machine, common/precision.py)")
+                    help="run_gsm8k's --precision.dtype (auto: picked per machine, common/engine/precision.py)")
     a = ap.parse_args()
     for k, v in TASKS[a.task][1].items():
         if getattr(a, k) is None and v is not None:

@@ -5,7 +5,7 @@ fills up. Prints one JSON line per scenario and a summary line (stdout), and a t
     python bench/faults.py                                 # every scenario, ~3 min on 2 cores
     python bench/faults.py --only generator_sigkill ctrl_c
 
-Each scenario is a real training job (`common.trainer.train`, TBA, one generator process, a
+Each scenario is a real training job (`common.runtime.trainer.train`, TBA, one generator process, a
 tiny random Llama, a toy reward) run as a child process (this file with --child) in a session of
 its own, so the parent can signal and count its whole process group. The parent waits until the
 job has trained a few steps, injects the fault, times how long until the job reports it (its exit
@@ -74,7 +74,7 @@ def make_fault_reward():
 
 def _patch_checkpoint_writes(fault: str, d: Path) -> None:
     """Make checkpoints after the first slow (so a SIGKILL lands mid-write) or fail with ENOSPC."""
-    import common.checkpoint as ck
+    import common.runtime.checkpoint as ck
     orig, calls = ck.save_pretrained, [0]
 
     def save_pretrained(model, path, **kw):
@@ -94,9 +94,9 @@ def _patch_checkpoint_writes(fault: str, d: Path) -> None:
 
 def child(a) -> None:
     import torch
-    from common.generator import GenConfig, PromptSet
-    from common.trainer import TrainConfig, train
-    from common.precision import PrecisionConfig
+    from common.runtime.generator import GenConfig, PromptSet
+    from common.runtime.trainer import TrainConfig, train
+    from common.engine.precision import PrecisionConfig
     from common.task import RunConfig
     from tba.algo import TBA, TBAConfig
     d = Path(a.dir)
@@ -166,8 +166,8 @@ def _start(name: str, d: Path, model: str, resume: bool, marker: Path, checkpoin
 def inspect_checkpoints(d: Path, model: str) -> dict:
     """Load every checkpoint; check the ring rows of the latest one."""
     import torch
-    from common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-    from common.hf_io import load_model
+    from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from common.engine.hf_io import load_model
     root = d / "runs" / "job" / "checkpoints"
     ckpts = sorted(root.glob("step_*")) if root.is_dir() else []
     ok = 0
@@ -182,7 +182,7 @@ def inspect_checkpoints(d: Path, model: str) -> dict:
            "tmp_dirs_left": len(list(root.glob(".tmp_*"))) if root.is_dir() else 0}
     latest = latest_checkpoint(d / "runs" / "job")
     if latest is not None and (latest / "buffer.pt").exists():
-        from common.buffer import ReplayBuffer
+        from common.runtime.buffer import ReplayBuffer
         b = ReplayBuffer.load(latest / "buffer.pt")
         ids = b.cols["insert_idx"][b.cols["insert_idx"] >= 0].tolist()
         want = set(range(b.n_added - len(b), b.n_added))

@@ -1,7 +1,7 @@
 """Sampler throughput: our KV-cache continuous-batching sampler vs transformers' `generate`.
 
 Single process, default model, one thread (DESIGN.md section 7). Ours runs at the precision
-the runtime picks for this machine (`common/precision.py`, `--dtype auto`; the choice is in the
+the runtime picks for this machine (`common/engine/precision.py`, `--dtype auto`; the choice is in the
 JSON line) and, with `--vs-fp32`, also in fp32 (the previous default). transformers runs in fp32
 (its default, as a user runs it) and in bf16; `speedup_tok_s` is against the faster of the two.
 Workload: `--prompts` GSM8K test questions in the chat template, `--n` samples each,
@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.linear import onednn_enabled, set_onednn  # noqa: E402
-from common.precision import Precision, PrecisionConfig, resolve  # noqa: E402
-from common.sampler import Sampler  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
+from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
+from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.sampler import Sampler  # noqa: E402
+from common.engine.sampling import SamplingParams  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
 
 
@@ -153,7 +153,7 @@ def main():
         res["auto_vs_fp32_tok_s"] = res["ours"]["tok_s"] / res["ours_fp32"]["tok_s"]
     if not a.skip_hf:
         import transformers
-        from common.hf_io import resolve_checkpoint
+        from common.engine.hf_io import resolve_checkpoint
         hf = transformers.AutoModelForCausalLM.from_pretrained(  # same weights, transformers' model
             str(resolve_checkpoint(a.model)), dtype=torch.float32).eval()
         runs = {"hf_generate": run_hf(hf, prompts, params, a.hf_batch, tok.pad_token_id or eos, eos)}

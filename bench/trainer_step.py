@@ -27,10 +27,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.sampler import Sampler  # noqa: E402
+from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
-from common.precision import Precision, PrecisionConfig, resolve  # noqa: E402
-from common.sampler import Sampler  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
 
 
 def step_times(model, opt, tokens, mask) -> tuple[float, float]:

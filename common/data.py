@@ -36,7 +36,7 @@ def is_jsonl_folder(source: str | os.PathLike, split: str) -> bool:
 
 
 def _saved_split(folder: Path, split: str):
-    import datasets
+    import datasets  # lazy: heavy (pyarrow), hub data only
     if (folder / "dataset_dict.json").is_file():
         dd = datasets.load_from_disk(str(folder))
         if split not in dd:
@@ -53,7 +53,7 @@ def iter_rows(source: str, split: str, hub_config: str | None = None) -> Iterato
     Local `<split>.jsonl` folders are the task's to read; passing one here is an error."""
     folder = Path(source).expanduser()
     try:
-        import datasets
+        import datasets  # lazy: heavy (pyarrow), hub data only
     except ImportError:
         raise DataSourceError(f"reading {source!r} needs the `datasets` library (pip install datasets), "
                               f"or point the run at a local folder with {split}.jsonl") from None

@@ -28,7 +28,7 @@ class SentenceEncoder:
     """Mean-pooled, L2-normalised sentence embeddings from a Hugging Face encoder directory."""
 
     def __init__(self, path: str | None = None, max_tokens: int = 128, batch_size: int = 64):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel, AutoTokenizer  # lazy: slow import
         path = str(path or minilm_dir())
         self.tok = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()

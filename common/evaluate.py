@@ -15,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.sampler import Sampler
-from common.sampling import Completion, SamplingParams
+from common.batch import Trajectory
+from common.engine.sampler import Sampler
+from common.engine.sampling import Completion, SamplingParams
+from common.ops import reference_seq_logp
 
 
 @torch.no_grad()
@@ -55,8 +57,6 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, sto
 @torch.no_grad()
 def completion_logps(model, completions: list[Completion], temperature: float, batch: int = 16) -> list[float]:
     """Sum of token log-probs of each completion given its prompt under `model`, at `temperature`."""
-    from common.batch import Trajectory
-    from common.generator import reference_seq_logp
     trajs = [Trajectory(torch.tensor(c.prompt_tokens), torch.tensor(c.tokens), c.logp_tensor(),
                         torch.zeros(len(c.tokens), dtype=torch.long), 0.0, 0, c.finish_reason) for c in completions]
     out: list[float] = []

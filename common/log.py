@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 _RESERVED = ("step", "time")
 
@@ -100,14 +101,14 @@ class MetricsLogger:
         self._tb = self._wandb = None
         if use_tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter  # optional dependency, asked for by a flag
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
             except ImportError:
                 _warn("use_tensorboard=True but tensorboard is not installed (pip install tensorboard); "
                       "logging to metrics.jsonl only")
         if use_wandb:
             try:
-                import wandb
+                import wandb  # optional dependency, asked for by a flag
                 self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
             except ImportError:
                 _warn("use_wandb=True but wandb is not installed (pip install wandb); "
@@ -171,8 +172,10 @@ def plot_runs(runs, out_png, x: str = "time", panels=_PANELS, title: str | None 
     """Overlay several runs: runs = [(metrics.jsonl path, label), ...]. One subplot per panel
     (metric key, panel title) that has data; x = wall-clock minutes ("time") or "step"."""
     try:
+        # lazy: matplotlib takes seconds to import and only the end of a run plots (no pyplot:
+        # no global backend state to disturb)
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure  # no pyplot: no global backend state to disturb
+        from matplotlib.figure import Figure
     except ImportError:
         _warn("matplotlib is not installed (pip install matplotlib); no plot written")
         return None
@@ -230,7 +233,6 @@ class Progress:
     """Trainer progress bar: `update(1, reward=0.41, loss=1.2e-3, **{"tok/s": 120})`."""
 
     def __init__(self, total: int | None, initial: int = 0, desc: str | None = None):
-        from tqdm import tqdm
         self._bar = tqdm(total=total, initial=initial, desc=desc, mininterval=1.0, dynamic_ncols=True)
         self._last_wait = 0.0  # when `waiting` last redrew
 

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from common.batch import Trajectory, collate
+
 
 def logp_temperature(temperature: float) -> float:
     """The temperature log-probs are computed at: T itself, or 1 for greedy (T = 0)."""
@@ -73,6 +75,15 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
             lp = torch.zeros(sel.shape, dtype=lp_sel.dtype, device=x.device).masked_scatter(sel, lp_sel)
         outs.append(F.pad(lp, (1, 0)))  # (b, T): position 0 has no prediction
     return torch.cat(outs, 0)
+
+
+@torch.no_grad()
+def reference_seq_logp(model, trajs: list[Trajectory], temperature: float) -> list[float]:
+    """Sum of `model`'s token log-probs over each trajectory's completion, at `temperature`:
+    the generators' reference pass (TBA's KL term) and evaluation's KL, through `token_logp`.
+    The padded batch goes to the model's device (a CPU batch into a CUDA model would fail)."""
+    b = collate(trajs).to(model.device)
+    return seq_logp(token_logp(model, b.tokens, temperature, b.loss_mask), b.loss_mask).tolist()
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=-1) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Sequence-classification reward models: load any Hugging Face RM by path, score batches, and
 train one with the Bradley-Terry loss.
 
-Runs in reward-worker processes (`common/reward_service.py`: scoring during training), in the
+Runs in reward-worker processes (`common/runtime/reward_service.py`: scoring during training), in the
 trainer (a "gold" RM scoring evaluation summaries) and in a task's RM-training command
 (`python run_tldr.py train-rm`).
 
@@ -17,10 +17,12 @@ Bradley-Terry (the RM objective of the RLHF papers): P(chosen > rejected) = sigm
 from __future__ import annotations
 
 import random
+import re
 from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 
 def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor) -> torch.Tensor:
@@ -33,7 +35,7 @@ class RewardModel:
 
     def __init__(self, path: str, device: str = "cpu", max_tokens: int = 512, batch_size: int = 16,
                  input: Literal["auto", "pair", "text"] = "auto", model=None, tokenizer=None):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer  # lazy: slow import
         self.path, self.device, self.max_tokens, self.batch_size = str(path), device, max_tokens, batch_size
         self.tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.path)
         self.model = (model if model is not None else
@@ -80,7 +82,6 @@ def freeze_lower_layers(model, n: int) -> int:
     """Freeze the embeddings and the first n transformer layers (names `*embeddings*`,
     `*layer.<i>.*` / `*layers.<i>.*`): backward then stops early, which is most of the cost
     of fine-tuning on a CPU. Returns the number of trainable parameters left."""
-    import re
     for name, p in model.named_parameters():
         m = re.search(r"\blayers?\.(\d+)\.", name)
         if "embeddings" in name or (m and int(m.group(1)) < n):
@@ -102,7 +103,6 @@ def train_bradley_terry(rm: RewardModel, pairs: Sequence[tuple[str, str, str]], 
                         batch_size: int = 16, seed: int = 0, freeze_layers: int = 0, progress: bool = True) -> dict:
     """Fine-tune `rm` on (prompt, chosen, rejected) pairs with the Bradley-Terry loss (AdamW,
     linear decay); returns {'bt_loss_first', 'bt_loss_last', 'train_pair_acc_last', 'steps'}."""
-    from tqdm.auto import tqdm
     torch.manual_seed(seed)
     freeze_lower_layers(rm.model, freeze_layers)
     params = [p for p in rm.model.parameters() if p.requires_grad]

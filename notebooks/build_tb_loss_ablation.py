@@ -80,10 +80,10 @@ if ROOT is None:
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.buffer import ReplayBuffer
-from common.checkpoint import latest_checkpoint
-from common.hf_io import load_model
+from common.engine.hf_io import load_model
 from common.ops import seq_logp, token_logp
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.checkpoint import latest_checkpoint
 from tba.loss import group_mean, linear_beta, tb_loss, tb_loss_no_ref
 
 run_dir = Path(RUN_DIR).expanduser()

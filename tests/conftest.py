@@ -22,7 +22,7 @@ def _seed():
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(ours, reference): our model and the transformers model of one tiny random Llama."""
-    from common.hf_io import load_model
+    from common.engine.hf_io import load_model
     from tests.tiny import save_hf
     d = tmp_path_factory.mktemp("llama")
     ref = save_hf("llama_tied", d)

@@ -6,12 +6,12 @@ import torch
 from areal.algo import AReaL, AReaLConfig, split_by_tokens
 from areal.loss import ppo_loss
 from common.batch import Trajectory, collate
-from common.buffer import ReplayBuffer
-from common.hf_io import load_model
+from common.engine.hf_io import load_model
+from common.engine.sampler import Sampler
+from common.engine.sampling import SamplingParams
 from common.ops import token_logp
-from common.sampler import Sampler
-from common.sampling import SamplingParams
-from common.trainer import _update
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.trainer import _update
 from tests.test_tba_algo import _batch
 from tests.tiny import save_hf
 

@@ -6,7 +6,7 @@ import pytest
 
 from areal.algo import AReaL, AReaLConfig
 from common.log import read_metrics
-from common.trainer import train
+from common.runtime.trainer import train
 from tests.test_e2e import _cfg, _policy_reward, _prompts, toy_reward
 
 

@@ -1,4 +1,4 @@
-"""Tests for common/buffer.py and common/buffer_sampling.py (shared-memory ring replay buffer)."""
+"""Tests for common/runtime/buffer.py and common/runtime/buffer_sampling.py (shared-memory ring replay buffer)."""
 import math
 import random
 import time
@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from common.batch import Trajectory, collate
-from common.buffer import ReplayBuffer, sample_tba, take_oldest
+from common.runtime.buffer import ReplayBuffer, sample_tba, take_oldest
 
 torch.set_num_threads(1)
 

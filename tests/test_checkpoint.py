@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-import common.checkpoint as ck
 from common.batch import Trajectory
-from common.buffer import ReplayBuffer
-from common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from common.hf_io import load_model
+from common.engine.hf_io import load_model
+from common.runtime.buffer import ReplayBuffer
+import common.runtime.checkpoint as ck
+from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from tests.tiny import save_hf, tokenizer
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.checkpoint as ck
-from common.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from common.launch import WorkerError
 from common.log import read_metrics
-from common.trainer import train
+import common.runtime.checkpoint as ck
+from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from common.runtime.launch import WorkerError
+from common.runtime.trainer import train
 from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
 
 _calls = 0
@@ -59,7 +59,7 @@ def test_nan_reward_is_counted_and_never_trained_on(tmp_path):
 
 
 def _model_opt(cfg):
-    from common.hf_io import load_model
+    from common.engine.hf_io import load_model
     m = load_model(cfg.model, tokenizer=False)[0]
     return m, torch.optim.AdamW(m.parameters())
 
@@ -89,7 +89,7 @@ def _sleep_forever(beat, *, stop_event):
 
 def test_hung_worker_does_not_hold_up_shutdown(tmp_path):
     from tests.test_watchdog import _watched
-    from common.watchdog import WorkerStalled
+    from common.runtime.watchdog import WorkerStalled
     with _watched(tmp_path, "reward0", _sleep_forever, timeout=1.0, join_timeout=60) as (w, _):
         with pytest.raises(WorkerStalled):
             w.wait_event(lambda: False, timeout=30)

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from common.hf_io import load_model
+from common.engine.hf_io import load_model
+from common.engine.sampler import Sampler
+from common.engine.sampling import SamplingParams
 from common.ops import token_logp
-from common.sampler import Sampler
-from common.sampling import SamplingParams
 from tests.tiny import save_hf
 
 pytestmark = pytest.mark.gpu
@@ -26,7 +26,7 @@ def test_bf16_sampler_logp_matches_trainer(tmp_path):
 
 def test_train_on_cuda_with_ipc_weights(tmp_path):
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
-    from common.trainer import train
+    from common.runtime.trainer import train
     cfg = _cfg(tmp_path, steps=6, device="cuda")
     last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     assert last["version"] == 3 and last["gen_syncs"] >= 1

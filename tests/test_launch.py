@@ -1,4 +1,4 @@
-"""Tests for common.launch: failure propagation, clean/forced shutdown, Ctrl-C, no leaks.
+"""Tests for common.runtime.launch: failure propagation, clean/forced shutdown, Ctrl-C, no leaks.
 Worker functions are module-level so the spawn start method can pickle them by name."""
 import gc
 import multiprocessing
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from common.launch import WorkerError, Workers
+from common.runtime.launch import WorkerError, Workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -172,7 +172,7 @@ def test_shared_tensor_written_by_worker_without_shm_leak():
 _CTRL_C_SCRIPT = """
 import time, torch
 torch.set_num_threads(1)
-from common.launch import Workers
+from common.runtime.launch import Workers
 
 def sleeper(ready, stop_event):
     ready.put(1)

@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
-from common.hf_io import load_model, save_pretrained
-from common.model import ModelConfig, Transformer
+from common.engine.hf_io import load_model
+from common.engine.hf_save import save_pretrained
+from common.engine.model import ModelConfig, Transformer
 from tests.tiny import ARCHS, hf_model, save_hf
 
 
@@ -121,7 +122,7 @@ def test_default_model_from_pypi_gguf(tmp_path, monkeypatch):
     # a complete HF directory: transformers' pipeline runs it with the saved generation config
     import json
     import transformers
-    from common.hf_io import default_model_dir
+    from common.engine.hf_io import default_model_dir
     d = default_model_dir()
     assert json.loads((d / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     eos = json.loads((d / "generation_config.json").read_text())["eos_token_id"]

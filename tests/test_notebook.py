@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from common.batch import Trajectory
-from common.buffer import ReplayBuffer
-from common.checkpoint import latest_checkpoint, save_checkpoint
-from common.hf_io import load_model
+from common.engine.hf_io import load_model
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.checkpoint import latest_checkpoint, save_checkpoint
 from tests.tiny import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]

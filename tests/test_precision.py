@@ -14,14 +14,14 @@ import json
 import pytest
 import torch
 
-import common.precision as P
-from common.hf_io import load_model
-from common.linear import Linear, set_onednn
+from common.engine.hf_io import load_model
+from common.engine.linear import Linear, set_onednn
+import common.engine.precision as P
+from common.engine.precision import Precision, PrecisionConfig, resolve
+from common.engine.sampler import Sampler
+from common.engine.sampling import SamplingParams
 from common.ops import token_logp
-from common.precision import Precision, PrecisionConfig, resolve
-from common.sampler import Sampler
-from common.sampling import SamplingParams
-from common.weights import WeightStore
+from common.runtime.weights import WeightStore
 from tests.tiny import save_hf
 
 FAKE = {"shape": [256, 576, 1536], "fp32_aten_gflops": 100.0, "fp32_onednn_gflops": 200.0,
@@ -187,7 +187,7 @@ def test_train_end_to_end_in_bf16(tmp_path):
     """Trainer (fp32 master + autocast) and a spawned generator (bf16 weights) through the
     bf16 weight store; the choice is saved with the run; the checkpoint keeps fp32 weights."""
     from common.log import read_metrics
-    from common.trainer import train
+    from common.runtime.trainer import train
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
     cfg = _cfg(tmp_path, steps=4, mode="sync")  # sync: every step needs the generator to apply new weights
     cfg.precision = PrecisionConfig(dtype="bf16", gemm="aten")

@@ -9,7 +9,7 @@ import torch
 
 import run_redteam
 from common.embed import mean_pairwise_cosine_distance
-from common.reward_service import _safe_scores
+from common.runtime.reward_service import _safe_scores
 from tests import tiny
 
 TRIGGERS = {f"w{i}" for i in range(3, 25)}  # the chosen tokens the fake classifier calls toxic

@@ -3,9 +3,9 @@ import pytest
 import torch
 
 from common.batch import Trajectory, collate
-from common.buffer import ReplayBuffer
-from common.hf_io import load_model
+from common.engine.hf_io import load_model
 from common.micro import micro_batches, pack_ffd
+from common.runtime.buffer import ReplayBuffer
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
 

@@ -80,7 +80,7 @@ def test_rm_with_a_vector_head_is_refused(tmp_path):
 
 
 def test_no_eos_penalty_applies_exactly_to_cut_samples():
-    from common.generator import PromptSet, score
+    from common.runtime.generator import PromptSet, score
     comps = [SimpleNamespace(tokens=[5, 6], finish_reason=f) for f in ("stop", "length", "stop", "length")]
     stats = torch.zeros(8, dtype=torch.float64)
     seen = []
@@ -150,7 +150,7 @@ def _tiny_policy(path):
 
 
 def test_evaluator_on_tiny_models(tmp_path):
-    from common.hf_io import load_model
+    from common.engine.hf_io import load_model
     policy = _tiny_policy(tmp_path / "policy")
     cfg = run_tldr.make_config([f"--model={policy}", "--data.eval_max_new_tokens=5", "--gen.temperature=1.0"])
     tok = tiny.tokenizer()

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from common.launch import Workers
-from common.watchdog import Heartbeats, WorkerStalled
+from common.runtime.launch import Workers
+from common.runtime.watchdog import Heartbeats, WorkerStalled
 
 
 def _hang_in_reward(beat, *, stop_event):
@@ -83,7 +83,7 @@ def hang_reward(tokens, meta) -> float:
 
 
 def test_trainer_stops_on_a_hung_reward_with_a_checkpoint(tmp_path):
-    from common.trainer import train
+    from common.runtime.trainer import train
     from tests.test_e2e import _cfg, _prompts, _tba
     cfg = _cfg(tmp_path, steps=3, stall_timeout=15.0)  # > spawn + imports + tiny model load here
     t = time.monotonic()

@@ -1,4 +1,4 @@
-"""Tests for `common/weights.py`: in-process round trip, errors, and a spawned reader that must
+"""Tests for `common/runtime/weights.py`: in-process round trip, errors, and a spawned reader that must
 never observe a torn (mixed-version) set of weights while the parent publishes rapidly."""
 import pickle
 import queue as queue_mod
@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from common.weights import WeightStore
+from common.runtime.weights import WeightStore
 
 
 class Tiny(nn.Module):

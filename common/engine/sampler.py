@@ -7,7 +7,7 @@ arrive through `update_weights`, called by the generator loop between decode ste
 Schedule of one `step()`:
   1. admit: while a slot is free and a request waits, prefill its prompt once into the lowest
      free prompt entry of the cache, which all n samples share (never copied; see
-     `common/kv_cache.py`), give each sample the lowest free slot, and sample each sample's
+     `common/engine/kv_cache.py`), give each sample the lowest free slot, and sample each sample's
      first token from the prefill's last logits (kept for samples admitted later);
   2. compact: if the queue left holes below the highest busy slot, move the highest busy slots
      down into them (likewise prompt entries), so the busy slots are rows 0..hi-1;
@@ -29,9 +29,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
-from common.kv_cache import KVCache
-from common.sampling import Completion, SamplingParams, inv_temperature, sample
+from common.engine.kv_cache import KVCache
+from common.engine.sampling import Completion, SamplingParams, inv_temperature, sample
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Sampler:
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
-        bounds prompts and sizes the cache's prompt store (memory: see `common/kv_cache.py`).
+        bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
         run's `Precision`: fp32 with bf16 weights where the machine attends faster in fp32),
         else the model's dtype."""
@@ -317,7 +318,6 @@ class Sampler:
         done: dict[tuple[int, int], Completion] = {}
         bar = None
         if progress:
-            from tqdm import tqdm
             bar = tqdm(total=len(prompts) * params.n, desc="generate", unit="sample")
         while len(done) < len(prompts) * params.n:
             for c in self.step():

@@ -8,7 +8,7 @@ Two stores per layer, allocated once (Hkv key/value heads, hd head dim):
           generated tokens only, stored from column 0.
 A sample at absolute position P + t (P prompt tokens, t generated) keeps its own key t in its
 slot; RoPE uses the absolute position. Decode attention is the exact merge (see
-`common/attention.py`) of
+`common/engine/attention.py`) of
   - the prompt part: the live samples of each entry, with their query heads, attend together
     as n*(H/Hkv) query rows against the entry's prompt, so a shared prompt is read once per
     step instead of n times (at 128 rows = 32 prompts x 4 samples, ~216 positions, attention
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.attention import additive_mask, attend_lse, merge
+from common.engine.attention import additive_mask, attend_lse, merge
 
 
 def _move(stores: list[torch.Tensor], src: int, dst: int, length: int) -> None:
@@ -103,7 +103,7 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, hd), k/v (B, Hkv, T, hd) of the current tokens -> attention output (B, H, T, hd).
         Attention runs in the cache's dtype (fp32 with bf16 weights where that is faster, see
-        `common/precision.py`); the output goes back in q's dtype."""
+        `common/engine/precision.py`); the output goes back in q's dtype."""
         if q.dtype != self.dtype:
             dt = q.dtype
             return self.attend(layer, q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)).to(dt)

@@ -1,6 +1,6 @@
 """Attention that also returns its log-sum-exp, and the merge of two partial attentions.
 
-Used by the sampler's KV cache (`common/kv_cache.py`, generator processes) to attend to a
+Used by the sampler's KV cache (`common/engine/kv_cache.py`, generator processes) to attend to a
 shared prompt and to a sample's own tokens separately and combine the two exactly
 (the "cascade" / flash-decoding merge): for key sets A and B with softmax normalisers
 lse_A, lse_B (log-sum-exp of the scaled scores),

@@ -2,8 +2,10 @@
 Mistral without sliding window), Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
 
 Used by every process: the trainer (full causal forward for log-probs) and the generators
-(the KV-cache sampler in `common/sampler.py`). Module names follow Hugging Face's so that a
-checkpoint's state dict loads without a name map; loading / saving lives in `common/hf_io.py`.
+(the KV-cache sampler in `common/engine/sampler.py`). Module names follow Hugging Face's so that a
+checkpoint's state dict loads without a name map. The model knows no file format: the loader
+(`common/engine/hf_io.py`) builds it and fills its weights from outside, and `hf_save.py` reads
+them back out.
 
 Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
 S cache length, V vocab.
@@ -13,7 +15,7 @@ Two ways to call `Transformer.forward` / `hidden`:
   forward(tokens, cache=c, pos=p)   the sampler's passes: K/V go to the cache and attention
                                     runs through it, in the mode the sampler set (prefill a
                                     prompt, prefill a continuation, or decode one token per
-                                    row); p (B, T) are absolute positions (`common/kv_cache.py`)
+                                    row); p (B, T) are absolute positions (`common/engine/kv_cache.py`)
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from common.linear import Linear
+from common.engine.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -246,14 +248,3 @@ class Transformer(nn.Module):
     @property
     def dtype(self):
         return self.lm_head.weight.dtype
-
-    def save_pretrained(self, path, max_shard_bytes: int = 5 * 2**30):
-        from common.hf_io import save_pretrained
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
-
-
-def load_model(name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct", device="cpu", dtype=None,
-               tokenizer: bool = True):
-    """(model, tokenizer). dtype default: fp32 on CPU, bf16 on CUDA. See `common/hf_io.py`."""
-    from common.hf_io import load_model as _load
-    return _load(name_or_path, device=device, dtype=dtype, tokenizer=tokenizer)

@@ -1,7 +1,7 @@
 """Writing complete Hugging Face model directories: what transformers, vLLM and TRL load.
 
 Runs wherever a model is saved: the trainer (every checkpoint and the final model), the
-default model's one-time conversion (`common/hf_io.py`), tests. A directory holds
+default model's one-time conversion (`common/engine/hf_io.py`), tests. A directory holds
   config.json             built through transformers' own config class for the model type, so
                           it holds exactly the fields transformers writes itself, with
                           `architectures` = the *ForCausalLM class (vLLM and TRL pick the model
@@ -40,7 +40,7 @@ def complete_config(d: dict, dtype: str) -> dict:
     """A config.json dict as transformers writes it, from any config dict of a supported type:
     private keys (`_name_or_path`), quantisation leftovers and fields equal to the base
     class's defaults (e.g. a classification head's id2label) are dropped; `architectures` set."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # lazy: slow import
     d = {k: v for k, v in d.items() if not k.startswith("_") and k not in _NOT_CONFIG}
     mt = d.pop("model_type")
     if mt not in ARCHITECTURES:
@@ -82,7 +82,7 @@ def tokenizer_stop_ids(tokenizer) -> tuple[int, ...]:
 def generation_config(cfg: dict, stop_token_ids=(), sampling: dict | None = None) -> dict:
     """generation_config.json: special tokens from `cfg`, EOS widened to `stop_token_ids`, and
     `sampling` (temperature, top_p, top_k) when given (do_sample on; greedy otherwise)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: slow import
     eos = cfg.get("eos_token_id")
     eos = list(eos) if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
     eos += [int(i) for i in stop_token_ids if int(i) not in eos]
@@ -146,7 +146,7 @@ def repair_hf_dir(path) -> bool:
     if not (path / "generation_config.json").exists():
         stops = ()
         if any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # lazy: slow import
             stops = tokenizer_stop_ids(AutoTokenizer.from_pretrained(str(path)))
         _atomic_write(path / "generation_config.json", json.dumps(generation_config(cfg, stops), indent=2) + "\n")
         changed = True

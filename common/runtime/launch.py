@@ -53,6 +53,8 @@ import traceback
 import torch
 import torch.multiprocessing as tmp
 
+from common.runtime.watchdog import Watchdog, WorkerStalled
+
 _TERM_GRACE_S = 2.0   # how long SIGTERM / SIGKILL get before we give up waiting on a process
 
 
@@ -109,12 +111,11 @@ class Workers:
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
         self._queues = [self.error_queue]
         self._closed = False
-        self.watchdog = None  # common/watchdog.py: set by watch(); check() runs it
+        self.watchdog = None  # common/runtime/watchdog.py: set by watch(); check() runs it
         self._hung: set[str] = set()  # workers the watchdog found stalled
 
     def watch(self, hb, timeout: float, action: str = "stop"):
         """Check the workers named in `hb` for stalls on every check() (timeout 0 = off)."""
-        from common.watchdog import Watchdog
         self.watchdog = Watchdog(hb, self.pid_of, timeout, action)
         return self.watchdog
 
@@ -172,7 +173,6 @@ class Workers:
             self.shutdown()
             raise err
         if self.watchdog is not None:
-            from common.watchdog import WorkerStalled
             try:
                 self.watchdog.check()
             except WorkerStalled as e:

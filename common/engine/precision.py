@@ -11,7 +11,7 @@ processes, which apply it without measuring again. Three choices, each `auto` or
           already makes). auto on CPU: bf16 only if the CPU reports bf16 dot-product hardware
           (AMX-BF16 or AVX512-BF16) AND a measured bf16 GEMM beats the best fp32 GEMM by
           BF16_MIN_GAIN; otherwise fp32. auto on CUDA: bf16.
-  gemm    backend of CPU fp32 GEMMs (`common/linear.py`): oneDNN or ATen's F.linear (MKL or
+  gemm    backend of CPU fp32 GEMMs (`common/engine/linear.py`): oneDNN or ATen's F.linear (MKL or
           OpenBLAS); auto = the faster one measured. Where MKL takes its AVX2 kernels on an
           AVX-512 CPU oneDNN wins; on others plain F.linear does. bf16 GEMMs already run on oneDNN.
   kv      dtype of the sampler's KV cache and attention. The CPU flash-attention kernel can be
@@ -26,6 +26,7 @@ reruns on one machine make the same choice; `--precision.remeasure` refreshes it
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -38,6 +39,10 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from common.engine.attention import attend_lse
+from common.engine.hf_io import cache_root, load_model
+from common.engine.linear import onednn_available, set_onednn
 
 BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
 # autocast adds a weight cast per micro-batch, so a smaller GEMM gain would not pay for them
@@ -73,7 +78,6 @@ class Precision:
 
     def apply(self) -> "Precision":
         """Set this process's GEMM backend (call in every process that runs the model)."""
-        from common.linear import set_onednn
         set_onednn(self.gemm == "onednn")
         return self
 
@@ -81,7 +85,6 @@ class Precision:
         """(model, tokenizer) set up for `role`: "trainer" keeps fp32 master weights and runs
         forward passes under autocast to `dtype`; "generator" (sampler, reference) holds
         weights in `dtype`. Both sample with a KV cache in `kv`."""
-        from common.hf_io import load_model
         if role not in ("trainer", "generator"):
             raise ValueError(f"Precision.load: role={role!r}, expected 'trainer' or 'generator'")
         model, tok = load_model(name_or_path, device=device, tokenizer=tokenizer,
@@ -99,7 +102,6 @@ class Precision:
         the model itself in fp32, else a copy in `dtype` (fp32 weights would run at fp32 speed)."""
         if model.dtype == self.torch_dtype and model.compute_dtype is None:
             return model
-        import copy
         m = copy.deepcopy(model).to(self.torch_dtype)
         m.compute_dtype = None
         return m
@@ -145,7 +147,6 @@ def _best_time(fn, reps: int = 5) -> float:
 def measure(bf16: bool = True) -> dict:
     """GFLOP/s of fp32 GEMMs through ATen and oneDNN (and bf16 if asked), and the ms of one
     decode-shaped attention in fp32 and bf16. Single call; ~0.2-0.4 s on one core."""
-    from common.linear import onednn_available
     M, K, N = 256, 576, 1536
     flops = 2 * M * K * N
     x, w = torch.randn(M, K), torch.randn(N, K) / K ** 0.5
@@ -157,7 +158,6 @@ def measure(bf16: bool = True) -> dict:
         xb, wb = x.bfloat16(), w.bfloat16()
         out["bf16_gflops"] = flops / _best_time(lambda: F.linear(xb, wb)) / 1e9
         # one layer's decode attention: 64 rows, 9 query / 3 kv heads, 256 cached tokens
-        from common.attention import attend_lse
         for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             q, k = torch.randn(64, 9, 1, 64, dtype=dt), torch.randn(64, 3, 256, 64, dtype=dt)
             mask = torch.zeros(64, 1, 1, 256, dtype=dt)
@@ -166,7 +166,6 @@ def measure(bf16: bool = True) -> dict:
 
 
 def _cache_file(info: dict) -> Path:
-    from common.hf_io import cache_root
     key = json.dumps([info, torch.__version__], sort_keys=True)
     return cache_root() / "precision" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 

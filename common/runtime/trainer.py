@@ -4,7 +4,7 @@
     -> for each of algo.minibatches(...): algo.backward -> clip + optimizer step
     -> LR schedule step -> publish every k steps -> log / eval / checkpoint -> ...
 
-Everything algorithm-specific sits behind `Algorithm` (tba/algo.py, areal/algo.py): which rows
+Everything algorithm-specific sits behind `Algorithm` (common/algorithm.py; tba/algo.py, areal/algo.py): which rows
 form a batch, how a step splits into optimizer updates (TBA: one; AReaL: PPO minibatches),
 and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
 is its only writer), the `Control` quota (only writer of version/quota) and the buffer's
@@ -15,7 +15,7 @@ trainer consumes exactly that batch, so sync and async runs do equal work per st
 A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
 train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig).
 
-Precision (`common/precision.py`): resolved once here (measured per machine when `auto`),
+Precision (`common/engine/precision.py`): resolved once here (measured per machine when `auto`),
 printed, saved as runs/<name>/precision.json and handed to the generators. bf16 keeps the
 model and AdamW state in fp32 and runs forward passes under autocast; the weight store holds
 the generators' dtype, so `publish` casts while it copies.
@@ -33,15 +33,18 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from common.algorithm import Algorithm
 from common.batch import Batch
-from common.buffer import ReplayBuffer
 from common.config import save_config, to_dict
-from common.generator import Control, PromptSet, generator_main
-from common.launch import WorkerError, Workers
-from common.precision import resolve
-from common.reward_service import RewardClient, reward_worker_main
-from common.watchdog import Heartbeats, WorkerStalled
-from common.weights import WeightStore
+from common.engine.precision import resolve
+from common.log import MetricsLogger, Progress
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from common.runtime.generator import Control, PromptSet, generator_main
+from common.runtime.launch import WorkerError, Workers
+from common.runtime.reward_service import RewardClient, reward_worker_main
+from common.runtime.watchdog import Heartbeats, WorkerStalled
+from common.runtime.weights import WeightStore
 
 
 @dataclass
@@ -74,26 +77,6 @@ class LogConfig:
     tensorboard: bool = False         # also write TensorBoard events (if installed)
     wandb: bool = False               # also log to Weights & Biases (if installed)
     wandb_project: str = "asyncrl"    # W&B project name
-
-
-class Algorithm:
-    """What the trainer asks of an algorithm each step (subclassed by tba/algo.py, areal/algo.py).
-
-    One trainer step = next_batch, then for each minibatch: zero_grad, backward, clip, optimizer
-    step; then the LR scheduler steps once and weights are published every k steps."""
-
-    def next_batch(self, buffer: ReplayBuffer, step: int, version: int, sync: bool) -> Optional[Batch]:
-        """Rows for this step, or None if the buffer cannot provide them yet."""
-        raise NotImplementedError
-
-    def minibatches(self, model, batch: Batch, step: int) -> list[Batch]:
-        """The batches to make one optimizer step on each, in order; called once per step, before
-        any update (AReaL computes its proximal log-probs here). Default: the whole batch once."""
-        return [batch]
-
-    def backward(self, model, batch: Batch, step: int) -> dict:
-        """Accumulate gradients of one minibatch's loss into model; return scalar stats."""
-        raise NotImplementedError
 
 
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -154,9 +137,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
 
     reward_fn(text, meta) -> float runs inside the generators. For expensive rewards set
     train.reward_workers > 0 and pass `reward_factory`, a module-level function that builds
-    fn(texts, metas) -> list[float] once per reward worker (common/reward_service.py)."""
-    from common.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from common.log import MetricsLogger, Progress
+    fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
     tc = check_config(cfg.train)
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
@@ -224,7 +205,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             run_eval("before")
         ref = cfg.ref_model or cfg.model
         names = [f"reward{r}" for r in range(tc.reward_workers)] + [f"generator{r}" for r in range(tc.n_generators)]
-        hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/watchdog.py
+        hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/runtime/watchdog.py
         workers.watch(hb, tc.stall_timeout, tc.stall_action)
         if tc.reward_workers > 0:
             reward_fn = RewardClient(workers.ctx, tc.n_generators, error_reward=cfg.gen.error_reward)

@@ -4,7 +4,7 @@ replay buffer, run config. Written and read by the trainer process only.
 Layout (one directory per checkpoint, named by the trainer step):
 
     <run_dir>/checkpoints/step_000120/
-        model/             a complete Hugging Face model directory (common/hf_save.py): config,
+        model/             a complete Hugging Face model directory (common/engine/hf_save.py): config,
                            generation config, weights, tokenizer + chat template when given
         trainer_state.pt   optimizer / scheduler state dicts, RNG states, counters
         buffer.pt          ReplayBuffer.save (optional)
@@ -36,10 +36,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.buffer import ReplayBuffer
 from common.config import save_config
-from common.hf_io import read_checked_state, save_pretrained
-from common.model import ModelConfig
+from common.engine.hf_io import read_checked_state
+from common.engine.hf_save import save_pretrained
+from common.engine.model import ModelConfig
+from common.runtime.buffer import ReplayBuffer
 
 FORMAT_VERSION = 1
 _PREFIX, _TMP = "step_", ".tmp_"
@@ -178,7 +179,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
                     generation: dict | None = None, keep_last: int | None = 2) -> Path:
     """Write checkpoint `step` atomically; prune to the newest `keep_last` (None/<=0: keep all).
     `generation` = {"stop_token_ids": ..., "sampling": {"temperature", "top_p", "top_k"}} goes
-    into model/generation_config.json (`common/hf_save.py`)."""
+    into model/generation_config.json (`common/engine/hf_save.py`)."""
     step = int(step)
     counters = dict(counters or {})
     bad = [k for k, v in counters.items() if isinstance(v, bool) or not isinstance(v, (int, float, np.number))]

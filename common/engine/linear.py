@@ -1,10 +1,10 @@
 """`Linear`: nn.Linear whose CPU fp32 GEMMs can run on oneDNN instead of ATen's F.linear.
 
-Whether they do is decided per machine by `common/precision.py` (measured at start, `gemm`
+Whether they do is decided per machine by `common/engine/precision.py` (measured at start, `gemm`
 auto|onednn|aten) and set in every process with `set_onednn`; the numbers below are from the
 machine where oneDNN won. On an Intel Xeon (MKL takes its AVX-512 kernels there) F.linear won.
 
-Every process uses it through `common/model.py`: the generators' sampler, reference and eval
+Every process uses it through `common/engine/model.py`: the generators' sampler, reference and eval
 passes, and the trainer's forward and backward. Why: PyTorch's CPU `F.linear` calls MKL
 sgemm, and MKL picks its AVX2 kernels on AMD CPUs even when they have AVX-512. oneDNN chooses kernels
 by CPU feature flags, so on the AVX-512 dev box (AMD EPYC Zen 5) it runs 2.3x faster:

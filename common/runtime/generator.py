@@ -25,13 +25,13 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 
-from common.batch import Trajectory, collate
-from common.ops import seq_logp, token_logp
-from common.precision import Precision
-from common.reward_service import RewardClient
-from common.sampler import Sampler
-from common.sampling import SamplingParams
-from common.watchdog import Beat
+from common.batch import Trajectory
+from common.engine.precision import Precision
+from common.engine.sampler import Sampler
+from common.engine.sampling import SamplingParams
+from common.ops import reference_seq_logp
+from common.runtime.reward_service import RewardClient
+from common.runtime.watchdog import Beat
 
 log = logging.getLogger("asyncrl.generator")
 _UNBOUNDED = 2**62
@@ -140,18 +140,11 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
     return [no_stop_reward if k else next(scored) for k in cut]
 
 
-@torch.no_grad()
-def reference_seq_logp(ref_model, trajs: list[Trajectory], temperature: float) -> list[float]:
-    """Sum of reference token log-probs over each completion (same function as the trainer)."""
-    b = collate(trajs)
-    return seq_logp(token_logp(ref_model, b.tokens, temperature, b.loss_mask), b.loss_mask).tolist()
-
-
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,
                    control: Control, prompts: PromptSet, reward_fn: Callable, seed: int, max_seq_len: int,
                    stop_token_ids: tuple, device: str, precision: Precision, *, stop_event, beat: Beat) -> None:
-    """Process entry point (started by `common.launch.Workers.start`). `precision`: the
-    trainer's resolved choice. `beat`: this worker's heartbeat (common/watchdog.py), called at
+    """Process entry point (started by `common.runtime.launch.Workers.start`). `precision`: the
+    trainer's resolved choice. `beat`: this worker's heartbeat (common/runtime/watchdog.py), called at
     least once per loop."""
     beat.start()
     prec = precision.apply()

@@ -9,7 +9,7 @@ which returns `fn(texts: list, metas: list) -> list[float]`.
 
 Failure rules: a batched call that raises is retried sample by sample; a sample that still
 raises scores `error_reward` (`gen.error_reward`, default 0) and is counted (`n_errors` in the answer), the same contract as in-process
-rewards (common/generator.py: score). A worker that dies is noticed by the trainer's
+rewards (common/runtime/generator.py: score). A worker that dies is noticed by the trainer's
 `Workers.check()`; a generator waiting on it gives up after `timeout` seconds with an error.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0
 
 
 def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_event, beat) -> None:
-    """Process entry point (started by `common.launch.Workers.start`); `beat`: its heartbeat."""
+    """Process entry point (started by `common.runtime.launch.Workers.start`); `beat`: its heartbeat."""
     beat.start()
     beat("loading")
     fn = make_reward_fn()

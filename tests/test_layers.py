@@ -1,0 +1,200 @@
+"""The import layers of common/, tba/ and areal/, checked on the source (AST, nothing imported).
+
+    task level   common/{task,evaluate,data,embed,reward_model}.py, run_*.py   may import anything
+    runtime      common/runtime/   the processes; imports engine, contracts, common/algorithm.py
+    engine       common/engine/    one process runs a model; imports engine and contracts only
+    algorithms   tba/, areal/      their own package, common/algorithm.py and the contracts
+    algorithm    common/algorithm.py                                       contracts only
+    contracts    common/{batch,ops,micro,config,log}.py                    contracts only
+No import cycle anywhere; no function-local import of our own modules; a function-local import
+of a third-party module carries a comment saying why (on its line, or above its run of imports).
+A new module must be placed in a layer here before it can land.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = ("common", "tba", "areal")
+CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.log"}
+TASK_LEVEL = {"common.task", "common.evaluate", "common.data", "common.embed", "common.reward_model"}
+ALLOWED = {  # layer -> layers it may import
+    "contract": {"contract"},
+    "algorithm": {"contract"},
+    "engine": {"engine", "contract"},
+    "runtime": {"runtime", "engine", "algorithm", "contract"},
+    "algo": {"algo", "algorithm", "contract"},
+    "task": {"task", "runtime", "engine", "algo", "algorithm", "contract"},
+}
+
+
+@dataclass
+class Edge:
+    src: str
+    dst: str
+    line: int
+    local: bool      # inside a function or class body, not at module level
+    commented: bool  # a comment on the import's line or the line above
+
+
+def module_of(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources() -> dict[str, str]:
+    """{module: source} for every .py file of common/, tba/, areal/ and the task scripts."""
+    files = [p for pkg in OURS for p in (ROOT / pkg).rglob("*.py")] + sorted(ROOT.glob("run_*.py"))
+    return {module_of(p): p.read_text() for p in files}
+
+
+def layer(mod: str) -> str | None:
+    if mod.startswith("run_") or mod in TASK_LEVEL:
+        return "task"
+    if mod in CONTRACTS:
+        return "contract"
+    if mod == "common.algorithm":
+        return "algorithm"
+    if mod.startswith("common.engine"):
+        return "engine"
+    if mod.startswith("common.runtime"):
+        return "runtime"
+    if mod.split(".")[0] in ("tba", "areal"):
+        return "algo"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(text: str) -> ast.Module:  # the planted-edge tests re-check the same files
+    return ast.parse(text)
+
+
+def _commented(lines: list[str], ln: int) -> bool:
+    """A comment on line `ln` (1-based), or above the run of import lines it belongs to."""
+    i = ln - 1
+    while i > 0 and lines[i - 1].strip().startswith(("import ", "from ")) and "#" not in lines[i]:
+        i -= 1
+    return "#" in lines[i] or (i > 0 and lines[i - 1].strip().startswith("#"))
+
+
+def edges(mods: dict[str, str]) -> list[Edge]:
+    """Every import of one of our modules (and every function-local import) in `mods`."""
+    out = []
+    for src, text in mods.items():
+        lines = text.splitlines()
+        tree = _parse(text)
+        local_nodes = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                         ast.ClassDef)) for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                # `from common import task` imports the module common.task; `from common.ops import x` common.ops
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                           for a in node.names]
+            else:
+                continue
+            ln = node.lineno
+            commented = _commented(lines, ln)
+            for t in targets:
+                if t.split(".")[0] in OURS or id(node) in local_nodes:
+                    out.append(Edge(src, t, ln, id(node) in local_nodes, commented))
+    return out
+
+
+def violations(mods: dict[str, str]) -> list[str]:
+    """Every broken rule in `mods` (see the module docstring), one line each."""
+    bad = [f"{m}: not in any layer (place it in tests/test_layers.py)" for m in mods
+           if layer(m) is None and m not in ("common", *OURS)]
+    for e in edges(mods):
+        ours = e.dst.split(".")[0] in OURS
+        if e.local and ours:
+            bad.append(f"{e.src}:{e.line}: function-local import of {e.dst} (imports stand at the top)")
+        elif e.local and not e.commented:
+            bad.append(f"{e.src}:{e.line}: function-local import of {e.dst} without a comment saying why")
+        if not ours or e.dst in ("common", *OURS):
+            continue
+        a, b = layer(e.src), layer(e.dst)
+        if a is not None and b not in ALLOWED[a]:
+            bad.append(f"{e.src}:{e.line}: {a} module imports {e.dst} ({b})")
+        elif a == b == "algo" and e.src.split(".")[0] != e.dst.split(".")[0]:
+            bad.append(f"{e.src}:{e.line}: imports another algorithm's package ({e.dst})")
+    return bad + [f"import cycle: {' -> '.join(c)}" for c in cycles(mods)]
+
+
+def cycles(mods: dict[str, str]) -> list[list[str]]:
+    """One cycle per strongly connected component of the import graph that has one."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for e in edges(mods):
+        if e.dst in mods and e.dst != e.src:
+            graph[e.src].add(e.dst)
+    found, state = [], {}  # state: 1 on the DFS stack, 2 done
+
+    def dfs(m, stack):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                found.append(stack[stack.index(n):] + [n])
+            elif n not in state:
+                dfs(n, stack)
+        stack.pop()
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            dfs(m, [])
+    return found
+
+
+def test_layers_hold():
+    assert violations(sources()) == []
+
+
+def test_every_layer_has_modules():
+    """The checker sees the tree (an empty walk would pass everything)."""
+    mods = sources()
+    assert {layer(m) for m in mods} >= set(ALLOWED)
+    assert len(edges(mods)) > 50
+
+
+def _planted(module: str, line: str) -> list[str]:
+    mods = sources()
+    mods[module] = line + "\n" + mods[module]
+    return violations(mods)
+
+
+def test_planted_back_edges_are_caught():
+    assert any("engine module imports common.runtime.trainer" in v
+               for v in _planted("common.engine.model", "from common.runtime.trainer import train"))
+    assert any("runtime module imports tba.algo" in v
+               for v in _planted("common.runtime.generator", "from tba.algo import TBA"))
+    assert any("algo module imports common.runtime.buffer" in v
+               for v in _planted("tba.algo", "from common.runtime.buffer import ReplayBuffer"))
+    assert any("algo module imports common.engine.sampler" in v
+               for v in _planted("areal.algo", "import common.engine.sampler"))
+    assert any("another algorithm" in v for v in _planted("areal.algo", "from tba.loss import tb_loss"))
+    assert any("contract module imports common.engine.model" in v
+               for v in _planted("common.ops", "from common.engine.model import Transformer"))
+
+
+def test_planted_cycle_is_caught():
+    # model <- hf_io already; model -> hf_io closes the loop the two old shims made
+    found = _planted("common.engine.model", "from common.engine.hf_io import load_model")
+    assert any(v.startswith("import cycle:") and "common.engine.hf_io" in v and "common.engine.model" in v
+               for v in found), found
+
+
+def test_planted_local_imports_are_caught():
+    found = _planted("common.engine.sampler", "def f():\n    from common.ops import token_logp\n")
+    assert any("function-local import of common.ops" in v for v in found)
+    found = _planted("common.data", "def f():\n    import yaml\n")
+    assert any("function-local import of yaml without a comment" in v for v in found)
+    assert not [v for v in _planted("common.data", "def f():\n    import yaml  # optional\n") if "yaml" in v]
+
+
+def test_unplaced_module_is_refused():
+    mods = {**sources(), "common.newthing": "import torch\n"}
+    assert "common.newthing: not in any layer (place it in tests/test_layers.py)" in violations(mods)
