@@ -51,7 +51,7 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     Differentiable (call under torch.no_grad() for behaviour/proximal/reference passes).
     With `loss_mask` (B, T), logits are computed only where the mask is True and the rest of
     the output is 0: the (tokens, V) lm_head and logsumexp are skipped on prompt positions
-    (measured: ~12% of a SmolLM2 training step with prompts as long as completions).
+    (BENCHMARKS.md: a noticeable share of a step when prompts are as long as completions).
     Right padding needs no attention mask: with causal attention, pad tokens after a
     sequence never influence its real tokens; callers mask the padded positions out.
     `chunk_rows` bounds the rows held at once.

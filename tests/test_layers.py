@@ -126,7 +126,7 @@ def violations(mods: dict[str, str]) -> list[str]:
 
 
 def cycles(mods: dict[str, str]) -> list[list[str]]:
-    """One cycle per strongly connected component of the import graph that has one."""
+    """The cycles a depth-first walk of the import graph closes (one per back edge)."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for e in edges(mods):
         if e.dst in mods and e.dst != e.src:

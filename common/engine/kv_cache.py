@@ -11,8 +11,7 @@ slot; RoPE uses the absolute position. Decode attention is the exact merge (see
 `common/engine/attention.py`) of
   - the prompt part: the live samples of each entry, with their query heads, attend together
     as n*(H/Hkv) query rows against the entry's prompt, so a shared prompt is read once per
-    step instead of n times (at 128 rows = 32 prompts x 4 samples, ~216 positions, attention
-    went from ~180 to ~145 ms per step; BENCHMARKS.md), and
+    step instead of n times (BENCHMARKS.md, "Sampler"), and
   - the own part: each sample against its slot's generated tokens.
 Memory: ((max_batch + 1) x max_prompt_len + max_batch x max_seq_len) positions per layer, each
 2 x Hkv x hd values (K and V); pass the longest prompt as max_prompt_len (the generators, the

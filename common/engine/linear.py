@@ -1,29 +1,20 @@
 """`Linear`: nn.Linear whose CPU fp32 GEMMs can run on oneDNN instead of ATen's F.linear.
 
-Whether they do is decided per machine by `common/engine/precision.py` (measured at start, `gemm`
-auto|onednn|aten) and set in every process with `set_onednn`; the numbers below are from the
-machine where oneDNN won. On an Intel Xeon (MKL takes its AVX-512 kernels there) F.linear won.
-
-Every process uses it through `common/engine/model.py`: the generators' sampler, reference and eval
-passes, and the trainer's forward and backward. Why: PyTorch's CPU `F.linear` calls MKL
-sgemm, and MKL picks its AVX2 kernels on AMD CPUs even when they have AVX-512. oneDNN chooses kernels
-by CPU feature flags, so on the AVX-512 dev box (AMD EPYC Zen 5) it runs 2.3x faster:
-measured 1 thread, fp32, (128 x 576) @ (576 x 1536): 96 GFLOP/s through F.linear vs 222
-GFLOP/s through oneDNN; the (576 x 49152) lm_head at one row, 7.3 ms vs 4.5 ms. Results are
-ordinary fp32 (max error vs fp64 3e-6, same order as MKL's 1.4e-6); nothing is down-converted.
-
-Also at one row (batch-1 decode), where the weights stream from DRAM: SmolLM2's 30 layers of
-GEMVs take 27.3 ms through F.linear and 21.1 ms through oneDNN (20 GB/s vs 15.5 GB/s). (With
-the matrix hot in cache, MKL's GEMV is the faster one, 19 vs 28 us at 576 x 576: a benchmark
-that repeats one small matrix misleads here.)
+Every process uses it through `common/engine/model.py`: the generators' sampler, reference and
+eval passes, and the trainer's forward and backward. Why it exists: PyTorch's CPU `F.linear`
+calls MKL sgemm, and MKL may pick its AVX2 kernels on AMD CPUs that have AVX-512, while oneDNN
+chooses kernels by CPU feature flags. Which one is faster depends on the machine, so
+`common/engine/precision.py` measures both at start (`gemm` auto|onednn|aten) and every process
+calls `set_onednn` with the choice (figures per machine: BENCHMARKS.md, "Precision per machine").
+Results are ordinary fp32: nothing is down-converted. At one row (batch-1 decode) weights stream
+from DRAM, so a benchmark that repeats one small, cache-hot matrix misleads.
 
 Routing (`bench/sampler.py --ablate-onednn` prints the effect):
   - every CPU fp32 call with at least one row;
   - when a gradient is needed, through `_OneDNNLinear`, whose backward also runs its two GEMMs
-    on oneDNN (oneDNN's op has no autograd formula of its own). A SmolLM2 forward + backward
-    over 4 x 250 tokens: 9.3-10.7 s through F.linear, 5.8-6.5 s this way; gradients agree to
-    6e-6 relative. Its backward makes transient contiguous copies of W^T, dY^T and X^T (for the
-    lm_head dY^T is tokens x V floats, as big as the logits' gradient);
+    on oneDNN (oneDNN's op has no autograd formula of its own). Its backward makes transient
+    contiguous copies of W^T, dY^T and X^T (for the lm_head dY^T is tokens x V floats, as big
+    as the logits' gradient);
   - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), or under autocast
     (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule).
 `set_onednn(False)` turns it off (for A/B benchmarks and bisecting numerical questions).

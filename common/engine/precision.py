@@ -12,15 +12,15 @@ processes, which apply it without measuring again. Three choices, each `auto` or
           (AMX-BF16 or AVX512-BF16) AND a measured bf16 GEMM beats the best fp32 GEMM by
           BF16_MIN_GAIN; otherwise fp32. auto on CUDA: bf16.
   gemm    backend of CPU fp32 GEMMs (`common/engine/linear.py`): oneDNN or ATen's F.linear (MKL or
-          OpenBLAS); auto = the faster one measured. Where MKL takes its AVX2 kernels on an
-          AVX-512 CPU oneDNN wins; on others plain F.linear does. bf16 GEMMs already run on oneDNN.
+          OpenBLAS); auto = the faster one measured (which wins differs between CPUs:
+          `common/engine/linear.py`). bf16 GEMMs already run on oneDNN.
   kv      dtype of the sampler's KV cache and attention. The CPU flash-attention kernel can be
           much slower in bf16 than in fp32 at decode shapes (one query row); auto on CPU = the
           faster one measured (only asked when dtype is bf16); on CUDA = dtype.
 
 The measurement: three GEMMs of a decoder layer's MLP shape (256 x 576 @ 576 x 1536, about a
 micro-batch slice or a 256-slot decode step) and one decode attention, at the process's thread
-count, best of a few repeats: about 0.2-0.4 s. The result is cached per machine in
+count, best of a few repeats (a fraction of a second). The result is cached per machine in
 $ASYNCRL_CACHE/precision/ (keyed by CPU model, flags, torch version and thread count) so that
 reruns on one machine make the same choice; `--precision.remeasure` refreshes it.
 """
@@ -146,7 +146,7 @@ def _best_time(fn, reps: int = 5) -> float:
 
 def measure(bf16: bool = True) -> dict:
     """GFLOP/s of fp32 GEMMs through ATen and oneDNN (and bf16 if asked), and the ms of one
-    decode-shaped attention in fp32 and bf16. Single call; ~0.2-0.4 s on one core."""
+    decode-shaped attention in fp32 and bf16. One call, a fraction of a second."""
     M, K, N = 256, 576, 1536
     flops = 2 * M * K * N
     x, w = torch.randn(M, K), torch.randn(N, K) / K ** 0.5

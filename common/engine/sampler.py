@@ -225,9 +225,9 @@ class Sampler:
     def _compact(self) -> None:
         """Move the highest busy slot into the lowest free one (and likewise for prompt entries)
         until the busy ones are a prefix, so decode, which runs over rows 0..hi-1, never computes
-        idle rows. Only matters when the queue cannot refill freed slots (the tail of a batch):
-        measured on the sampler benchmark, decode had computed 33% more rows than it needed
-        (32.6k rows for 24.4k tokens). A move copies the sample's own K/V (t columns)."""
+        idle rows. Only matters when the queue cannot refill freed slots (the tail of a batch,
+        where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). A move
+        copies the sample's own K/V (t columns)."""
         per_slot = (self.next_tok, self.pos, self.plen, self.temp, self.inv_t, self.top_k, self.top_p, self.active)
         while (move := _hole_below(self.slots)) is not None:
             src, dst = move

@@ -4,12 +4,11 @@ Per-row parameters (each slot of a continuous batch may belong to a different re
 temperature (B,), top_k (B,) with 0 = off, top_p (B,) with 1 = off. Greedy rows have T = 0.
 Sampling is by inverse CDF: one uniform per row from one seeded generator against the
 cumulative sum of exp(logits / T - max), taken in two levels (blocks, then inside one block);
-reproducible for a fixed seed and schedule. (A Gumbel-max race needs B x V exponential draws:
-2.5x slower at B=64, V=49152 on CPU.) The temperature is applied before the lm_head, to its
-input (`inv_temperature`), so `sample` receives logits / T_eff and makes three passes over
-(B, V): max, exp, block sums; the log-normaliser comes from the same sums. Measured at B=128,
-V=49152, one core: 77 ms per call with a (B, V) divide, a full cumsum and a separate
-logsumexp; 9.7 ms this way.
+reproducible for a fixed seed and schedule. (A Gumbel-max race would need B x V exponential
+draws instead of B uniforms.) The temperature is applied before the lm_head, to its input
+(`inv_temperature`), so `sample` receives logits / T_eff and makes three passes over (B, V):
+max, exp, block sums; the log-normaliser comes from the same sums, instead of a (B, V) divide,
+a full cumsum and a separate logsumexp (the saving is measured in BENCHMARKS.md, "Sampler").
 Shapes: B rows, V vocab.
 """
 from __future__ import annotations
@@ -94,8 +93,8 @@ def block_sums(e: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
 def draw(e: torch.Tensor, sums: torch.Tensor, generator: torch.Generator | None, block: int = BLOCK) -> torch.Tensor:
     """One index per row drawn with probability e / e.sum(-1) by inverse CDF, in two levels:
     pick a block from the cumsum of its block sums `sums` (from `block_sums`), then a column
-    from the cumsum of that block only. (B, V), (B, nb) -> (B,). A full (B, V) cumsum costs
-    ~15 ms at B=128, V=49152 on one core; this ~1 ms. A zero-probability column is never
+    from the cumsum of that block only. (B, V), (B, nb) -> (B,). Two short cumsums instead of
+    one over the whole vocabulary (an order of magnitude less work). A zero-probability column is never
     drawn: searchsorted(right=True) returns the first column whose cumulative mass exceeds u,
     and u is kept strictly below each level's total against rounding."""
     B, V = e.shape

@@ -64,8 +64,8 @@ class WorkerError(RuntimeError):
 
 def set_process_defaults(device: str) -> None:
     """Per-process torch defaults. On CPU cap intra-op threads (ASYNCRL_NUM_THREADS, default 1):
-    with several processes sharing few cores, oversubscribed thread pools made small ops ~100x
-    slower on a 2-core box. GPU processes need nothing special."""
+    with several processes sharing few cores, oversubscribed thread pools make small ops up to
+    two orders of magnitude slower (DESIGN.md section 7). GPU processes need nothing special."""
     if torch.device(device).type == "cpu":
         torch.set_num_threads(int(os.environ.get("ASYNCRL_NUM_THREADS", 1)))
 
