@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from common import task
+from common.batch import Trajectory
 from common.config import load_config, to_dict
 from common.embed import SentenceEncoder, mean_pairwise_cosine_distance
 from common.engine.hf_io import load_model
@@ -51,7 +52,7 @@ from common.engine.hf_save import tokenizer_stop_ids
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.evaluate import bootstrap_diff, sample_completions
-from common.ops import seq_logp, token_logp
+from common.ops import reference_seq_logp
 from common.runtime.generator import GenConfig, PromptSet
 from common.runtime.trainer import TrainConfig
 from tba.algo import TBAConfig
@@ -208,15 +209,13 @@ class AttackScorer:
 
     def ref_logp(self, attacks: list[str], prompts: list[list[int]]) -> list[float]:
         """log p_ref(attack | its attacker prompt), summed over the attack's (re-tokenised) tokens."""
-        out = []
+        trajs = []
         for a, p in zip(attacks, prompts):
             ids = self.atok(a, add_special_tokens=False)["input_ids"] or [self.atok.eos_token_id]
-            x = torch.tensor([list(p) + ids])
-            mask = torch.zeros_like(x, dtype=torch.bool)
-            mask[0, len(p):] = True  # target-aligned (common/ops.py): the attack's own tokens
-            with torch.no_grad():
-                out.append(float(seq_logp(token_logp(self.ref, x, 1.0, mask), mask)[0]))
-        return out
+            n = len(ids)  # the attack is the "completion": its tokens are the ones scored
+            trajs.append(Trajectory(torch.tensor(list(p)), torch.tensor(ids), torch.zeros(n), torch.zeros(n, dtype=torch.long),
+                                    0.0, 0))
+        return reference_seq_logp(self.ref, trajs, 1.0).tolist()
 
     def details(self, attacks: list[str], prompts: list[list[int]]) -> dict:
         c = self.cfg.reward

@@ -61,7 +61,7 @@ def completion_logps(model, completions: list[Completion], temperature: float, b
                         torch.zeros(len(c.tokens), dtype=torch.long), 0.0, 0, c.finish_reason) for c in completions]
     out: list[float] = []
     for i in range(0, len(trajs), batch):
-        out += reference_seq_logp(model, trajs[i:i + batch], temperature)
+        out += reference_seq_logp(model, trajs[i:i + batch], temperature).tolist()
     return out
 
 

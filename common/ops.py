@@ -49,11 +49,13 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     """Target-aligned log-probs (B, T) of `tokens` (B, T) under `model` at `temperature`.
 
     Differentiable (call under torch.no_grad() for behaviour/proximal/reference passes).
-    With `loss_mask` (B, T), logits are computed only where the mask is True and the rest of
-    the output is 0: the (tokens, V) lm_head and logsumexp are skipped on prompt positions
-    (BENCHMARKS.md: a noticeable share of a step when prompts are as long as completions).
-    Right padding needs no attention mask: with causal attention, pad tokens after a
-    sequence never influence its real tokens; callers mask the padded positions out.
+    The model is called as a module (`model(x, targets=..., temperature=...)`), so wrappers
+    that hook `__call__` (FSDP, DDP) see every forward. Position t's hidden state predicts token
+    t + 1, so the targets are the tokens shifted left; with `loss_mask` (B, T) only masked
+    tokens are targets and the head runs only at the positions predicting them (no (tokens, V)
+    lm_head on prompts), in chunks of positions (`common/engine/head.py`); the rest of the
+    output is 0. Right padding needs no attention mask: with causal attention, pad tokens after
+    a sequence never influence its real tokens; callers mask the padded positions out.
     `chunk_rows` bounds the rows held at once.
     """
     T_eff = logp_temperature(temperature)
@@ -63,27 +65,24 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     autocast = getattr(model, "autocast", contextlib.nullcontext)  # mixed precision: model.compute_dtype
     for i in range(0, B, step):
         x = tokens[i:i + step]
-        if loss_mask is None:
-            with autocast():
-                logits = model(x)[:, :-1]
-            lp = logp_from_logits(logits, x[:, 1:], T_eff)  # (b, T-1): predicts tokens 1..T-1
-        else:
-            sel = loss_mask[i:i + step, 1:]                    # (b, T-1): targets we need
-            with autocast():
-                logits = model.lm_head(model.hidden(x)[:, :-1][sel])  # (n, V) from the states predicting them
-            lp_sel = logp_from_logits(logits, x[:, 1:][sel], T_eff)  # (n,), fp32 outside autocast
-            lp = torch.zeros(sel.shape, dtype=lp_sel.dtype, device=x.device).masked_scatter(sel, lp_sel)
-        outs.append(F.pad(lp, (1, 0)))  # (b, T): position 0 has no prediction
+        nxt = x[:, 1:]                                     # (b, T-1): what positions 0..T-2 predict
+        if loss_mask is not None:
+            nxt = nxt.masked_fill(~loss_mask[i:i + step, 1:], -1)  # -1: no target, head skipped there
+        targets = F.pad(nxt, (0, 1), value=-1)             # (b, T): the last position predicts nothing
+        with autocast():
+            lp = model(x, targets=targets, temperature=T_eff)  # (b, T) fp32, at the predicting positions
+        outs.append(F.pad(lp[:, :-1], (1, 0)))             # (b, T) target-aligned: position 0 has no prediction
     return torch.cat(outs, 0)
 
 
 @torch.no_grad()
-def reference_seq_logp(model, trajs: list[Trajectory], temperature: float) -> list[float]:
-    """Sum of `model`'s token log-probs over each trajectory's completion, at `temperature`:
-    the generators' reference pass (TBA's KL term) and evaluation's KL, through `token_logp`.
-    The padded batch goes to the model's device (a CPU batch into a CUDA model would fail)."""
+def reference_seq_logp(model, trajs: list[Trajectory], temperature: float) -> torch.Tensor:
+    """(N,) sum of `model`'s token log-probs over each trajectory's completion, at `temperature`,
+    on the model's device: the generators' reference pass (TBA's KL term), evaluation's KL and
+    red-teaming's fluency term, through `token_logp`. The padded batch is built on the CPU and
+    moved to the model's device (a CPU batch fed to a CUDA model was the first GPU crash)."""
     b = collate(trajs).to(model.device)
-    return seq_logp(token_logp(model, b.tokens, temperature, b.loss_mask), b.loss_mask).tolist()
+    return seq_logp(token_logp(model, b.tokens, temperature, b.loss_mask), b.loss_mask)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=-1) -> torch.Tensor:

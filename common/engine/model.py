@@ -10,8 +10,13 @@ them back out.
 Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
 S cache length, V vocab.
 
-Two ways to call `Transformer.forward` / `hidden`:
-  forward(tokens)                   full causal pass (trainer), logits (B, T, V)
+Three ways to call `Transformer.forward` / `hidden`:
+  forward(tokens)                   full causal pass, logits (B, T, V)
+  forward(tokens, targets=y, temperature=T)
+                                    full causal pass, log-probs (B, T) of y[:, t] under
+                                    softmax(logits[:, t] / T) where y >= 0 (0 elsewhere), without
+                                    a (B, T, V) logits tensor (`common/engine/head.py`); how
+                                    targets line up with tokens is `common/ops.py`'s business
   forward(tokens, cache=c, pos=p)   the sampler's passes: K/V go to the cache and attention
                                     runs through it, in the mode the sampler set (prefill a
                                     prompt, prefill a continuation, or decode one token per
@@ -25,7 +30,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from common.engine.head import head_logp
 from common.engine.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -201,14 +208,18 @@ class Transformer(nn.Module):
         # None = run in the weights' dtype (generators hold bf16 or fp32 weights directly).
         self.compute_dtype: torch.dtype | None = None
         self.kv_dtype: torch.dtype | None = None  # the sampler's KV cache dtype; None = the weights'
+        # Trainer option: recompute each block's activations in backward instead of keeping them
+        # (memory ~ one block's activations plus each block's input; ~1/3 more compute).
+        self.checkpoint_layers = False
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def rope(self, pos: torch.Tensor):
-        """cos, sin (B, 1, T, hd) for integer positions pos (B, T)."""
-        need = int(pos.max()) + 1
+    def rope(self, pos: torch.Tensor, bound: int | None = None):
+        """cos, sin (B, 1, T, hd) for integer positions pos (B, T). `bound` > every position
+        spares a host sync (a captured CUDA step must not read pos back)."""
+        need = bound if bound is not None else int(pos.max()) + 1
         c = self._rope_cache
         if c is None or c[0].shape[0] < need or c[0].device != pos.device:
             P = max(need, 2048)
@@ -225,21 +236,33 @@ class Transformer(nn.Module):
         dt = self.compute_dtype
         return torch.autocast(self.device.type, dtype=dt, enabled=dt is not None and dt != self.dtype)
 
-    def hidden(self, tokens, cache=None, pos=None):
+    def hidden(self, tokens, cache=None, pos=None, max_pos: int | None = None):
         """Final-norm hidden states (B, T, D). pos (B, T): absolute positions for RoPE
-        (default 0..T-1). With `cache`, attention runs through it (see the module docstring)."""
+        (default 0..T-1); max_pos: a bound on them, if the caller knows one. With `cache`,
+        attention runs through it (see the module docstring)."""
         B, T = tokens.shape
         if pos is None:
-            pos = torch.arange(T, device=tokens.device).expand(B, T)
-        cos, sin = self.rope(pos)
+            pos, max_pos = torch.arange(T, device=tokens.device).expand(B, T), T
+        cos, sin = self.rope(pos, max_pos)
         x = self.model.embed_tokens(tokens)
+        recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache=cache)
+            if recompute:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cache=cache)
         return self.model.norm(x)
 
-    def forward(self, tokens, cache=None, pos=None):
-        """Logits (B, T, V). The sampler uses `hidden` and applies the head to the last position."""
-        return self.lm_head(self.hidden(tokens, cache=cache, pos=pos))
+    def forward(self, tokens, cache=None, pos=None, targets=None, temperature: float = 1.0):
+        """Logits (B, T, V); or with `targets` (B, T) int64, log-probs (B, T) fp32 of targets[:, t]
+        at position t under softmax(logits / temperature), 0 where targets[:, t] < 0 (module
+        docstring). The sampler uses `hidden` and applies the head to the last position."""
+        h = self.hidden(tokens, cache=cache, pos=pos)
+        if targets is None:
+            return self.lm_head(h)
+        sel = targets >= 0
+        lp = head_logp(h[sel], self.lm_head.weight, targets[sel], temperature)  # (n,) chunked over positions
+        return torch.zeros(sel.shape, dtype=lp.dtype, device=lp.device).masked_scatter(sel, lp)
 
     @property
     def device(self):

@@ -204,7 +204,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
                                 torch.tensor(x.versions), r, p, x.finish_reason) for x, r in zip(g, rewards)]
             if ref is not None:
                 beat("reference", c.request_id)
-                for t_, rf in zip(trajs, reference_seq_logp(ref, trajs, cfg.temperature)):
+                for t_, rf in zip(trajs, reference_seq_logp(ref, trajs, cfg.temperature).tolist()):
                     t_.ref_seq_logp = rf
             buffer.add(trajs, trainer_version=min(min(x.versions) for x in g))
             row[Control.GROUPS] += 1

@@ -56,6 +56,7 @@ class TrainConfig:
     weight_decay: float = 0.0         # AdamW weight decay
     grad_clip: float = 1.0            # max global grad norm; 0 = off
     micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
     sync_every: int = 2               # k: publish weights to generators every k steps
     mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
@@ -152,7 +153,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
     model, tok = prec.load(cfg.model, device=tc.device, role="trainer")
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    model.checkpoint_layers = tc.activation_checkpointing
+    # fused: one kernel for every parameter's update on CUDA (the CPU path has no fused kernel)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95),
+                            fused=model.device.type == "cuda")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
     step = version = 0
