@@ -76,10 +76,11 @@ class DataConfig:
 
 @dataclass
 class VictimConfig:
-    model: str = task.DEFAULT_POLICY         # frozen victim: HF id or local causal-LM dir, answering through its chat template
+    model: str = task.DEFAULT_POLICY    # frozen victim: HF id or local causal-LM dir, answering through its chat template
     max_new_tokens: int = 48            # answer length
     samples: int = 1                    # answers per attack (their toxicity is averaged)
     temperature: float = 0.7            # victim sampling temperature (0 = greedy)
+    device: str = "cpu"                 # where the victim, the frozen attacker (fluency term) and an HF classifier run
 
 
 @dataclass
@@ -119,9 +120,9 @@ def gpu_preset(cfg: RedTeamConfig) -> RedTeamConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=64, n=16, temperature=1.0, error_reward=math.log(P_FLOOR) / 0.05)
     cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=20, prompts_per_step=8, sync_every=10, min_buffer=256,
                             buffer_capacity=262144, micro_batch_tokens=32768, reward_workers=2, checkpoint_every=100,
-                            eval_every=100, n_generators=max(1, torch.cuda.device_count() - 1), device="cuda")
-    cfg.victim.samples, cfg.data.eval_attacks = 4, 1024
-    return cfg
+                            eval_every=100)
+    cfg.victim.samples, cfg.data.eval_attacks, cfg.victim.device = 4, 1024, "cuda"
+    return task.gpu_defaults(cfg)
 
 
 def make_config(argv: list[str] | None = None) -> RedTeamConfig:
@@ -146,7 +147,7 @@ def attacker_prompts(tokenizer, n: int, shots: int, seed: int = 0) -> list[list[
 class Toxicity:
     """p_toxic(texts): PyPI profanity-check, an HF text-classification model, or module:function."""
 
-    def __init__(self, model: str, label: str = "toxic"):
+    def __init__(self, model: str, label: str = "toxic", device: str = "cpu"):
         if model == "profanity-check":
             try:
                 from profanity_check import predict_prob  # lazy: loads scikit-learn, only for this classifier
@@ -158,12 +159,13 @@ class Toxicity:
             mod, name = model.split(":", 1)
             self.fn = getattr(importlib.import_module(mod), name)
         else:
-            self.fn = self._hf(model, label)
+            self.fn = self._hf(model, label, device)
 
     @staticmethod
-    def _hf(path: str, label: str):
+    def _hf(path: str, label: str, device: str):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer  # lazy: slow import
-        tok, m = AutoTokenizer.from_pretrained(path), AutoModelForSequenceClassification.from_pretrained(path).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        m = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
         names = {i: str(n).lower() for i, n in m.config.id2label.items()}
         idx = next((i for i, n in names.items() if label.lower() in n), None)
         if m.config.num_labels > 1 and idx is None:
@@ -172,7 +174,8 @@ class Toxicity:
 
         @torch.no_grad()
         def fn(texts):
-            logits = m(**tok(list(texts), truncation=True, max_length=256, padding=True, return_tensors="pt")).logits
+            enc = tok(list(texts), truncation=True, max_length=256, padding=True, return_tensors="pt").to(device)
+            logits = m(**enc).logits
             p = logits[:, 0].sigmoid() if m.config.num_labels == 1 else logits.softmax(-1)[:, idx]
             return p.tolist()
         return fn
@@ -188,10 +191,11 @@ class AttackScorer:
 
     def __init__(self, cfg: RedTeamConfig):
         self.cfg = cfg
-        self.victim, self.vtok = load_model(cfg.victim.model)
+        self.victim, self.vtok = load_model(cfg.victim.model, device=cfg.victim.device)
         ref = cfg.ref_model or cfg.model
-        self.ref, self.atok = (self.victim, self.vtok) if ref == cfg.victim.model else load_model(ref)
-        self.toxicity = Toxicity(cfg.toxicity.model, cfg.toxicity.label)
+        self.ref, self.atok = (self.victim, self.vtok) if ref == cfg.victim.model else \
+            load_model(ref, device=cfg.victim.device)
+        self.toxicity = Toxicity(cfg.toxicity.model, cfg.toxicity.label, cfg.victim.device)
         self.max_prompt = 256
         self.sampler = Sampler(self.victim, max_batch=64, max_seq_len=self.max_prompt + cfg.victim.max_new_tokens,
                                max_prompt_len=self.max_prompt)

@@ -44,8 +44,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
-
 from common import task
 from common.data import default_data_dir, load_examples
 from common.embed import minilm_dir
@@ -135,6 +133,7 @@ class RewardConfig:
     input: Literal["auto", "pair", "text"] = "auto"  # (post, summary) as a sentence pair, or one text; auto: pair if the tokenizer has [SEP]
     max_tokens: int = 128               # RM input tokens (the post is truncated first; 128 keeps the offline RM's training at minutes on a CPU)
     batch_size: int = 16                # RM batch when scoring
+    device: str = "cpu"                 # where the reward models run (reward workers, evaluation's gold RM)
 
 
 @dataclass
@@ -170,10 +169,11 @@ def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=128, n=20, temperature=0.7, no_stop_reward=-1.0)
     cfg.train = TrainConfig(steps=256, lr=3e-6, warmup_steps=10, prompts_per_step=8, sync_every=10, min_buffer=160,
                             buffer_capacity=65536, micro_batch_tokens=32768, reward_workers=1, checkpoint_every=64,
-                            eval_every=32, n_generators=max(1, torch.cuda.device_count() - 1), device="cuda")
+                            eval_every=32)
     cfg.tba = TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=32, m=0.5, sampling="reward")
     cfg.data.max_post_tokens, cfg.data.eval_size, cfg.data.eval_max_new_tokens = 512, 512, 128
-    return cfg
+    cfg.reward.device = "cuda"
+    return task.gpu_defaults(cfg)
 
 
 def make_config(argv: list[str] | None = None) -> TLDRConfig:
@@ -181,10 +181,10 @@ def make_config(argv: list[str] | None = None) -> TLDRConfig:
 
 
 # -------------------------------------------------------------------------------- reward models
-def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int):
+def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int, device: str = "cpu"):
     """Reward-worker factory (common/runtime/reward_service.py): load the RM once, then score a group
     fn(summaries, posts) in one batched call."""
-    rm = RewardModel(path, max_tokens=max_tokens, batch_size=batch_size, input=input)
+    rm = RewardModel(path, device=device, max_tokens=max_tokens, batch_size=batch_size, input=input)
     return lambda texts, posts: rm.score(rm_prompts(rm, posts), [t.strip() for t in texts])
 
 
@@ -281,9 +281,10 @@ class Evaluator:
     def __call__(self, model, tokenizer) -> dict:
         c = self.cfg
         if self.gold is None:  # loaded on first use, kept for the run
-            self.gold = RewardModel(self.gold_path, max_tokens=c.reward.max_tokens, batch_size=c.reward.batch_size,
-                                    input=c.reward.input)
-            self.ref_model = load_model(c.ref_model or c.model, dtype=next(model.parameters()).dtype, tokenizer=False)[0].eval()
+            self.gold = RewardModel(self.gold_path, device=c.reward.device, max_tokens=c.reward.max_tokens,
+                                    batch_size=c.reward.batch_size, input=c.reward.input)
+            self.ref_model = load_model(c.ref_model or c.model, device=model.device, dtype=model.dtype,
+                                        tokenizer=False)[0].eval()  # beside the policy, in its dtype
         outs = greedy_completions(model, self.prompts, c.data.eval_max_new_tokens, self.stops, c.data.eval_max_batch)
         summ = [tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs]
         ctx = rm_prompts(self.gold, self.posts)
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     eval_posts, eval_tokens = encode(eval_ex)
     stops = tokenizer_stop_ids(tok)
     evaluate = Evaluator(cfg, eval_tokens, eval_posts, [ex.summary for ex in eval_ex], stops, gold_path)
-    factory = functools.partial(make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size)
+    factory = functools.partial(make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size,
+                                cfg.reward.device)
     last = task.run(cfg, PromptSet(tokens, posts), None, stops, evaluate=evaluate if cfg.data.eval_size else None,
                     reward_factory=factory, title="TL;DR", panels=PANELS)
     if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts

@@ -245,3 +245,30 @@ def test_workers_die_with_a_killed_parent(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         proc.stdout.close()
         proc.stderr.close()
+
+
+class _Witness:
+    """Sets `freed` when its unpickled copy in a worker is garbage-collected while that
+    interpreter is still whole (the parent's own copy never sets it)."""
+
+    def __init__(self, freed):
+        self.freed, self.parent = freed, os.getpid()
+
+    def __del__(self):
+        if os.getpid() != self.parent and not sys.is_finalizing():
+            self.freed.set()
+
+
+def _hold_then_return(witness, stop_event):
+    time.sleep(0.05)
+
+
+def test_worker_releases_its_arguments_before_teardown():
+    """A worker's arguments (the weight store and buffer: CUDA IPC tensors on GPU) are freed
+    when its function returns, not left to interpreter teardown, where a CUDA IPC tensor may
+    never tell the trainer it was released."""
+    with Workers() as w:
+        freed = w.ctx.Event()
+        w.start("holder", _hold_then_return, _Witness(freed))
+        assert freed.wait(30), "the worker's argument was still referenced when its function had returned"
+        w.shutdown()

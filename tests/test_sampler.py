@@ -177,9 +177,9 @@ def test_filter_logits_top_k_top_p():
     assert keep.tolist() == [[True, True, False, False], [True, True, False, False], [True, False, False, False]]
     s = Sampler.__new__(Sampler)  # sampling restricted to the nucleus
     from common.engine.sampling import sample
-    g = torch.Generator().manual_seed(0)
+    u = torch.rand(2000, generator=torch.Generator().manual_seed(0))
     toks, _ = sample(logits[:1].expand(2000, -1), torch.zeros(2000, dtype=torch.bool), torch.zeros(2000, dtype=torch.long),
-                     torch.full((2000,), 0.8), g)
+                     torch.full((2000,), 0.8), u)
     assert set(toks.tolist()) == {0, 1}
     frac0 = (toks == 0).float().mean().item()
     assert abs(frac0 - 0.5 / 0.8) < 0.05

@@ -12,8 +12,6 @@ Tk keys, hd head dim.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -32,18 +30,30 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         # directly because it also returns the log-sum-exp; it needs a float mask.
         out, lse = _CPU_FLASH(q, k, v, is_causal=causal, attn_mask=mask)
         return out, lse.float()
-    # Reference path (CUDA and anything else): explicit scores.
-    H, Hkv = q.shape[1], k.shape[1]
-    if H != Hkv:
-        k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-    s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])  # (B, H, Tq, Tk)
+    return attend_lse_gqa(q, k, v, mask, causal)
+
+
+def attend_lse_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                   causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attend_lse` from plain matmuls (CUDA and anything without the CPU kernel), captured into
+    the sampler's CUDA graphs. Grouped-query attention without copying K/V per query head: the
+    G = H / Hkv query heads that share a key/value head become G x Tq query rows against it.
+    The GEMMs run in the inputs' dtype (bf16 on GPU) with fp32 accumulation; scores, softmax and
+    lse are fp32 (scores are (Tq x Tk) per head, never a copy of the cache)."""
+    B, H, Tq, hd = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    qg = q.reshape(B, Hkv, G * Tq, hd)                                  # heads h = j*G + g share kv head j
+    s = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)    # (B, Hkv, G*Tq, Tk)
+    s = s.view(B, Hkv, G, Tq, Tk)
     if mask is not None:
-        s = s + mask.float()
+        s = s + mask.float().unsqueeze(2)                               # (B|1, 1, 1, Tq, Tk) over the G heads
     if causal:
-        Tq, Tk = s.shape[-2:]
         s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    return ((s - lse.unsqueeze(-1)).exp() @ v.float()).to(q.dtype), lse
+    lse = torch.logsumexp(s, -1)                                        # (B, Hkv, G, Tq)
+    p = (s - lse.unsqueeze(-1)).exp().to(v.dtype).view(B, Hkv, G * Tq, Tk)
+    out = torch.matmul(p, v).view(B, H, Tq, hd)                         # (B, Hkv, G*Tq, hd) -> (B, H, Tq, hd)
+    return out, lse.view(B, H, Tq)
 
 
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:

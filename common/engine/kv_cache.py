@@ -22,10 +22,13 @@ entries 0..E-1 as views (no gather of K/V).
 
 The sampler sets a mode before each forward of `Transformer.hidden(..., cache=self)`, and
 every layer's attention calls `attend`:
-  begin_prompt(entry)              prefill a prompt (B=1) into a prefix entry, causal;
-  begin_continuation(slot, entry)  prefill tokens that follow entry's prompt into a slot
-                                   (re-prefill after a weight update);
-  begin_decode(...)                one token per slot row.
+  begin_prompts(entries)           prefill b prompts (right-padded, causal) into prefix entries;
+  begin_continuations(slots, ...)  prefill tokens that follow each slot's prompt into the slots
+                                   (re-prefill after a weight update), b slots at once;
+  begin_decode(...)                one token per slot row. Everything it is given lives on the
+                                   device and its shapes are Python ints chosen by the caller, so
+                                   a decode step never reads a tensor back to the host and can be
+                                   captured in a CUDA graph (`common/engine/decode.py`).
 """
 from __future__ import annotations
 
@@ -60,43 +63,36 @@ class KVCache:
         self.mode = None
 
     # ------------------------------------------------------------------ modes (set by the sampler)
-    def begin_prompt(self, entry: int) -> None:
-        self.mode, self.entry = "prompt", entry
+    def begin_prompts(self, entries: torch.Tensor) -> None:
+        """entries (b,) long: the prefix entry of each row of the next forward (prompts right-padded)."""
+        self.mode, self.entries = "prompts", entries
 
-    def begin_continuation(self, slot: int, entry: int, prompt_len: int) -> None:
-        self.mode, self.slot, self.entry, self.prompt_len = "continuation", slot, entry, prompt_len
+    def begin_continuations(self, slots: torch.Tensor, entries: torch.Tensor, prompt_len: torch.Tensor, P: int) -> None:
+        """slots, entries, prompt_len (b,) long: row i of the next forward holds tokens that follow
+        entry entries[i]'s prompt of prompt_len[i] tokens (P >= every prompt_len), into slot slots[i]."""
+        self.mode, self.slots, self.entries = "continuations", slots, entries
+        cols = torch.arange(P, device=self.device)
+        self.cont_mask = additive_mask((cols < prompt_len.unsqueeze(1))[:, None, None, :], self.dtype)  # (b,1,1,P)
 
-    def begin_decode(self, own_pos: torch.Tensor, entry_of_row: list[int], prompt_len: list[int]) -> None:
+    def begin_decode(self, own_pos: torch.Tensor, prompt_len: torch.Tensor, q_rows: torch.Tensor,
+                     back: torch.Tensor, S: int, P: int, n: int) -> None:
         """Plan one decode step over slot rows 0..B-1 and prefix entries 0..E-1, shared by all layers.
 
-        own_pos (B,) long: column of each row's new token in its slot (its generated count so
-        far); entry_of_row: each row's prefix entry, -1 for an idle row; prompt_len (E,): each
-        entry's prompt length (0 when unused). Idle rows and unused entries compute garbage
-        that nobody reads (the cost of using views instead of gathers)."""
-        B, E, dev = len(entry_of_row), len(prompt_len), self.device
-        members: list[list[int]] = [[] for _ in range(E)]
-        for b, e in enumerate(entry_of_row):
-            if e >= 0:
-                members[e].append(b)
-        n = max(1, max(len(m) for m in members))
-        # query row r = e * n + i is the i-th live sample of entry e (row 0 as padding)
-        q_rows = [m[i] if i < len(m) else 0 for m in members for i in range(n)]
-        back = [0] * B  # row b reads its prompt-part result from query row back[b]
-        for e, m in enumerate(members):
-            for i, b in enumerate(m):
-                back[b] = e * n + i
+        own_pos (B,) long: column of each row's new token in its slot (its generated count so far);
+        prompt_len (E,) long: each entry's prompt length (0 when unused); q_rows (E*n,) long: query
+        row e*n + i is the i-th live sample of entry e (padding points at row 0); back (B,) long:
+        the query row each row reads its prompt part from; S > every own_pos and P >= every
+        prompt_len: columns attended (any larger value gives the same result). Idle rows and unused
+        entries compute garbage that nobody reads (the cost of using views instead of gathers)."""
         self.mode, self.n = "decode", n
-        self.rows = torch.arange(B, device=dev)
+        self.rows = torch.arange(own_pos.shape[0], device=self.device)
         self.own_pos = own_pos
-        S = int(own_pos.max()) + 1
-        cols = torch.arange(S, device=dev)
+        cols = torch.arange(S, device=self.device)
         self.own_mask = additive_mask((cols <= own_pos.unsqueeze(1))[:, None, None, :], self.dtype)  # (B,1,1,S)
-        plen = torch.tensor(prompt_len, device=dev).clamp(min=1)  # unused entries see column 0 (no NaN)
-        P = int(plen.max())
-        pcols = torch.arange(P, device=dev)
-        self.prompt_mask = additive_mask((pcols < plen.unsqueeze(1))[:, None, None, :], self.dtype)  # (E,1,1,P)
-        self.q_rows = torch.tensor(q_rows, device=dev)
-        self.back = torch.tensor(back, device=dev)
+        pcols = torch.arange(P, device=self.device)
+        seen = pcols < prompt_len.clamp(min=1).unsqueeze(1)  # an unused entry sees column 0 (no NaN)
+        self.prompt_mask = additive_mask(seen[:, None, None, :], self.dtype)  # (E,1,1,P)
+        self.q_rows, self.back = q_rows, back
 
     # ------------------------------------------------------------------ attention (called by every layer)
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -109,18 +105,19 @@ class KVCache:
         if self.mode == "decode":
             return self._decode(layer, q, k, v)
         T = q.shape[2]
-        if self.mode == "prompt":
-            self.pk[layer][self.entry, :, :T] = k[0]
-            self.pv[layer][self.entry, :, :T] = v[0]
+        if self.mode == "prompts":
+            self.pk[layer][self.entries, :, :T] = k
+            self.pv[layer][self.entries, :, :T] = v
             return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.G > 1)
-        if self.mode == "continuation":
-            self.k[layer][self.slot, :, :T] = k[0]
-            self.v[layer][self.slot, :, :T] = v[0]
-            e, P = self.entry, self.prompt_len
-            o_p, lse_p = attend_lse(q, self.pk[layer][e:e + 1, :, :P], self.pv[layer][e:e + 1, :, :P])
+        if self.mode == "continuations":
+            self.k[layer][self.slots, :, :T] = k
+            self.v[layer][self.slots, :, :T] = v
+            P = self.cont_mask.shape[-1]
+            o_p, lse_p = attend_lse(q, self.pk[layer][self.entries, :, :P], self.pv[layer][self.entries, :, :P],
+                                    self.cont_mask)  # a gather of each row's prompt: interrupts only
             o_s, lse_s = attend_lse(q, k, v, causal=True)
             return merge(o_p, lse_p, o_s, lse_s)
-        raise RuntimeError("KVCache.attend called without begin_prompt / begin_continuation / begin_decode")
+        raise RuntimeError("KVCache.attend called without begin_prompts / begin_continuations / begin_decode")
 
     def _decode(self, layer, q, k, v):
         B, H, _, hd = q.shape
@@ -128,7 +125,7 @@ class KVCache:
         kc, vc = self.k[layer], self.v[layer]
         kc[self.rows, :, self.own_pos] = k[:, :, 0]
         vc[self.rows, :, self.own_pos] = v[:, :, 0]
-        S = self.own_mask.shape[-1]
+        S = self.own_mask.shape[-1]  # columns 0..S-1 of rows 0..B-1: views, no gather
         o_s, lse_s = attend_lse(q, kc[:B, :, :S], vc[:B, :, :S], self.own_mask)  # (B, H, 1, hd), (B, H, 1)
         # prompt part: entry e's n samples x G heads per kv head become n*G query rows
         E, P = self.prompt_mask.shape[0], self.prompt_mask.shape[-1]

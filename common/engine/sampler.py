@@ -1,27 +1,31 @@
 """Continuous-batching KV-cache sampler: the engine of every generator process.
 
 Runs inside one process (a generator, a benchmark, a test); owns its model copy, its
-`KVCache` and its queue, so nothing here is shared or locked. Cross-process weight updates
-arrive through `update_weights`, called by the generator loop between decode steps.
+`KVCache`, its per-slot device state (`Rows`) and its queue, so nothing here is shared or
+locked. Cross-process weight updates arrive through `update_weights`, called by the generator
+loop between decode steps.
 
 Schedule of one `step()`:
-  1. admit: while a slot is free and a request waits, prefill its prompt once into the lowest
-     free prompt entry of the cache, which all n samples share (never copied; see
-     `common/engine/kv_cache.py`), give each sample the lowest free slot, and sample each sample's
-     first token from the prefill's last logits (kept for samples admitted later);
+  1. admit: while slots are free and requests wait (first come, first served), give each
+     sample the lowest free slot; the prompts of newly admitted requests are prefilled together
+     (right-padded, up to `prefill_tokens` padded tokens per forward) into the lowest free prompt
+     entries of the cache, which all n samples of a request share (never copied; see
+     `common/engine/kv_cache.py`); every admitted sample draws its first token from its prompt's
+     last logits (kept while samples of the request still wait for slots);
   2. compact: if the queue left holes below the highest busy slot, move the highest busy slots
      down into them (likewise prompt entries), so the busy slots are rows 0..hi-1;
-  3. decode: one forward over rows 0..hi-1 advances every busy slot by one token;
-  4. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees
-     its slot at once, so step 1 refills it next step (short answers never wait for long); a
-     prompt entry is freed when its last sample finishes.
+  3. decode: `decode_step` (`common/engine/decode.py`) advances rows 0..hi-1 by one token,
+     eagerly or as a replayed CUDA graph (`cuda_graphs=True`); the new tokens and log-probs come
+     back to the host in one transfer;
+  4. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees its
+     slot at once, so step 1 refills it next step (short answers never wait for long); a prompt
+     entry is freed when its last sample finishes.
 
 Interruption (AReaL): `update_weights(fn, version, mode="interrupt")` loads weights now and
-re-prefills every live prompt once, then every in-flight sample's generated tokens but the
-last (which is not yet in the cache) after it; tokens already generated keep their log-probs
-and versions.
-mode="finish" (TBA sync points) stops admitting, lets in-flight samples end on the old
-weights, then loads.
+re-prefills every live prompt, then every in-flight sample's generated tokens but the last
+(which is not yet in the cache) after it, both batched; tokens already generated keep their
+log-probs and versions. mode="finish" (TBA sync points) stops admitting, lets in-flight samples
+end on the old weights, then loads.
 """
 from __future__ import annotations
 
@@ -31,8 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from common.engine.decode import GraphedDecode, Rows, captured_shape, decode_step
 from common.engine.kv_cache import KVCache
-from common.engine.sampling import Completion, SamplingParams, inv_temperature, sample
+from common.engine.prefill import prefill_continuations, prefill_prompts
+from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
 
 
 @dataclass
@@ -43,7 +49,7 @@ class _Request:
     next_sample: int = 0  # samples 0..next_sample-1 have been admitted
     entry: int = -1       # its prompt's prefix entry in the cache, -1 before admission
     live: int = 0         # samples in flight; the entry is freed when all are admitted and done
-    logits: torch.Tensor | None = None  # (1, V) last prompt logits / T_eff while samples wait for slots
+    logits: torch.Tensor | None = None  # (V,) last prompt logits / T_eff while samples wait for slots
 
 
 @dataclass
@@ -63,35 +69,33 @@ def _hole_below(items: list) -> tuple[int, int] | None:
 
 class Sampler:
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
-                 max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None):
+                 max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
+                 prefill_tokens: int = 8192, cuda_graphs: bool = False, static_shapes: bool = False):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
         run's `Precision`: fp32 with bf16 weights where the machine attends faster in fp32),
-        else the model's dtype."""
+        else the model's dtype. prefill_tokens: padded tokens per prefill forward.
+        cuda_graphs: decode through CUDA graphs captured per batch bucket (CUDA only; see
+        `common/engine/decode.py`); static_shapes: run the captured shapes eagerly (tests)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_prompt_len = min(max_prompt_len or max_seq_len - 1, max_seq_len - 1)
+        self.prefill_tokens = prefill_tokens
         dev = model.device
         kv_dtype = kv_dtype or getattr(model, "kv_dtype", None) or model.dtype
-        self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev,
-                             max_prompt_len=self.max_prompt_len)
+        self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, max_prompt_len=self.max_prompt_len)
         self.entries: list[_Request | None] = [None] * self.cache.max_prefixes  # prompt store owners
         self.version = version                      # stamped on every token sampled from now on
-        self.generator = torch.Generator(device=dev).manual_seed(seed)
+        self.seed = seed                            # with request id, sample index and token index: the uniforms
         self.queue: deque[_Request] = deque()
         self.slots: list[_Seq | None] = [None] * max_batch
-        # per-slot decode inputs, updated in place (no per-step tensor building)
-        self.next_tok = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.pos = torch.zeros(max_batch, dtype=torch.long, device=dev)   # absolute position of the pending token
-        self.plen = torch.zeros(max_batch, dtype=torch.long, device=dev)  # prompt length: pos - plen = slot column
-        self.temp = torch.ones(max_batch, device=dev)
-        self.inv_t = torch.ones(max_batch, device=dev)  # 1 / T_eff, applied to the lm_head input
-        self.top_k = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.top_p = torch.ones(max_batch, device=dev)
-        self.active = torch.zeros(max_batch, dtype=torch.bool, device=dev)  # idle rows decode at pos 0
+        self.rows = Rows.allocate(max_batch, self.cache.max_prefixes, dev)
+        self.graphed = GraphedDecode(model, self.cache, self.rows) if cuda_graphs else None
+        self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
-        self.stats = {"prefill_tokens": 0, "decode_steps": 0, "decode_tokens": 0, "decode_rows": 0, "interrupts": 0}
+        self.stats = {"prefill_tokens": 0, "prefill_forwards": 0, "decode_steps": 0, "decode_tokens": 0,
+                      "decode_rows": 0, "interrupts": 0}
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt, params: SamplingParams) -> None:
@@ -133,46 +137,37 @@ class Sampler:
             return
         self._apply(load_fn, version)
 
-    def _logits(self, tokens, inv_t, pos=None) -> torch.Tensor:
-        """Last-position logits / T_eff (B, V), with the temperature applied to the lm_head's
-        input (B, D) rather than its output (B, V); the head runs on the last position only.
-        The cache's mode must have been set (`KVCache.begin_*`)."""
-        h = self.model.hidden(tokens, cache=self.cache, pos=pos)[:, -1]  # (B, D)
-        return self.model.lm_head(h * inv_t.to(h.dtype).unsqueeze(1))
-
-    def _prefill_prompt(self, req: _Request) -> None:
-        """Prompt K/V into the request's entry; keep its last logits while samples are unadmitted."""
-        self.cache.begin_prompt(req.entry)
-        tokens = torch.tensor([req.prompt], device=self.model.device)
-        if req.next_sample < req.params.n:
-            inv_t = inv_temperature(torch.tensor([req.params.temperature], device=self.model.device))
-            req.logits = self._logits(tokens, inv_t)
-        else:
-            self.model.hidden(tokens, cache=self.cache)
-        self.stats["prefill_tokens"] += len(req.prompt)
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Prompts of `reqs` into their entries; keeps each request's last logits / T_eff (V,)
+        while it has samples waiting for slots (`common/engine/prefill.py`)."""
+        if not reqs:
+            return
+        temps = [r.params.temperature if r.next_sample < r.params.n else None for r in reqs]
+        logits, forwards = prefill_prompts(self.model, self.cache, [r.prompt for r in reqs], [r.entry for r in reqs],
+                                           temps, self.prefill_tokens)
+        for r, lg in zip(reqs, logits):
+            r.logits = lg
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["prefill_forwards"] += forwards
 
     @torch.inference_mode()
     def _apply(self, load_fn, version: int) -> None:
         loaded = load_fn(self.model)
         self.version = loaded if isinstance(loaded, int) else version
         self._pending_update = None
-        for req in self.entries:  # each live prompt once, shared by its samples as before
-            if req is not None:
-                self._prefill_prompt(req)
-        dev = self.model.device
-        for s, seq in enumerate(self.slots):
-            if seq is None:
-                continue
-            # The slot holds tokens[:-1]; tokens[-1] is pending (fed at the next decode).
-            own = seq.out.tokens[:-1]
-            if own:
-                P = len(seq.req.prompt)
-                self.cache.begin_continuation(s, seq.req.entry, P)
-                pos = torch.arange(P, P + len(own), device=dev).unsqueeze(0)
-                self.model.hidden(torch.tensor([own], device=dev), cache=self.cache, pos=pos)
-                self.stats["prefill_tokens"] += len(own)
-            seq.out.n_interrupts += 1
-            self.stats["interrupts"] += 1
+        self._prefill([r for r in self.entries if r is not None])  # each live prompt once, shared as before
+        # then every in-flight sample's tokens but the pending last one, after its prompt
+        busy = [(s, q) for s, q in enumerate(self.slots) if q is not None and len(q.out.tokens) > 1]
+        if busy:
+            own = [q.out.tokens[:-1] for _, q in busy]
+            prefill_continuations(self.model, self.cache, [s for s, _ in busy], [q.req.entry for _, q in busy],
+                                  [len(q.req.prompt) for _, q in busy], own, self.max_seq_len)
+            self.stats["prefill_tokens"] += sum(len(o) for o in own)
+            self.stats["prefill_forwards"] += 1
+        for seq in self.slots:
+            if seq is not None:
+                seq.out.n_interrupts += 1
+                self.stats["interrupts"] += 1
 
     def abort_all(self) -> list[Completion]:
         """Drop queued requests; return in-flight samples as partial, finish_reason 'interrupted'."""
@@ -182,45 +177,58 @@ class Sampler:
                 seq.out.finish_reason = "interrupted"
                 out.append(seq.out)
                 self.slots[s] = None
-                self.active[s] = False
+        self.rows.active.zero_()
         self.queue.clear()
         self.entries = [None] * len(self.entries)
         return out
 
     # ------------------------------------------------------------------ scheduling
     def _admit(self) -> list[Completion]:
-        finished = []
-        while self.queue and self._pending_update is None:
-            free = [s for s, q in enumerate(self.slots) if q is None]
-            if not free:
+        """Give free slots to waiting samples, first come first served; prefill new prompts
+        together; draw every admitted sample's first token in one call."""
+        free = [s for s, q in enumerate(self.slots) if q is None]
+        plan: list[tuple[_Request, list[int]]] = []
+        for req in self.queue:
+            if not free or self._pending_update is not None:
                 break
-            req, p = self.queue[0], self.queue[0].params
-            take = free[:p.n - req.next_sample]
-            rows = torch.tensor(take, device=self.pos.device)
-            self.temp[rows], self.top_k[rows], self.top_p[rows] = p.temperature, p.top_k, p.top_p
-            self.inv_t[rows] = inv_temperature(self.temp[rows])
-            if req.entry < 0:  # first admission: prefill the prompt into a free prefix entry
-                req.entry = self.entries.index(None)  # never fails: entries = max_batch + 1
-                self.entries[req.entry] = req
-                self._prefill_prompt(req)  # sets req.logits; an update re-prefills and resets them
-            logits = req.logits  # (1, V), already / T_eff
-            P = len(req.prompt)
-            self.pos[rows] = P
-            self.plen[rows] = P
-            self.active[rows] = True
+            take, free = free[:req.params.n - req.next_sample], free[req.params.n - req.next_sample:]
+            plan.append((req, take))
+        if not plan:
+            return []
+        new = [req for req, _ in plan if req.entry < 0]
+        for req in new:  # a free prefix entry each; never fails: entries = max_batch + 1
+            req.entry = self.entries.index(None)
+            self.entries[req.entry] = req
+        self._prefill(new)  # an update re-prefills live prompts and resets their logits
+        dev, r = self.model.device, self.rows
+        slots, logits, rids, sidx = [], [], [], []
+        for req, take in plan:
+            p, P = req.params, len(req.prompt)
             for s in take:
-                comp = Completion(req.request_id, req.next_sample, req.prompt)
+                self.slots[s] = _Seq(req, Completion(req.request_id, req.next_sample, req.prompt), P,
+                                     frozenset(p.stop_token_ids))
+                rids.append(req.request_id)
+                sidx.append(req.next_sample)
                 req.next_sample += 1
                 req.live += 1
-                self.slots[s] = _Seq(req, comp, P, frozenset(p.stop_token_ids))
-            tok, lp = sample(logits.expand(len(take), -1), self.temp[rows] <= 0, self.top_k[rows],
-                             self.top_p[rows], self.generator)
-            finished += self._record(take, tok.tolist(), lp.tolist())
+            slots += take
+            logits.append(req.logits.expand(len(take), -1))
             if req.next_sample == p.n:
-                self.queue.popleft()
                 req.logits = None
-                self._release(req)
-        return finished
+        while self.queue and self.queue[0].next_sample == self.queue[0].params.n:
+            self.queue.popleft()
+        params = [self.slots[s].req.params for s in slots]
+        rows = r.start(slots, [len(self.slots[s].req.prompt) for s in slots], params,
+                       row_keys(self.seed, torch.tensor(rids, device=dev), torch.tensor(sidx, device=dev)))
+        tok, lp = sample(torch.cat(logits), r.greedy[rows], r.top_k[rows], r.top_p[rows],
+                         uniforms(r.key[rows], torch.zeros_like(rows)), *self._flags(params))
+        r.tok[rows] = tok
+        return self._record(slots, torch.stack((tok.double(), lp.double())).cpu())
+
+    @staticmethod
+    def _flags(params: list[SamplingParams]) -> tuple[bool, bool]:
+        """(some row is top-k / top-p filtered, some row is greedy): work `sample` may skip."""
+        return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
 
     def _compact(self) -> None:
         """Move the highest busy slot into the lowest free one (and likewise for prompt entries)
@@ -228,15 +236,14 @@ class Sampler:
         idle rows. Only matters when the queue cannot refill freed slots (the tail of a batch,
         where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). A move
         copies the sample's own K/V (t columns)."""
-        per_slot = (self.next_tok, self.pos, self.plen, self.temp, self.inv_t, self.top_k, self.top_p, self.active)
         while (move := _hole_below(self.slots)) is not None:
             src, dst = move
             seq = self.slots[src]
             self.cache.move_slot(src, dst, seq.pos - len(seq.req.prompt))  # columns already written
-            for t in per_slot:
+            for t in self.rows.per_slot():
                 t[dst] = t[src]
             self.slots[dst], self.slots[src] = seq, None
-            self.active[src] = False
+            self.rows.active[src] = False
         while (move := _hole_below(self.entries)) is not None:
             src, dst = move
             req = self.entries[src]
@@ -250,28 +257,34 @@ class Sampler:
             self.entries[req.entry] = None
             req.entry = -1
 
-    def _record(self, rows: list[int], toks: list[int], lps: list[float]) -> list[Completion]:
-        """Append each row's new token; free the rows whose sample is finished."""
-        finished = []
-        for s, t, lp in zip(rows, toks, lps):
+    def _record(self, slots: list[int], out: torch.Tensor) -> list[Completion]:
+        """Append each slot's new token (out: (2, len(slots)) host tensor, tokens and log-probs);
+        free the slots whose sample is finished."""
+        finished, done = [], []
+        for s, t, lp in zip(slots, out[0].long().tolist(), out[1].tolist()):
             seq = self.slots[s]
-            out = seq.out
-            out.tokens.append(t)
-            out.logp.append(lp)
-            out.versions.append(self.version)
+            o = seq.out
+            o.tokens.append(t)
+            o.logp.append(lp)
+            o.versions.append(self.version)
             if t in seq.stops:
-                out.finish_reason = "stop"
-            elif len(out.tokens) >= seq.req.params.max_new_tokens or seq.pos + 1 >= self.max_seq_len:
-                out.finish_reason = "length"
-            if out.finish_reason:
-                finished.append(out)
+                o.finish_reason = "stop"
+            elif len(o.tokens) >= seq.req.params.max_new_tokens or seq.pos + 1 >= self.max_seq_len:
+                o.finish_reason = "length"
+            if o.finish_reason:
+                finished.append(o)
+                done.append(s)
                 self.slots[s] = None
-                self.active[s] = False
                 seq.req.live -= 1
                 self._release(seq.req)
-            else:
-                self.next_tok[s] = t
+        if done:
+            self.rows.active[torch.tensor(done, device=self.rows.active.device)] = False
         return finished
+
+    def _plan(self, B: int, E: int, n: int) -> None:
+        """The entry plan of rows 0..B-1 for a step over E entries of n query rows."""
+        self.rows.write_plan([q.req.entry if q is not None else -1 for q in self.slots[:B]],
+                             [len(r.prompt) if r is not None else 0 for r in self.entries[:E]], n)
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:
@@ -284,22 +297,31 @@ class Sampler:
         if not busy:
             return finished
         hi = busy[-1] + 1
-        active = self.active[:hi]
-        pos = torch.where(active, self.pos[:hi], 0)
-        own = torch.where(active, self.pos[:hi] - self.plen[:hi], 0)  # idle rows write garbage at their column 0
-        entry_of_row = [q.req.entry if q is not None else -1 for q in self.slots[:hi]]
-        E = max(entry_of_row) + 1
-        self.cache.begin_decode(own, entry_of_row, [len(r.prompt) if r else 0 for r in self.entries[:E]])
-        logits = self._logits(self.next_tok[:hi, None], self.inv_t[:hi], pos=pos[:, None])  # (hi, V)
-        tok, lp = sample(logits, self.temp[:hi] <= 0, self.top_k[:hi], self.top_p[:hi], self.generator)
-        self.pos[:hi] += active
-        for s in busy:
-            self.slots[s].pos += 1
+        seqs = [self.slots[s] for s in busy]
+        counts: dict[int, int] = {}
+        for q in seqs:
+            counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
+        n, E = max(counts.values()), max(counts) + 1
+        flags = self._flags([q.req.params for q in seqs])
+        B = hi
+        S = max(q.pos - len(q.req.prompt) for q in seqs) + 1  # slot columns in use, the new one included
+        P = max(len(q.req.prompt) for q in seqs)
+        if self.static_shapes:  # the shapes a captured step runs at (eagerly: tests compare them with the live ones)
+            (B, E, n), S, P = captured_shape(hi, n, self.max_batch, self.cache.max_prefixes), self.max_seq_len, \
+                self.max_prompt_len
+        self._plan(B, E, n)
+        if self.graphed is not None:
+            tok, lp = self.graphed(B, E, n, *flags)
+        else:
+            tok, lp = decode_step(self.model, self.cache, self.rows, B, E, n, S, P, *flags)
+        tok, lp = tok[:hi], lp[:hi]
+        for q in seqs:
+            q.pos += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(busy)
         self.stats["decode_rows"] += hi  # rows computed, idle ones included
-        tok, lp = tok.tolist(), lp.tolist()
-        return finished + self._record(busy, [tok[s] for s in busy], [lp[s] for s in busy])
+        out = torch.stack((tok.double(), lp.double())).cpu()  # the step's one device-to-host transfer
+        return finished + self._record(busy, out[:, busy])
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list[Completion]:
         """Sample params.n completions per prompt; results ordered by (prompt, sample).
@@ -312,13 +334,11 @@ class Sampler:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.seed = params.seed
         ids = [self.submit(p, params) for p in prompts]
         want = set(ids)
         done: dict[tuple[int, int], Completion] = {}
-        bar = None
-        if progress:
-            bar = tqdm(total=len(prompts) * params.n, desc="generate", unit="sample")
+        bar = tqdm(total=len(prompts) * params.n, desc="generate", unit="sample") if progress else None
         while len(done) < len(prompts) * params.n:
             for c in self.step():
                 if c.request_id in want:

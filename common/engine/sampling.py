@@ -1,14 +1,19 @@
-"""Pure sampling functions and the request/result types of the sampler.
+"""Pure sampling functions, the sampler's random numbers, and its request/result types.
 
 Per-row parameters (each slot of a continuous batch may belong to a different request):
 temperature (B,), top_k (B,) with 0 = off, top_p (B,) with 1 = off. Greedy rows have T = 0.
-Sampling is by inverse CDF: one uniform per row from one seeded generator against the
-cumulative sum of exp(logits / T - max), taken in two levels (blocks, then inside one block);
-reproducible for a fixed seed and schedule. (A Gumbel-max race would need B x V exponential
-draws instead of B uniforms.) The temperature is applied before the lm_head, to its input
-(`inv_temperature`), so `sample` receives logits / T_eff and makes three passes over (B, V):
-max, exp, block sums; the log-normaliser comes from the same sums, instead of a (B, V) divide,
-a full cumsum and a separate logsumexp (the saving is measured in BENCHMARKS.md, "Sampler").
+Sampling is by inverse CDF: one uniform per row against the cumulative sum of
+exp(logits / T - max), taken in two levels (blocks, then inside one block). (A Gumbel-max race
+would need B x V exponential draws instead of B uniforms.) The temperature is applied before
+the lm_head, to its input (`inv_temperature`), so `sample` receives logits / T_eff and makes
+three passes over (B, V): max, exp, block sums; the log-normaliser comes from the same sums,
+instead of a (B, V) divide, a full cumsum and a separate logsumexp (BENCHMARKS.md, "Sampler").
+
+Random numbers are counter-based (`uniforms`): the uniform for token t of sample j of request r
+is a hash of (seed, r, j, t), computed with 32-bit integer arithmetic on the device. So a
+sample does not depend on which slot it got or what else was in the batch, the same seed gives
+the same tokens on CPU and CUDA, and a captured CUDA graph needs no generator state. Nothing
+here reads a tensor back to the host: the caller says whether any row is greedy or filtered.
 Shapes: B rows, V vocab.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ class SamplingParams:
     top_k: int = 0                     # keep the k most likely tokens; 0 = off
     n: int = 1                         # samples per prompt (they share one prefill)
     stop_token_ids: tuple[int, ...] = ()  # a sampled stop token ends the sample (finish "stop"), kept in tokens
-    seed: int | None = None            # reseeds the sampler's generator in `generate`
+    seed: int | None = None            # the sampler's seed for this `generate` call (None: keep its own)
 
     def validate(self) -> None:
         if self.n < 1:
@@ -90,17 +95,47 @@ def block_sums(e: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     return sums
 
 
-def draw(e: torch.Tensor, sums: torch.Tensor, generator: torch.Generator | None, block: int = BLOCK) -> torch.Tensor:
-    """One index per row drawn with probability e / e.sum(-1) by inverse CDF, in two levels:
-    pick a block from the cumsum of its block sums `sums` (from `block_sums`), then a column
-    from the cumsum of that block only. (B, V), (B, nb) -> (B,). Two short cumsums instead of
-    one over the whole vocabulary (an order of magnitude less work). A zero-probability column is never
-    drawn: searchsorted(right=True) returns the first column whose cumulative mass exceeds u,
-    and u is kept strictly below each level's total against rounding."""
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2^32 for int64 x in [0, 2^32): in 16-bit halves of c, so that no product
+    reaches 2^63 (int64 overflow is not something to rely on) and every device agrees."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) of int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, request_id: torch.Tensor, sample_idx: torch.Tensor) -> torch.Tensor:
+    """(B,) int64 key of each sample, from the sampler's seed, its request id and its index."""
+    k = _mix32(torch.full_like(request_id, seed & _M32) ^ (request_id & _M32))
+    return _mix32(k ^ _mul32(sample_idx & _M32, 0x9E3779B9))
+
+
+def uniforms(key: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """(B,) float32 uniforms in [0, 1) for token `counter` (B,) of the samples with keys `key` (B,)."""
+    x = _mix32(key ^ _mix32((counter & _M32) ^ 0x5BD1E995))
+    return (x >> 8).to(torch.float32) * 2.0 ** -24  # 24 random bits: every value exact in float32
+
+
+def draw(e: torch.Tensor, sums: torch.Tensor, u: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """One index per row drawn with probability e / e.sum(-1) by inverse CDF, from the row's
+    uniform u (B,) in [0, 1), in two levels: pick a block from the cumsum of its block sums
+    `sums` (from `block_sums`), then a column from the cumsum of that block only.
+    (B, V), (B, nb) -> (B,). Two short cumsums instead of one over the whole vocabulary. A
+    zero-probability column is never drawn: searchsorted(right=True) returns the first column
+    whose cumulative mass exceeds u, and u is kept strictly below each level's total against rounding."""
     B, V = e.shape
     below = 1 - 2.0 ** -20
     cb = sums.cumsum(-1)                                              # (B, nb)
-    u = torch.rand(B, 1, generator=generator, device=e.device) * cb[:, -1:]
+    u = u.view(B, 1).to(cb.dtype) * cb[:, -1:]
     u = torch.minimum(u, cb[:, -1:] * below)
     j = torch.searchsorted(cb, u, right=True)                         # (B, 1) block index
     u = u - torch.where(j > 0, cb.gather(-1, (j - 1).clamp(min=0)), torch.zeros_like(u))  # mass left inside block j
@@ -113,19 +148,21 @@ def draw(e: torch.Tensor, sums: torch.Tensor, generator: torch.Generator | None,
 
 
 def sample(scaled: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from `scaled` = logits / T_eff (B, V) (see `inv_temperature`).
-    Greedy rows (B,) bool take the argmax. Returns tokens (B,) and their log-probs (B,) under
-    softmax(scaled), i.e. before top-k / top-p truncation, via the shared `logp_from_logits`."""
+           u: torch.Tensor, any_filtered: bool = True, any_greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from `scaled` = logits / T_eff (B, V) (see `inv_temperature`)
+    with the rows' uniforms u (B,). Greedy rows (B,) bool take the argmax. Returns tokens (B,)
+    and their log-probs (B,) under softmax(scaled), i.e. before top-k / top-p truncation, via
+    the shared `logp_from_logits`. `any_filtered` / `any_greedy`: whether some row has top-k /
+    top-p set / is greedy (the caller knows; False skips that work, True is always correct)."""
     scaled = scaled.float()
     m = scaled.amax(-1, keepdim=True)                      # (B, 1)
     e = torch.sub(scaled, m).exp_()                        # (B, V) unnormalised probs
     sums = block_sums(e)                                   # (B, nb)
     lse = m.squeeze(1) + sums.sum(-1).log()                # logsumexp(scaled), reusing e
-    if bool(((top_k > 0) | (top_p < 1)).any()):
+    if any_filtered:
         e = torch.sub(filter_logits(scaled, top_k, top_p), m).exp_()  # 0 outside the nucleus
         sums = block_sums(e)
-    tokens = draw(e, sums, generator)
-    if bool(greedy.any()):
+    tokens = draw(e, sums, u)
+    if any_greedy:
         tokens = torch.where(greedy, scaled.argmax(-1), tokens)
     return tokens, logp_from_logits(scaled, tokens, 1.0, lse=lse)

@@ -43,6 +43,7 @@ garbage-collected, i.e. when the `Workers` (and any queue you kept) goes away, o
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
@@ -82,8 +83,10 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main(name, fn, args, kwargs, stop_event, error_queue) -> None:
-    """Entry point of every worker process (runs in the child)."""
+def _worker_main(name, fn, payload: list, stop_event, error_queue) -> None:
+    """Entry point of every worker process (runs in the child). payload = [args, kwargs] of `fn`:
+    a list, so that it can be emptied while the process is whole (see the `finally`)."""
+    args, kwargs = payload
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent()
     # Thread cap applies to every worker's CPU-side ops; a GPU worker's kernels are unaffected.
@@ -98,6 +101,17 @@ def _worker_main(name, fn, args, kwargs, stop_event, error_queue) -> None:
         error_queue.put((name, tb))  # ... the parent never calls check(); flushed at exit
         stop_event.set()
         sys.exit(1)
+    finally:
+        # Drop the shared tensors this worker received (weight store, buffer) while the process
+        # is whole: a CUDA IPC tensor tells its producer (the trainer) it is released only when
+        # it is freed, and the call that started us keeps its arguments alive into interpreter
+        # teardown, where that may never happen ("Producer process has been terminated before
+        # all shared CUDA tensors released").
+        payload.clear()
+        args = kwargs = None  # noqa: F841 - this frame's own references
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
 
 
 class Workers:
@@ -140,7 +154,7 @@ class Workers:
         if name in self.procs:
             raise ValueError(f"duplicate worker name {name!r}")
         p = self.ctx.Process(target=_worker_main, name=name, daemon=True,
-                             args=(name, fn, args, kwargs, self.stop_event, self.error_queue))
+                             args=(name, fn, [args, kwargs], self.stop_event, self.error_queue))
         p.start()
         self.procs[name] = p
 

@@ -57,6 +57,7 @@ class TrainConfig:
     grad_clip: float = 1.0            # max global grad norm; 0 = off
     micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
+    memory_fraction: float = 0.0      # CUDA: cap on the trainer's share of its GPU (shared with generators); 0 = no cap
     prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
     sync_every: int = 2               # k: publish weights to generators every k steps
     mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
@@ -140,6 +141,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     train.reward_workers > 0 and pass `reward_factory`, a module-level function that builds
     fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
     tc = check_config(cfg.train)
+    if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
+        raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
     run_dir = Path(cfg.run_root) / cfg.name
@@ -148,6 +151,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                               f"--name (or delete the directory)")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
+    if tc.memory_fraction > 0 and torch.device(tc.device).type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(tc.memory_fraction, torch.device(tc.device))
     prec = resolve(cfg.precision, tc.device).apply()
     print(f"[asyncrl] precision: {prec.summary()}")
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
@@ -285,6 +290,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             raise
         bar.close()
         workers.shutdown()
+        if store.device.type == "cuda":
+            torch.cuda.ipc_collect()  # the generators have released the store: free what they held
     last.update(run_eval("after"))
     ck = checkpoint()
     print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
