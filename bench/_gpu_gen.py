@@ -104,6 +104,14 @@ def _hf_generate(ctx: Ctx, hf, max_new: int, extra: dict) -> tuple[int, float]:
     return ntok, time.perf_counter() - t
 
 
+def _compiled_graphs() -> int | None:
+    """Graphs dynamo has compiled in this process so far (None if this torch does not say)."""
+    try:
+        return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    except (AttributeError, KeyError, TypeError):
+        return None
+
+
 def run_hf(ctx: Ctx, compile_forward: bool, static: bool) -> dict:
     import transformers  # lazy: slow import, only this section needs it
     hf = transformers.AutoModelForCausalLM.from_pretrained(ctx.ckpt, dtype=ctx.prec.torch_dtype).to(ctx.device).eval()
@@ -115,7 +123,9 @@ def run_hf(ctx: Ctx, compile_forward: bool, static: bool) -> dict:
     try:
         warm_new = ctx.args.max_new if compile_forward else min(16, ctx.args.max_new)
         _, warm = _hf_generate(ctx, hf, warm_new, extra)
+        graphs = _compiled_graphs()
         ntok, dt = _hf_generate(ctx, hf, ctx.args.max_new, extra)
+        recompiled = None if graphs is None else _compiled_graphs() - graphs  # must be 0: compile time not in dt
     finally:
         if compile_forward:
             torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph memory pools
@@ -123,7 +133,9 @@ def run_hf(ctx: Ctx, compile_forward: bool, static: bool) -> dict:
         free_memory(ctx.device)
     return {"tok_s": ntok / dt, "seconds": dt, "tokens": ntok, "warmup_s": warm, "warmup_new_tokens": warm_new,
             "batch": min(ctx.args.hf_batch, len(ctx.prompts) * ctx.args.n), **extra,
-            "compiled_forward": "reduce-overhead, fullgraph" if compile_forward else None}
+            "compiled_forward": "reduce-overhead, fullgraph" if compile_forward else None,
+            "graphs_compiled_in_warmup": graphs if compile_forward else None,
+            "graphs_compiled_in_timed_run": recompiled if compile_forward else None}
 
 
 def sampler_section(ctx: Ctx) -> dict:
@@ -144,7 +156,7 @@ def sampler_section(ctx: Ctx) -> dict:
         if a.skip_hf:
             out[name] = {"skipped": "--skip-hf"}
         elif comp and not a.hf_compile:
-            out[name] = {"skipped": "no torch.compile (--smoke or --no-hf-compile)"}
+            out[name] = {"skipped": "no torch.compile (--no-hf-compile, the --smoke default)"}
         else:
             out[name] = run_hf(ctx, comp, static)
         if "tok_s" in out[name]:
@@ -161,7 +173,9 @@ def _device_ms(prof, cuda: bool) -> tuple[float, int]:
     if not cuda:
         ops = [e for e in ev if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
         return sum(e.self_cpu_time_total for e in ops) / 1e3, len(ops)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in ev if e.device_type == DeviceType.CUDA)
+    # kernels, memcpy, memset; not user-annotation spans (they cover the gaps between kernels)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in ev
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
     busy, end = 0.0, float("-inf")
     for s, e in spans:  # union: overlapping kernels (several streams) count once
         if e > end:
@@ -198,7 +212,8 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
         sync(ctx.device)
     dev_ms, n_ev = _device_ms(prof, ctx.cuda)
     wall, gpu = 1e3 * median(walls), dev_ms / a.decode_profile
-    res = {"rows": rows, "wall_ms": wall, "wall_ms_all": [round(1e3 * w, 3) for w in walls], "gpu_ms": gpu if n_ev else None,
+    res = {"rows": rows, "wall_ms": wall, "wall_ms_all": [round(1e3 * w, 3) for w in walls],
+           "gpu_ms": gpu if n_ev else None,
            "gpu_ms_source": "union of CUDA kernel/memcpy intervals (torch profiler)" if ctx.cuda else
            "CPU: summed self time of aten ops (torch profiler)", "device_events_per_step": n_ev / a.decode_profile,
            "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile, **kw}

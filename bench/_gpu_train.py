@@ -24,7 +24,9 @@ async    `common/runtime/trainer.train` with `make_algo` (TBA) on run_gsm8k's GP
          a toy reward; eval and periodic checkpoints off; buffer capacity `--async-buffer` (the
          preset's 65536 rows would only add shared memory and checkpoint time). Read back from
          runs/<name>/metrics.jsonl: steps/s after the first step, mean generator tok/s, weight
-         syncs, trainer wait fraction (sum wait_s / wall, after the first step).
+         syncs, trainer wait fraction (sum wait_s / wall, after the first step);
+         first_step_at_s is on the metrics clock (from the trainer's logger start, after its
+         model load: mostly the wait for min_buffer trajectories).
 """
 from __future__ import annotations
 
@@ -190,7 +192,8 @@ def ipc_section(ctx: Ctx) -> dict:
             "store_device": str(dev), "reps": a.ipc_reps, "publish_ms": 1e3 * median(pub),
             "apply_ms": 1e3 * median(app), "publish_from_fp32_master_ms": 1e3 * median(pub32),
             "publish_ms_all": [round(1e3 * x, 3) for x in pub], "apply_ms_all": [round(1e3 * x, 3) for x in app],
-            "race_publishes": a.ipc_publishes, "race_s": t_race, "race_reads": reads, "race_versions_seen": seen, "torn_reads": torn,
+            "race_publishes": a.ipc_publishes, "race_s": t_race, "race_reads": reads, "race_versions_seen": seen,
+            "torn_reads": torn,
             "reads_retry_exhausted": exhausted}
 
 

@@ -14,7 +14,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,6 @@ class Ctx:
     shape: dict                       # the LlamaConfig fields it was built with
     prompts: list[list[int]]          # the sampler workload's prompts (token ids)
     workdir: Path
-    info: dict = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:
@@ -58,7 +57,8 @@ def build_checkpoint(path: Path, shape: dict, seed: int = 0, dtype: torch.dtype 
     model = AutoModelForCausalLM.from_config(cfg).to(dtype)
     model.save_pretrained(str(path))
     n = sum(p.numel() for p in model.parameters())  # tied embedding counted once
-    return {"path": str(path), "params": n, "param_bytes": n * dtype.itemsize, "dtype": str(dtype).replace("torch.", ""),
+    return {"path": str(path), "params": n, "param_bytes": n * dtype.itemsize,
+            "dtype": str(dtype).replace("torch.", ""),
             "seed": seed, "build_s": round(time.perf_counter() - t, 2)}
 
 
