@@ -1,0 +1,114 @@
+"""Helpers of `bench/gpu.py`: the random SmolLM2-shaped checkpoint, the seeded workload, timing,
+the machine description and the async section's toy reward.
+
+No slow import at module level: the async section's spawned generator imports this module for
+`toy_reward` (a reward must be a module-level function: spawn pickles it by name).
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# SmolLM2-135M-Instruct's exact shapes (its config.json); the weights are random
+SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True,
+                    rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+# --smoke: the same architecture, tiny (CPU seconds)
+TINY = dict(SMOLLM2_135M, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+SPECIAL_IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # prompts use ids >= 3 only
+FIRST_ID = 3
+
+
+@dataclass
+class Ctx:
+    """What every section needs: parsed args, device, resolved precision, checkpoint, workload."""
+    args: object
+    device: torch.device
+    prec: object                      # common.engine.precision.Precision
+    ckpt: str                         # random checkpoint directory (config.json + safetensors)
+    shape: dict                       # the LlamaConfig fields it was built with
+    prompts: list[list[int]]          # the sampler workload's prompts (token ids)
+    workdir: Path
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def build_checkpoint(path: Path, shape: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """A Llama checkpoint of `shape` with transformers' random init (seeded), saved in `dtype`
+    with `save_pretrained` (no tokenizer: our loaders and the benchmark use token ids).
+    Returns what was built: parameter count and bytes, seconds."""
+    from transformers import AutoModelForCausalLM, LlamaConfig  # lazy: slow import, only the main process builds
+    t = time.perf_counter()
+    cfg = LlamaConfig(**shape, **SPECIAL_IDS)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
+    model.save_pretrained(str(path))
+    n = sum(p.numel() for p in model.parameters())  # tied embedding counted once
+    return {"path": str(path), "params": n, "param_bytes": n * dtype.itemsize,
+            "dtype": str(dtype).replace("torch.", ""),
+            "seed": seed, "build_s": round(time.perf_counter() - t, 2)}
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    """n prompts of uniform random lengths in [lo, hi] and uniform random ids in [FIRST_ID, vocab)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(FIRST_ID, vocab, (L,), generator=g).tolist() for L in lens]
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (host timers around GPU work need it)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def toy_reward(tokens, meta) -> float:
+    """The async section's reward: fraction of generated ids below `meta` (a tokenizer-free toy
+    task as in tests/test_e2e.py; its value is irrelevant to the timing)."""
+    return sum(t < meta for t in tokens) / max(1, len(tokens))
+
+
+def machine(device: torch.device) -> dict:
+    """GPU name, library versions, date and the command line, for the JSON record."""
+    import transformers  # lazy: slow import (already loaded by the time this runs)
+    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "command": " ".join(["python"] + sys.argv), "cwd": os.getcwd(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "device": str(device),
+            "cpu": platform.processor() or platform.machine()}
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        info.update(gpu=torch.cuda.get_device_name(device), gpu_mem_gib=round(p.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+                    gpu_count=torch.cuda.device_count())
+    return info
+
+
+def write_json(path, obj) -> None:
+    """Atomic write (temp + rename), so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,51 @@
+"""bench/gpu.py in smoke mode on the CPU: every section runs end to end on tiny shapes and the one
+JSON line on stdout carries each section's figures as finite numbers (the GPU run uses the same code
+at full size; what only CUDA exercises is listed in bench/gpu.py's docstring)."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# section -> {sub-dict (None = the section itself): numeric keys that must be finite}
+EXPECTED = {
+    "sampler": {"ours_eager": ("tok_s", "seconds", "tokens", "warmup_s"), "hf_dynamic": ("tok_s", "seconds", "tokens"),
+                "hf_static": ("tok_s", "seconds", "tokens"), None: ("ours_over_hf_dynamic", "ours_over_hf_static")},
+    "decode": {"ours_eager": ("wall_ms", "gpu_ms", "wall_over_gpu", "rows")},
+    "trainer": {"no_checkpointing": ("step_s", "tok_s", "peak_gib"), "checkpointing": ("step_s", "tok_s", "peak_gib")},
+    "ipc": {None: ("publish_ms", "apply_ms", "publish_from_fp32_master_ms", "param_bytes", "race_reads", "torn_reads")},
+    "async": {None: ("steps", "steps_per_s", "gen_tok_s", "gen_syncs", "wait_frac", "trainer_tok_s")},
+}
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def test_gpu_bench_smoke_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "ASYNCRL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--smoke", "--device", "cpu", "--dtype", "fp32",
+                        "--out", str(out)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1, p.stdout[-2000:]  # stdout is the JSON line only
+    res = json.loads(lines[0])
+    assert res["complete"] and res["smoke"] and res["machine"]["device"] == "cpu"
+    assert json.loads(out.read_text()) == res  # --out holds the same record
+    for section, parts in EXPECTED.items():
+        assert "error" not in res[section], res[section].get("traceback")
+        for part, keys in parts.items():
+            d = res[section] if part is None else res[section][part]
+            bad = {k: d.get(k) for k in keys if not _finite(d.get(k))}
+            assert not bad, (section, part, bad)
+    s = res["sampler"]
+    assert s["ours_eager"]["all_full_length"] and s["ours_eager"]["tokens"] == s["hf_static"]["tokens"]
+    assert "skipped" in s["hf_static_compiled"] and "skipped" in s["ours_cuda_graphs"]  # no compile / graphs on CPU
+    assert res["ipc"]["torn_reads"] == 0 and res["ipc"]["race_reads"] >= 1
+    assert res["async"]["steps"] == 3
+    assert set(res["targets"]) >= {"comparable", "decode_wall_over_gpu", "trainer_no_checkpointing", "ipc"}
+    assert res["targets"]["comparable"] is False
