@@ -9,7 +9,7 @@ drives them with commands, one queue per rank:
     ("step", step, lr, batch)   every rank: ranks.update on the whole batch, its share of micro-batches
     ("publish", version)        every rank copies its rows into the weight store
     ("gather",)                 every rank helps gather the full model onto rank 0 (evaluation)
-    ("save", dir)               every rank writes its shards of a checkpoint (checkpoint.write_state)
+    ("save", dir, lrs)          every rank writes its shards of a checkpoint (checkpoint.write_state)
     ("load", dir, stepped)      every rank loads its shards (checkpoint.read_state)
     ("stop",)
 
@@ -135,7 +135,10 @@ class TrainerGroup:
     def save(self, run_dir, step: int, sched, **kw) -> Path:
         """`save_checkpoint` with every rank writing its shards."""
         with self._collective():
-            notify = (lambda d: self._send("save", d)) if self.world > 1 else None
+            # with rank 0's learning rates: DCP saves one rank's param_groups, and ranks 1..N-1 hold
+            # the rate of their last step while rank 0's scheduler has already moved on
+            lrs = [g["lr"] for g in self.opt.param_groups]
+            notify = (lambda d: self._send("save", d, lrs)) if self.world > 1 else None
             return save_checkpoint(run_dir, step, self.model, self.opt, sched, notify=notify, **kw)
 
     def load(self, path, sched):
@@ -265,6 +268,8 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
             elif kind == "gather":
                 full_model(model)
             elif kind == "save":
+                for g, lr in zip(opt.param_groups, args[1]):
+                    g["lr"] = lr
                 try:
                     write_state(args[0], model, opt)
                 except Exception as e:  # DCP raises a failed write on every rank; rank 0 reports it
