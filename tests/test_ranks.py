@@ -1,6 +1,6 @@
 """The trainer as N FSDP2 ranks on CPU (gloo, 2 ranks, tiny models): a step's updated weights,
 its stats and the weights it publishes equal the one-rank step (TBA, GRPO, AReaL; odd numbers
-of micro-batches, a rank with none); checkpoints resume across N (2 -> 1, 1 -> 2) exactly.
+of micro-batches, a rank with none; train.reshard "pass" and "update"); checkpoints resume across N (2 -> 1, 1 -> 2) exactly.
 Whole runs with 2 ranks (learning, resume, faults) are in tests/test_ranks_e2e.py."""
 from __future__ import annotations
 
@@ -49,10 +49,11 @@ def _batch(model_dir, n_groups=3, k=4, seed=0) -> "Batch":  # noqa: F821
     return b
 
 
-def _run(model_dir, run_dir, algo, batches, world, load=None, save=None):
+def _run(model_dir, run_dir, algo, batches, world, load=None, save=None, reshard="pass"):
     """Steps on `batches` through a TrainerGroup of `world` ranks; returns (full weights, the
     weights a generator pulls from the store, last stats). Optionally loads / saves a checkpoint."""
-    tc = TrainConfig(trainer_devices=world, lr=1e-3, weight_decay=0.01, grad_clip=1.0, stall_timeout=120)
+    tc = TrainConfig(trainer_devices=world, lr=1e-3, weight_decay=0.01, grad_clip=1.0, stall_timeout=120,
+                     reshard=reshard)
     model = FP32.load(model_dir, role="trainer", tokenizer=False)[0].train()
     store = WeightStore.from_module(model)
     with TrainerGroup(model, tc, FP32, model_dir, algo, store, run_dir) as g:
@@ -83,9 +84,11 @@ def _areal(budget):
     return AReaL(AReaLConfig(n_minibatches=2, behav_imp_weight_cap=1.3), 3, 4, 0.7, budget, max_staleness=2)
 
 
-@pytest.mark.parametrize("make, budget", [(_tba, 60), (_tba, 10_000), (_grpo, 40), (_areal, 24)],
-                         ids=["tba_3_micro", "tba_1_micro", "grpo", "areal"])
-def test_two_ranks_equal_one_rank(model_dir, tmp_path, make, budget):
+@pytest.mark.parametrize("make, budget, reshard", [
+    (_tba, 60, "pass"), (_tba, 10_000, "pass"), (_grpo, 40, "pass"), (_areal, 24, "pass"),
+    (_tba, 60, "update"), (_areal, 24, "update")],
+    ids=["tba_3_micro", "tba_1_micro", "grpo", "areal", "tba_3_micro_reshard_update", "areal_reshard_update"])
+def test_two_ranks_equal_one_rank(model_dir, tmp_path, make, budget, reshard):
     batch = _batch(model_dir)
     n_micro = len(micro_batches(batch, budget, group_aligned=make is _tba))
     if make is _areal:  # the proximal pass over the whole batch, then each minibatch's micro-batches
@@ -95,7 +98,7 @@ def test_two_ranks_equal_one_rank(model_dir, tmp_path, make, budget):
     else:
         assert n_micro in (1, 3, 5, 7)  # odd: rank 1 runs a zero-loss pass (with 1: only that)
     one, one_pub, s1 = _run(model_dir, tmp_path / "one", make(budget), [batch], world=1)
-    two, two_pub, s2 = _run(model_dir, tmp_path / "two", make(budget), [batch], world=2)
+    two, two_pub, s2 = _run(model_dir, tmp_path / "two", make(budget), [batch], world=2, reshard=reshard)
     init = FP32.load(model_dir, role="trainer", tokenizer=False)[0].state_dict()
     for k in one:
         assert not torch.equal(one[k], init[k]), k  # the step moved every parameter

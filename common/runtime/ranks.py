@@ -7,9 +7,19 @@ driven by it (`common/runtime/trainer_group.py`). With N = 1 nothing here makes 
 group: `update` and `full_model` run on the plain module, as before sharding existed.
 
 Sharding (FSDP2, `torch.distributed.fsdp.fully_shard`): each transformer block and then the
-root are wrapped, so a block's parameters are all-gathered just before its forward (and again
-for its backward) and freed after; every parameter is split along dim 0, rank r holding rows
-[r c, (r + 1) c) with c = ceil(rows / N). Mixed precision stays the model's own: fp32 master
+root are wrapped; every parameter is split along dim 0, rank r holding rows [r c, (r + 1) c)
+with c = ceil(rows / N). When gathered weights are freed is `train.reshard`:
+  "pass"    (FSDP's default, ZeRO-3) a block's weights are all-gathered just before its forward,
+            freed after it, gathered again for its backward; gradients are reduce-scattered
+            after every micro-batch's backward. Least memory: ~16 bytes / parameter / N plus
+            one block gathered.
+  "update"  the weights are gathered at the first pass of an optimizer update and kept, and
+            full-size gradients accumulate without communication, until one zero-loss
+            "flush" pass reduce-scatters them and frees the weights before the optimizer
+            steps: one all-gather and one reduce-scatter per update instead of three
+            transfers of the model per micro-batch; the whole fp32 model and its gradients
+            sit on every rank meanwhile (+8 bytes / parameter; the AdamW state stays sharded).
+            For slow links (gloo on CPU: BENCHMARKS.md). Mixed precision stays the model's own: fp32 master
 weights and optimizer state, forward under autocast (`Transformer.autocast`), so one rank and
 N ranks compute the same numbers. Gradients are reduce-scattered as SUMS (not FSDP's default
 mean), because each rank's micro-batch losses are already weighted by their share of the
@@ -58,12 +68,14 @@ def init_group(rank: int, world: int, store: dist.Store, device: str, timeout_s:
     return init_device_mesh(dev.type, (world,))
 
 
-def shard(model: Transformer, mesh: DeviceMesh) -> Transformer:
+def shard(model: Transformer, mesh: DeviceMesh, reshard: str = "pass") -> Transformer:
     """Wrap every block, then the root (embeddings, final norm, head: tied weights stay one
     parameter), with FSDP2; gradients reduced as sums (module docstring)."""
+    if reshard not in ("pass", "update"):
+        raise ValueError(f"train.reshard={reshard!r}: expected 'pass' or 'update'")
     for block in model.model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard == "pass")
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard == "pass")
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)         # sum, not mean, over ranks ...
@@ -82,9 +94,11 @@ class Share(Ranks):
     """Rank r's share of the micro-batches: r, r + N, r + 2N, ... of every list, plus the
     zero-loss passes that bring it to the longest share (installed with `common.micro.set_ranks`)."""
 
-    def __init__(self, model, rank: int, world: int, beat=None):
+    def __init__(self, model, rank: int, world: int, beat=None, reshard: str = "pass"):
         self.model, self.rank, self.world = model, rank, world
         self.beat = beat or (lambda: None)  # ranks 1..N-1: heartbeat on every list and payment
+        self.hold = reshard == "update"  # keep weights gathered and gradients local until end_backward
+        self._holding = False
         self.owed: list[bool] = []  # passes this rank owes the others: True = forward + backward
         self._dummy = torch.zeros(1, 2, dtype=torch.long, device=model.device)  # one target token
 
@@ -94,7 +108,25 @@ class Share(Ranks):
         mine = parts[self.rank::self.world]
         # the kind of pass follows the caller's grad mode: a no-grad proximal pass owes forwards only
         self.owed += [torch.is_grad_enabled()] * (-(-len(parts) // self.world) - len(mine))
+        if self.hold and torch.is_grad_enabled() and not self._holding:
+            self._hold(True)
         return mine
+
+    def _hold(self, on: bool) -> None:
+        """reshard="update": accumulate full gradients locally, keep the weights gathered."""
+        self._holding = on
+        self.model.set_requires_gradient_sync(not on)
+        self.model.set_reshard_after_backward(not on)
+
+    def end_backward(self) -> None:
+        """After an algorithm's backward: the owed passes, then (reshard="update") one zero-loss
+        pass with gradient sync on, whose backward reduce-scatters the accumulated gradients
+        and frees the gathered weights, so the optimizer steps on shards."""
+        self.pay()
+        if self._holding:
+            self._hold(False)
+            self.owed = [True]
+            self.pay()
 
     def pay(self) -> None:
         """Run the owed passes through the model's __call__ (so FSDP gathers, and reduces in backward)."""
@@ -130,7 +162,7 @@ def update(algo: Algorithm, model, opt, batch: Batch, step: int, grad_clip: floa
         opt.zero_grad(set_to_none=True)
         st = algo.backward(model, mb, step)
         if share is not None:
-            share.pay()  # the short ranks' padding passes, before the norm's all-reduce
+            share.end_backward()  # the short ranks' padding passes (and the flush), before the norm's all-reduce
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)  # global over shards
         opt.step()
         for k, v in {**st, "grad_norm": float(gnorm)}.items():

@@ -67,6 +67,7 @@ class RankSetup:
     model: str                # the policy's checkpoint (a resume loads the state after)
     precision: Precision      # resolved by rank 0
     activation_checkpointing: bool
+    reshard: str              # train.reshard: "pass" or "update" (common/runtime/ranks.py)
     lr: float
     weight_decay: float
     grad_clip: float
@@ -87,7 +88,7 @@ class TrainerGroup:
         self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         setup = RankSetup(self.world, self._tcp.port, tc.device, timeout, model_path, prec,
-                          tc.activation_checkpointing, tc.lr, tc.weight_decay, tc.grad_clip)
+                          tc.activation_checkpointing, tc.reshard, tc.lr, tc.weight_decay, tc.grad_clip)
         try:  # plain pickle, not torch.multiprocessing's: each rank gets its own copy of any tensor inside
             algo_bytes = pickle.dumps(self.algo)
         except Exception as e:
@@ -106,9 +107,8 @@ class TrainerGroup:
         except (WorkerError, WorkerStalled) as e:
             self.close()
             raise RankFailed(str(e)) from e
-        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout))
-        self.share = Share(self.model, 0, self.world)
-        self._prev_ranks = set_ranks(self.share)
+        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), tc.reshard)
+        self.share = Share(self.model, 0, self.world, reshard=tc.reshard)  # installed in common.micro during each command
 
     # ---- commands (each: tell ranks 1..N-1, then do rank 0's part) -------------------------
     def update(self, batch: Batch, step: int, lr: float, grad_clip: float) -> tuple[dict, float]:
@@ -170,14 +170,18 @@ class TrainerGroup:
         if self.world == 1:
             yield
             return
-        with _deferred_interrupt():
-            try:
-                yield
-            except Exception as e:
-                failed = self._blame()
-                if failed is None:
-                    raise  # rank 0's own error (the others are stopped by close())
-                raise failed from e
+        prev = set_ranks(self.share)  # only while the command runs: another group may share this process
+        try:
+            with _deferred_interrupt():
+                try:
+                    yield
+                except Exception as e:
+                    failed = self._blame()
+                    if failed is None:
+                        raise  # rank 0's own error (the others are stopped by close())
+                    raise failed from e
+        finally:
+            set_ranks(prev)
 
     def _blame(self) -> RankFailed | None:
         """The rank behind a failed collective: dead or raised (exit code, traceback) or hung
@@ -201,8 +205,6 @@ class TrainerGroup:
             self._send("stop")
         if dist.is_initialized():  # first: a rank still inside a collective gets an error, not a hang
             dist.destroy_process_group()
-        if self.share is not None:
-            set_ranks(self._prev_ranks)
         workers.shutdown()
         del self._tcp
 
@@ -245,9 +247,9 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     tcp.set(f"ready{rank}", "1")
     mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s)
     try:
-        shard(model, mesh)
+        shard(model, mesh, setup.reshard)
         opt = make_optimizer(model, setup.lr, setup.weight_decay)
-        share = Share(model, rank, setup.world, beat=lambda: beat("training"))
+        share = Share(model, rank, setup.world, beat=lambda: beat("training"), reshard=setup.reshard)
         set_ranks(share)
         while not stop_event.is_set():
             beat("waiting")
