@@ -18,10 +18,11 @@ Ranks (`--ranks 1,2`): the trainer-only step time with N FSDP2 ranks (`train.tra
 the same work for every N: one TBA step (`common/runtime/trainer_group.py: TrainerGroup.update`,
 what the trainer runs: every micro-batch's forward and backward, grad clip, AdamW) on one
 fixed batch of `--rows` x `--tokens` (groups of 4, loss on the second half), micro-batches of
-`--micro-rows` rows, at the precision `auto` picks here. Ranks are processes of one thread
+`--micro-rows` rows, at the precision `auto` picks here (or `--dtype`). Ranks are processes of one thread
 each (on CPU: gloo, one rank per core). The one-rank group (no process group) and each N > 1
-group are built once and their steps alternate, `--reps` each after one warm-up; medians and
-the ratio step_s(1) / step_s(N) are reported, with the CPU and the load average.
+group (for each `--reshard` mode) are built once and their steps alternate, `--reps` each
+after one warm-up; medians and the ratio step_s(1) / step_s(N) (against the one-rank steps of
+the same window) are reported, with the CPU and the load average.
 """
 from __future__ import annotations
 
@@ -91,40 +92,43 @@ def bench_ranks(a, prec: Precision) -> dict:
     if ranks[0] != 1:
         raise SystemExit("--ranks must include 1 (the baseline)")
     run_dir = Path(tempfile.mkdtemp(prefix="asyncrl_ranks_"))
-    tc = {n: TrainConfig(trainer_devices=n, lr=1e-7, grad_clip=1.0, stall_timeout=0) for n in ranks}
+    modes = [(n, r) for n in ranks[1:] for r in a.reshard.split(",")]
+    tc = {(n, r): TrainConfig(trainer_devices=n, lr=1e-7, grad_clip=1.0, stall_timeout=0, reshard=r)
+          for n, r in [(1, "pass")] + modes}
     algo = TBA(TBAConfig(beta_init=1.0, beta_final=1.0), a.rows // 4, 4, 0.7, a.micro_rows * a.tokens)
 
-    def group(n):
+    def group(mode):
         m, _ = prec.load(a.model, role="trainer", tokenizer=False)
-        return TrainerGroup(m.train(), tc[n], prec, a.model, algo, WeightStore.from_module(m), run_dir)
+        return TrainerGroup(m.train(), tc[mode], prec, a.model, algo, WeightStore.from_module(m), run_dir)
 
     def step(g) -> float:
         t = time.perf_counter()
         g.update(batch, 0, 1e-7, 1.0)
         return time.perf_counter() - t
 
-    one = group(1)
+    one = group((1, "pass"))
     batch = rank_batch(a.rows, a.tokens, one.model.cfg.vocab_size)
     res = {"bench": "trainer_step_ranks", "model": a.model, "cpu": prec.cpu.get("model") or cpu_info()["model"],
            "cores": os.cpu_count(), "threads_per_rank": 1, "rows": a.rows, "tokens": a.tokens,
            "micro_batches": -(-a.rows // a.micro_rows), "reps": a.reps, "dtype": prec.dtype, "gemm": prec.gemm,
            "loadavg_before": os.getloadavg()[0]}
-    times = {1: [], **{n: [] for n in ranks[1:]}}
+    times = {"1": [], **{f"{n}_{r}": [] for n, r in modes}}
     step(one)  # warm-up (kernel creation, AdamW state)
-    for n in ranks[1:]:
-        with group(n) as g:
+    for n, r in modes:
+        with group((n, r)) as g:
             step(g)
             for _ in range(a.reps):  # alternate, so drift on a shared machine hits both alike
-                times[1].append(step(one))
-                times[n].append(step(g))
-    if len(ranks) == 1:
-        times[1] = [step(one) for _ in range(a.reps)]
+                times["1"].append(step(one))
+                times[f"{n}_{r}"].append(step(g))
+    if not modes:
+        times["1"] = [step(one) for _ in range(a.reps)]
     one.close()
-    for n in ranks:
-        res[f"step_s_{n}"] = statistics.median(times[n])
-        res[f"all_{n}"] = [round(t, 3) for t in times[n]]
-    for n in ranks[1:]:
-        res[f"speedup_{n}"] = res["step_s_1"] / res[f"step_s_{n}"]
+    for k, ts in times.items():
+        res[f"step_s_{k}"] = statistics.median(ts)
+        res[f"all_{k}"] = [round(t, 3) for t in ts]
+    for n, r in modes:  # against the one-rank steps of the same window
+        i = modes.index((n, r))
+        res[f"speedup_{n}_{r}"] = statistics.median(times["1"][i * a.reps:(i + 1) * a.reps]) / res[f"step_s_{n}_{r}"]
     res["loadavg_after"] = os.getloadavg()[0]
     return res
 
@@ -139,6 +143,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ranks", default="", help="e.g. 1,2: trainer step time with N FSDP2 ranks (module docstring)")
     ap.add_argument("--micro-rows", type=int, default=4, help="--ranks: rows per micro-batch")
+    ap.add_argument("--reshard", default="pass,update", help="--ranks: train.reshard modes of the N > 1 groups")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="--ranks: precision.dtype")
     a = ap.parse_args()
     if a.quick:
         a.rows, a.tokens, a.reps, a.mismatch_prompts = 4, 64, 1, 1
@@ -146,8 +152,8 @@ def main():
     auto = resolve(PrecisionConfig())
     print(f"[bench] precision: {auto.summary()}", file=sys.stderr)
     if a.ranks:
-        auto.apply()
-        print(json.dumps(bench_ranks(a, auto)))
+        prec = auto if a.dtype == "auto" else resolve(PrecisionConfig(dtype=a.dtype))
+        print(json.dumps(bench_ranks(a, prec.apply())))
         return
     precs = {"fp32": Precision("fp32", auto.gemm, "fp32"), "auto": auto}
     g = torch.Generator().manual_seed(0)

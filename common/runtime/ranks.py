@@ -80,7 +80,51 @@ def shard(model: Transformer, mesh: DeviceMesh, reshard: str = "pass") -> Transf
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)         # sum, not mean, over ranks ...
             m.set_force_sum_reduction_for_comms(True)  # ... as a plain SUM (gloo has no PREMUL_SUM)
+            if dist.get_backend() == "gloo":
+                m.set_custom_all_gather(_AllGather())
+                m.set_custom_reduce_scatter(_ReduceScatter())
     return model
+
+
+class _PointToPoint:
+    """gloo (CPU): FSDP's all-gather and reduce-scatter as point-to-point transfers, which gloo
+    moves several times faster than its own all-gather / reduce-scatter on one node
+    (BENCHMARKS.md). Each rank sends every peer what that peer needs, all transfers posted at
+    once. FSDP calls these with the same arguments as its defaults, on every rank in the same
+    order; they finish before returning (FSDP waits on nothing)."""
+
+    def allocate(self, size, *, dtype, device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    @staticmethod
+    def _exchange(group, sends: list, recvs: list) -> None:
+        ops = []
+        for p in range(group.size()):
+            if p != group.rank():
+                peer = dist.get_global_rank(group, p)
+                ops += [dist.P2POp(dist.isend, sends[p], peer, group), dist.P2POp(dist.irecv, recvs[p], peer, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+class _AllGather(_PointToPoint):
+    def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+        out = output_tensor.chunk(group.size())  # equal chunks: FSDP pads every shard to one size
+        out[group.rank()].copy_(input_tensor)
+        self._exchange(group, [input_tensor] * group.size(), list(out))
+
+
+class _ReduceScatter(_PointToPoint):
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        if op != dist.ReduceOp.SUM:
+            raise ValueError(f"point-to-point reduce-scatter sums only, got {op}")
+        me, chunks = group.rank(), list(input_tensor.chunk(group.size()))
+        got = [torch.empty_like(chunks[me]) if p != me else None for p in range(group.size())]
+        self._exchange(group, chunks, got)
+        output_tensor.copy_(chunks[me])
+        for g in got:
+            if g is not None:
+                output_tensor.add_(g)
 
 
 def make_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
