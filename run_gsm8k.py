@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
-import torch
-
 from common import task
 from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
@@ -241,7 +239,7 @@ def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7)
     cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=50, decay_steps=200, prompts_per_step=7,
                             sync_every=2, min_buffer=500, buffer_capacity=65536, micro_batch_tokens=32768,
-                            n_generators=max(1, torch.cuda.device_count() - 1),
+                            n_generators=0,
                             checkpoint_every=100, eval_every=100, device="cuda")
     cfg.tba = TBAConfig(beta_init=0.012, beta_final=0.004, beta_anneal_steps=500, m=0.95)
     cfg.data.eval_size, cfg.data.eval_max_new_tokens = 1319, 512

@@ -119,7 +119,7 @@ def gpu_preset(cfg: RedTeamConfig) -> RedTeamConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=64, n=16, temperature=1.0, error_reward=math.log(P_FLOOR) / 0.05)
     cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=20, prompts_per_step=8, sync_every=10, min_buffer=256,
                             buffer_capacity=262144, micro_batch_tokens=32768, reward_workers=2, checkpoint_every=100,
-                            eval_every=100, n_generators=max(1, torch.cuda.device_count() - 1), device="cuda")
+                            eval_every=100, n_generators=0, device="cuda")
     cfg.victim.samples, cfg.data.eval_attacks = 4, 1024
     return cfg
 

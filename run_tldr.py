@@ -170,7 +170,7 @@ def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=128, n=20, temperature=0.7, no_stop_reward=-1.0)
     cfg.train = TrainConfig(steps=256, lr=3e-6, warmup_steps=10, prompts_per_step=8, sync_every=10, min_buffer=160,
                             buffer_capacity=65536, micro_batch_tokens=32768, reward_workers=1, checkpoint_every=64,
-                            eval_every=32, n_generators=max(1, torch.cuda.device_count() - 1), device="cuda")
+                            eval_every=32, n_generators=0, device="cuda")
     cfg.tba = TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=32, m=0.5, sampling="reward")
     cfg.data.max_post_tokens, cfg.data.eval_size, cfg.data.eval_max_new_tokens = 512, 512, 128
     return cfg

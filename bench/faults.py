@@ -56,6 +56,7 @@ SCENARIOS = {
     "trainer_rank_sigkill": ("SIGKILL trainer rank 1 of 2", True, r"worker 'trainer1' died .*SIGKILL"),
     "trainer_rank_raises": ("trainer rank 1 of 2 raises in backward", True, r"worker 'trainer1' failed:.*injected"),
     "trainer_rank_sigstop": ("SIGSTOP trainer rank 1 of 2 (a hang)", True, r"'trainer1'.*process is stopped"),
+    "trainer_rank_ctrl_c": ("SIGINT to the process group, 2 trainer ranks", True, r"interrupted at step \d+: checkpoint"),
 }
 
 
@@ -241,7 +242,7 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
         os.kill(pids()["trainer1"], signal.SIGKILL if name == "trainer_rank_sigkill" else signal.SIGSTOP)
     elif name == "trainer_sigkill_in_checkpoint":
         os.kill(proc.pid, signal.SIGKILL)
-    elif name == "ctrl_c":
+    elif name in ("ctrl_c", "trainer_rank_ctrl_c"):
         os.killpg(proc.pid, signal.SIGINT)
     elif name in ("reward_raises", "reward_hangs", "nan_reward", "trainer_rank_raises"):
         marker.write_text({"reward_raises": "raise", "reward_hangs": "hang", "nan_reward": "nan",

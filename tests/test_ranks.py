@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from areal.algo import AReaL, AReaLConfig, split_by_tokens
 from common.batch import Trajectory, collate
 from common.engine.precision import Precision
 from common.micro import micro_batches
 from common.ops import token_logp
-from common.runtime.ranks import shard_rows
-from common.runtime.trainer import TrainConfig
+from common.runtime.ranks import rank_device, shard_rows
+from common.runtime.trainer import TrainConfig, _gen_device, check_config
 from common.runtime.trainer_group import TrainerGroup
 from common.runtime.weights import WeightStore
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
@@ -135,3 +136,30 @@ def test_resume_across_rank_counts(model_dir, tmp_path, first, then):
     got, _, _ = _run(model_dir, tmp_path / "then", _tba(60), [b], world=then, load=path)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], **TOL, msg=k)
+
+
+def _inline_loss(*a, **k):
+    raise AssertionError("never called")
+
+
+def test_a_loss_that_cannot_reach_the_ranks_is_refused_before_anything_starts(model_dir, tmp_path):
+    algo = _tba(60)
+    algo.loss_fn = lambda *a: _inline_loss(*a)  # as a notebook cell would define it
+    model = FP32.load(model_dir, role="trainer", tokenizer=False)[0]
+    with pytest.raises(ValueError, match="loss must be importable"):
+        TrainerGroup(model, TrainConfig(trainer_devices=2), FP32, model_dir, algo, WeightStore.from_module(model), tmp_path)
+    assert not dist.is_initialized()
+
+
+def test_generators_take_the_gpus_the_trainer_leaves(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    tc = check_config(TrainConfig(device="cuda", trainer_devices=4, n_generators=0))
+    assert tc.n_generators == 4  # the preset's 0: one generator per GPU left
+    assert [_gen_device("cuda", r, 4) for r in range(4)] == ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]
+    assert [rank_device("cuda", r) for r in range(4)] == ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU: the generator shares it
+    assert check_config(TrainConfig(device="cuda", n_generators=0)).n_generators == 1
+    assert _gen_device("cuda", 0, 1) == "cuda:0"
+    with pytest.raises(ValueError, match="trainer_devices=2: this machine has 1 GPUs"):
+        check_config(TrainConfig(device="cuda", trainer_devices=2))
+    assert check_config(TrainConfig(n_generators=0)).n_generators == 1  # CPU

@@ -81,20 +81,24 @@ class TrainerGroup:
         self.device = model.device
         self.workers, self.share, self.queues = None, None, []
         if self.world > 1:
-            self._start(tc, prec, model_path, Path(run_dir))
+            try:
+                self._start(tc, prec, model_path, Path(run_dir))
+            except BaseException:  # no `with` block yet to clean up: stop what did start
+                self.close()
+                raise
         self.opt = make_optimizer(model, tc.lr, tc.weight_decay)
 
     def _start(self, tc, prec, model_path, run_dir):
-        self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
-        timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
-        setup = RankSetup(self.world, self._tcp.port, tc.device, timeout, model_path, prec,
-                          tc.activation_checkpointing, tc.reshard, tc.lr, tc.weight_decay, tc.grad_clip)
         try:  # plain pickle, not torch.multiprocessing's: each rank gets its own copy of any tensor inside
             algo_bytes = pickle.dumps(self.algo)
         except Exception as e:
             raise ValueError(f"train.trainer_devices={self.world}: the algorithm must reach the other ranks by "
                              f"pickle, so its loss must be importable (a module-level function in a .py file, not "
                              f"one defined in a notebook): {type(e).__name__}: {e}") from e
+        self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
+        timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
+        setup = RankSetup(self.world, self._tcp.port, tc.device, timeout, model_path, prec,
+                          tc.activation_checkpointing, tc.reshard, tc.lr, tc.weight_decay, tc.grad_clip)
         self.workers = Workers()
         names = [f"trainer{r}" for r in range(1, self.world)]
         hb = Heartbeats(names, run_dir / "stacks")
@@ -105,7 +109,6 @@ class TrainerGroup:
         try:  # a rank that fails while loading is reported here, not after a rendezvous timeout
             self.workers.wait_event(lambda: self._tcp.check([f"ready{r}" for r in range(1, self.world)]), float("inf"))
         except (WorkerError, WorkerStalled) as e:
-            self.close()
             raise RankFailed(str(e)) from e
         shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), tc.reshard)
         self.share = Share(self.model, 0, self.world, reshard=tc.reshard)  # installed in common.micro during each command
@@ -206,7 +209,7 @@ class TrainerGroup:
         if dist.is_initialized():  # first: a rank still inside a collective gets an error, not a hang
             dist.destroy_process_group()
         workers.shutdown()
-        del self._tcp
+        self._tcp = None  # rank 0's rendezvous server goes with it
 
     def __enter__(self) -> "TrainerGroup":
         return self
