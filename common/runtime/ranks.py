@@ -19,9 +19,10 @@ with c = ceil(rows / N). When gathered weights are freed is `train.reshard`:
             steps: one all-gather and one reduce-scatter per update instead of three
             transfers of the model per micro-batch; the whole fp32 model and its gradients
             sit on every rank meanwhile (+8 bytes / parameter; the AdamW state stays sharded).
-            For slow links (gloo on CPU: BENCHMARKS.md). Mixed precision stays the model's own: fp32 master
-weights and optimizer state, forward under autocast (`Transformer.autocast`), so one rank and
-N ranks compute the same numbers. Gradients are reduce-scattered as SUMS (not FSDP's default
+            For slow links (gloo on CPU: BENCHMARKS.md).
+On gloo the all-gathers and reduce-scatters are point-to-point transfers (`_PointToPoint`).
+Mixed precision stays the model's own: fp32 master weights and optimizer state, forward under
+autocast (`Transformer.autocast`), so one rank and N ranks compute the same numbers. Gradients are reduce-scattered as SUMS (not FSDP's default
 mean), because each rank's micro-batch losses are already weighted by their share of the
 whole batch: the summed gradient is the one-rank gradient (tests/test_ranks.py, 1e-5).
 

@@ -66,11 +66,11 @@ class RankSetup:
     timeout_s: float          # collective timeout (the stall timeout; 0 = none)
     model: str                # the policy's checkpoint (a resume loads the state after)
     precision: Precision      # resolved by rank 0
-    activation_checkpointing: bool
+    activation_checkpointing: bool  # train.activation_checkpointing
     reshard: str              # train.reshard: "pass" or "update" (common/runtime/ranks.py)
-    lr: float
-    weight_decay: float
-    grad_clip: float
+    lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
+    weight_decay: float       # AdamW weight decay
+    grad_clip: float          # max global grad norm; 0 = off
 
 
 class TrainerGroup:
