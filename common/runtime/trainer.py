@@ -11,9 +11,10 @@ is its only writer), the `Control` quota (only writer of version/quota) and the 
 reading side. With `train.trainer_devices` = N > 1 the model and optimizer are sharded over N
 ranks (`common/runtime/trainer_group.py`, `ranks.py`): this process is rank 0 and the
 coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
-evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank. Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0
-and k = 1: generators may start exactly one batch of prompts per published version, and the
-trainer consumes exactly that batch, so sync and async runs do equal work per step.
+evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
+Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and k = 1:
+generators may start exactly one batch of prompts per published version, and the trainer
+consumes exactly that batch, so sync and async runs do equal work per step.
 
 A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
 train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig).
