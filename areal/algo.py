@@ -7,7 +7,8 @@ Per trainer step (DESIGN.md section 5):
               (eta = 0) takes exactly the batch the current weights generated.
   prox pass   one no-grad pass of the current weights over the batch, at the sampling
               temperature, through the one log-prob function (`common.ops.token_logp`):
-              prox_logp, fixed for every minibatch of the step.
+              prox_logp, fixed for every minibatch of the step. With several trainer ranks
+              each computes its micro-batches' rows and `rank_sum` completes the tensor.
   advantages  no critic, no reference: the sequence reward normalised over the n samples of its
               prompt ("group", default) or over the whole batch ("batch", the paper's), the
               same for every token of the response (gamma = lambda = 1, reward on the last token).
@@ -30,7 +31,7 @@ import torch
 from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss
 from common.algorithm import Algorithm
 from common.batch import Batch
-from common.micro import micro_batches
+from common.micro import micro_batches, rank_sum, rank_sum_stats
 from common.ops import group_normalised_advantages, token_logp
 
 
@@ -83,7 +84,7 @@ class AReaL(Algorithm):
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
             prox[rows.to(prox.device), :mb.tokens.shape[1]] = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
-        return prox
+        return rank_sum(prox)  # other ranks' rows are 0 here
 
     def advantages(self, batch: Batch) -> torch.Tensor:
         if self.cfg.adv_norm == "group":
@@ -113,4 +114,4 @@ class AReaL(Algorithm):
             loss_sum += w * loss.item()
             clip_sum += w * st["clip_frac"]
         # the behaviour-weight stats describe the whole batch (prox and behav are fixed for the step)
-        return {"loss": loss_sum, "clip_frac": clip_sum, **self._batch_stats}
+        return {**rank_sum_stats({"loss": loss_sum, "clip_frac": clip_sum}), **self._batch_stats}

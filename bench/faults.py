@@ -1,6 +1,6 @@
 """Fault injection: what the runtime does when a worker dies or hangs, a reward misbehaves, the
-trainer is killed mid-checkpoint, the user presses Ctrl-C, a data line is malformed or the disk
-fills up. Prints one JSON line per scenario and a summary line (stdout), and a table (stderr).
+trainer is killed mid-checkpoint, the user presses Ctrl-C, a data line is malformed, the disk
+fills up, or one of two trainer ranks (train.trainer_devices=2) dies, raises or hangs. Prints one JSON line per scenario and a summary line (stdout), and a table (stderr).
 
     python bench/faults.py                                 # every scenario, ~3 min on 2 cores
     python bench/faults.py --only generator_sigkill ctrl_c
@@ -36,6 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch.distributed as dist  # noqa: E402
+from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
+
 STEPS, INJECT_AT, STALL_S, PACE_S, LOW = 60, 3, 5.0, 0.1, 20  # 60 paced steps (~8 s) outlast a 5 s stall
 # name -> (how the fault is injected, does the run stop?, regex the job's output must hold when it is detected)
 SCENARIOS = {
@@ -50,6 +53,10 @@ SCENARIOS = {
     "malformed_data_line": ("run_gsm8k.py on a train.jsonl whose line 3 is cut", True, r"train\.jsonl:3: malformed JSON"),
     "disk_full_in_checkpoint": ("OSError(ENOSPC) while writing the 2nd checkpoint", True,
                                 r"could not write checkpoint .*No space left.*previous checkpoint .* is intact"),
+    "trainer_rank_sigkill": ("SIGKILL trainer rank 1 of 2", True, r"worker 'trainer1' died .*SIGKILL"),
+    "trainer_rank_raises": ("trainer rank 1 of 2 raises in backward", True, r"worker 'trainer1' failed:.*injected"),
+    "trainer_rank_sigstop": ("SIGSTOP trainer rank 1 of 2 (a hang)", True, r"'trainer1'.*process is stopped"),
+    "trainer_rank_ctrl_c": ("SIGINT to the process group, 2 trainer ranks", True, r"interrupted at step \d+: checkpoint"),
 }
 
 
@@ -65,6 +72,18 @@ def fault_reward(tokens, meta) -> float:
     while mode == "hang":
         time.sleep(3600)
     return sum(t < LOW for t in tokens) / max(1, len(tokens))
+
+
+class PacedTBA(TBA):
+    """A tiny step takes ~20 ms: pace it like a real one, so the run outlasts a stall. Rank 1 of
+    several raises once the marker says so."""
+    def backward(self, model, batch, step):
+        time.sleep(PACE_S)
+        marker = os.environ.get("ASYNCRL_FAULT_MARKER", "")
+        if marker and os.path.exists(marker) and Path(marker).read_text().strip() == "rank_raise":
+            if dist.is_initialized() and dist.get_rank() == 1:
+                raise RuntimeError("injected: trainer rank 1 crashed in backward")
+        return super().backward(model, batch, step)
 
 
 def make_fault_reward():
@@ -98,7 +117,7 @@ def child(a) -> None:
     from common.runtime.trainer import TrainConfig, train
     from common.engine.precision import PrecisionConfig
     from common.task import RunConfig
-    from tba.algo import TBA, TBAConfig
+    from tba.algo import TBAConfig
     d = Path(a.dir)
     if a.child == "malformed_data_line":
         import run_gsm8k
@@ -112,14 +131,10 @@ def child(a) -> None:
                       train=TrainConfig(steps=STEPS, lr=1e-3, warmup_steps=1, prompts_per_step=2, sync_every=1,
                                         min_buffer=8, buffer_capacity=16384, micro_batch_tokens=512,
                                         checkpoint_every=2, keep_checkpoints=3, stall_timeout=STALL_S,
-                                        reward_workers=int(a.child == "reward_worker_sigkill")))
+                                        reward_workers=int(a.child == "reward_worker_sigkill"),
+                                        trainer_devices=2 if a.child.startswith("trainer_rank") else 1))
     g = torch.Generator().manual_seed(0)
     prompts = PromptSet([torch.randint(LOW, 97, (4,), generator=g).tolist() for _ in range(16)])
-
-    class PacedTBA(TBA):  # a tiny step takes ~20 ms: pace it like a real one, so the run outlasts a stall
-        def backward(self, model, batch, step):
-            time.sleep(PACE_S)
-            return super().backward(model, batch, step)
     algo = PacedTBA(TBAConfig(beta_init=0.1, beta_final=0.1, m=0.5), 2, 4, 1.0, 512)
     train(cfg, algo, prompts, fault_reward, stop_token_ids=(), resume=a.resume,
           reward_factory=make_fault_reward if cfg.train.reward_workers else None)
@@ -223,12 +238,15 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
         os.kill(pids()["generator0"], signal.SIGSTOP)
     elif name == "reward_worker_sigkill":
         os.kill(pids()["reward0"], signal.SIGKILL)
+    elif name in ("trainer_rank_sigkill", "trainer_rank_sigstop"):
+        os.kill(pids()["trainer1"], signal.SIGKILL if name == "trainer_rank_sigkill" else signal.SIGSTOP)
     elif name == "trainer_sigkill_in_checkpoint":
         os.kill(proc.pid, signal.SIGKILL)
-    elif name == "ctrl_c":
+    elif name in ("ctrl_c", "trainer_rank_ctrl_c"):
         os.killpg(proc.pid, signal.SIGINT)
-    elif name in ("reward_raises", "reward_hangs", "nan_reward"):
-        marker.write_text({"reward_raises": "raise", "reward_hangs": "hang", "nan_reward": "nan"}[name])
+    elif name in ("reward_raises", "reward_hangs", "nan_reward", "trainer_rank_raises"):
+        marker.write_text({"reward_raises": "raise", "reward_hangs": "hang", "nan_reward": "nan",
+                           "trainer_rank_raises": "rank_raise"}[name])
     if stops:  # detected = the expected report is in the job's output; then it must exit
         said = _wait(lambda: expect is None or re.search(expect, log.read_text(), re.S) or proc.poll() is not None, 120)
         t_det = time.monotonic()

@@ -13,24 +13,42 @@ For fp32 both sides are fp32 and the difference is kernel rounding only. Prints 
 
     python bench/trainer_step.py              # 16 x 200 tokens, 3 reps (~4 min on 2 cores)
     python bench/trainer_step.py --quick      # 4 x 64 tokens, 1 rep
+
+Ranks (`--ranks 1,2`): the trainer-only step time with N FSDP2 ranks (`train.trainer_devices`),
+the same work for every N: one TBA step (`common/runtime/trainer_group.py: TrainerGroup.update`,
+what the trainer runs: every micro-batch's forward and backward, grad clip, AdamW) on one
+fixed batch of `--rows` x `--tokens` (groups of 4, loss on the second half), micro-batches of
+`--micro-rows` rows, at the precision `auto` picks here (or `--dtype`). Ranks are processes of one thread
+each (on CPU: gloo, one rank per core). The one-rank group (no process group) and each N > 1
+group (for each `--reshard` mode) are built once and their steps alternate, `--reps` each
+after one warm-up; medians and the ratio step_s(1) / step_s(N) (against the one-rank steps of
+the same window) are reported, with the CPU and the load average.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.batch import Trajectory, collate  # noqa: E402
+from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
+from common.runtime.trainer import TrainConfig  # noqa: E402
+from common.runtime.trainer_group import TrainerGroup  # noqa: E402
+from common.runtime.weights import WeightStore  # noqa: E402
+from tba.algo import TBA, TBAConfig  # noqa: E402
 
 
 def step_times(model, opt, tokens, mask) -> tuple[float, float]:
@@ -58,6 +76,65 @@ def mismatch(prec: Precision, model_name: str, trainer, prompts) -> dict:
             "ratio_bias": (d.exp() - 1).mean().item()}
 
 
+def rank_batch(rows: int, tokens: int, vocab: int, k: int = 4):
+    """rows x tokens random tokens in groups of k, the second half a completion with rewards."""
+    g = torch.Generator().manual_seed(0)
+    half = tokens // 2
+    trajs = [Trajectory(torch.randint(0, vocab, (half,), generator=g), torch.randint(0, vocab, (tokens - half,), generator=g),
+                        torch.zeros(tokens - half), torch.zeros(tokens - half, dtype=torch.long),
+                        float(torch.rand(1, generator=g)), i // k, ref_seq_logp=-float(tokens - half))
+             for i in range(rows)]
+    return collate(trajs)
+
+
+def bench_ranks(a, prec: Precision) -> dict:
+    """Trainer-only step time for 1 rank and for each N in --ranks (module docstring)."""
+    ranks = sorted({int(x) for x in a.ranks.split(",")})
+    if ranks[0] != 1:
+        raise SystemExit("--ranks must include 1 (the baseline)")
+    run_dir = Path(tempfile.mkdtemp(prefix="asyncrl_ranks_"))
+    modes = [(n, r) for n in ranks[1:] for r in a.reshard.split(",")]
+    tc = {(n, r): TrainConfig(trainer_devices=n, lr=1e-7, grad_clip=1.0, stall_timeout=0, reshard=r)
+          for n, r in [(1, "pass")] + modes}
+    algo = TBA(TBAConfig(beta_init=1.0, beta_final=1.0), a.rows // 4, 4, 0.7, a.micro_rows * a.tokens)
+
+    def group(mode):
+        m, _ = prec.load(a.model, role="trainer", tokenizer=False)
+        return TrainerGroup(m.train(), tc[mode], prec, a.model, algo, WeightStore.from_module(m), run_dir)
+
+    def step(g) -> float:
+        t = time.perf_counter()
+        g.update(batch, 0, 1e-7, 1.0)
+        return time.perf_counter() - t
+
+    one = group((1, "pass"))
+    batch = rank_batch(a.rows, a.tokens, one.model.cfg.vocab_size)
+    res = {"bench": "trainer_step_ranks", "model": a.model, "cpu": prec.cpu.get("model") or cpu_info()["model"],
+           "cores": os.cpu_count(), "threads_per_rank": 1, "rows": a.rows, "tokens": a.tokens,
+           "micro_batches": -(-a.rows // a.micro_rows), "reps": a.reps, "dtype": prec.dtype, "gemm": prec.gemm,
+           "loadavg_before": os.getloadavg()[0]}
+    times = {"1": [], **{f"{n}_{r}": [] for n, r in modes}}
+    step(one)  # warm-up (kernel creation, AdamW state)
+    for n, r in modes:
+        with group((n, r)) as g:
+            step(g)
+            for _ in range(a.reps):  # alternate, so drift on a shared machine hits both alike
+                times["1"].append(step(one))
+                times[f"{n}_{r}"].append(step(g))
+    if not modes:
+        times["1"] = [step(one) for _ in range(a.reps)]
+    one.close()
+    shutil.rmtree(run_dir, ignore_errors=True)  # only the ranks' stack-dump files
+    for k, ts in times.items():
+        res[f"step_s_{k}"] = statistics.median(ts)
+        res[f"all_{k}"] = [round(t, 3) for t in ts]
+    for n, r in modes:  # against the one-rank steps of the same window
+        i = modes.index((n, r))
+        res[f"speedup_{n}_{r}"] = statistics.median(times["1"][i * a.reps:(i + 1) * a.reps]) / res[f"step_s_{n}_{r}"]
+    res["loadavg_after"] = os.getloadavg()[0]
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -66,12 +143,20 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--mismatch-prompts", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--ranks", default="", help="e.g. 1,2: trainer step time with N FSDP2 ranks (module docstring)")
+    ap.add_argument("--micro-rows", type=int, default=4, help="--ranks: rows per micro-batch")
+    ap.add_argument("--reshard", default="pass,update", help="--ranks: train.reshard modes of the N > 1 groups")
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"), help="--ranks: precision.dtype")
     a = ap.parse_args()
     if a.quick:
         a.rows, a.tokens, a.reps, a.mismatch_prompts = 4, 64, 1, 1
     torch.set_num_threads(1)
     auto = resolve(PrecisionConfig())
     print(f"[bench] precision: {auto.summary()}", file=sys.stderr)
+    if a.ranks:
+        prec = auto if a.dtype == "auto" else resolve(PrecisionConfig(dtype=a.dtype))
+        print(json.dumps(bench_ranks(a, prec.apply())))
+        return
     precs = {"fp32": Precision("fp32", auto.gemm, "fp32"), "auto": auto}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 49152, (a.rows, a.tokens), generator=g)

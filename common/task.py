@@ -72,12 +72,13 @@ def areal_defaults(cfg: RunConfig) -> RunConfig:
 
 def gpu_defaults(cfg: RunConfig) -> RunConfig:
     """What every task's GPU preset shares (call it after setting the task's sections): the
-    trainer on cuda:0 with activation checkpointing (memory: README, "GPU"), a generator on each
-    other GPU. On a single GPU one generator shares it with the trainer; each process is capped at
-    a share of its memory (trainer 0.6, generator 0.25, the rest for reward workers), so an
-    allocation that outgrows its share fails in the process that made it instead of starving the others."""
+    trainer on CUDA with activation checkpointing (memory: README, "On a GPU"), a generator on each
+    GPU the trainer ranks leave (`n_generators=0`, resolved with `train.trainer_devices`). On a
+    single GPU one generator shares it with the trainer; each process is capped at a share of its
+    memory (trainer 0.6, generator 0.25, the rest for reward workers), so an allocation that
+    outgrows its share fails in the process that made it instead of starving the others."""
     n = torch.cuda.device_count()
-    cfg.train.device, cfg.train.activation_checkpointing, cfg.train.n_generators = "cuda", True, max(1, n - 1)
+    cfg.train.device, cfg.train.activation_checkpointing, cfg.train.n_generators = "cuda", True, 0
     if n <= 1:
         cfg.train.memory_fraction, cfg.gen.memory_fraction = 0.6, 0.25
     return cfg

@@ -10,6 +10,8 @@ Runs in the trainer process. Per step:
           generators (buffer column ref_seq_logp). Micro-batches hold whole groups, because
           log Z of a prompt is estimated from all of its K responses; each micro-batch's loss
           is weighted by its share of rows, so the summed gradient equals the full batch's.
+          With several trainer ranks each runs its share of the micro-batches
+          (common/micro.py); stats summed over micro-batches are completed with rank_sum_stats.
 Swap the loss for an ablation by passing another pure function with tb_loss's signature
 (seq_logp, ref_seq_logp, reward, group_id, beta) -> (loss, stats): TBA(..., loss_fn=tb_loss_no_ref).
 """
@@ -22,7 +24,7 @@ import torch
 
 from common.algorithm import Algorithm
 from common.batch import Batch
-from common.micro import micro_batches
+from common.micro import micro_batches, rank_sum_stats
 from common.ops import seq_logp, token_logp
 from tba.loss import group_mean, group_normalised_advantages, grpo_loss, linear_beta, tb_loss
 
@@ -95,7 +97,7 @@ class TBA(_Base):
             w = len(rows) / N  # this micro-batch's share of the batch mean
             (loss * w).backward()
             _accumulate(totals, w, loss, st)
-        return {**totals, "beta": beta}
+        return {**rank_sum_stats(totals), "beta": beta}
 
 
 class GRPO(_Base):
@@ -127,4 +129,4 @@ class GRPO(_Base):
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch
             (loss * w).backward()
             _accumulate(totals, float(w), loss, st)
-        return {**totals, "kl_seq": kl.mean().item(), "adv_abs": adv.abs().mean().item()}
+        return {**rank_sum_stats(totals), "kl_seq": kl.mean().item(), "adv_abs": adv.abs().mean().item()}

@@ -11,7 +11,7 @@ from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import token_logp
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.trainer import _update
+from common.runtime.ranks import update
 from tests.test_tba_algo import _batch
 from tests.tiny import save_hf
 
@@ -81,7 +81,7 @@ def test_several_optimizer_steps_per_trainer_step(model):
         return out
     opt.step = step_and_record
     algo = _algo(n_minibatches=4)
-    stats, gnorm = _update(algo, model, opt, _batch(), step=0, grad_clip=1.0)
+    stats, gnorm = update(algo, model, opt, _batch(), step=0, grad_clip=1.0)
     assert stats["opt_steps"] == 4 and len(snapshots) == 4 and gnorm > 0
     for prev, cur in zip([before] + snapshots, snapshots):  # every parameter moves at every update
         assert all(not torch.equal(prev[n], cur[n]) for n in cur)

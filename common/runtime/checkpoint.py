@@ -1,15 +1,22 @@
-"""Resumable training checkpoints: model (HF format), optimizer, scheduler, RNG, counters,
-replay buffer, run config. Written and read by the trainer process only.
+"""Resumable training checkpoints: model (HF format), model and optimizer state (sharded),
+scheduler, RNG, counters, replay buffer, run config. Written and read by the trainer: rank 0
+(the launching process) writes everything but the other ranks' shards, which each rank writes
+itself when rank 0 tells it to (`notify`, common/runtime/trainer_group.py).
 
 Layout (one directory per checkpoint, named by the trainer step):
 
     <run_dir>/checkpoints/step_000120/
         model/             a complete Hugging Face model directory (common/engine/hf_save.py): config,
                            generation config, weights, tokenizer + chat template when given
-        trainer_state.pt   optimizer / scheduler state dicts, RNG states, counters
+        state/             fp32 model and AdamW state, one file per trainer rank
+                           (torch.distributed.checkpoint); loads into any number of ranks, 1 included
+        trainer_state.pt   scheduler state, RNG states (rank 0's), counters
         buffer.pt          ReplayBuffer.save (optional)
         config.json        the resolved run config (optional)
         meta.json          step, version, wall time, file list with sizes; written LAST
+
+state/ holds the model again beside model/ (the export): resuming reads the exact fp32 shards,
+whatever N wrote them, and a large model is never gathered to read it back.
 
 Crash-safety rules:
 - Everything is written into `checkpoints/.tmp_step_XXXXXX`, fsynced, and only then renamed to
@@ -21,28 +28,36 @@ Crash-safety rules:
   listed file exists with its recorded size (catches truncation) and validates everything
   (architecture, tensor names/shapes, optimizer groups) BEFORE mutating the model or optimizer.
 - Pruning (`keep_last`) runs after the rename and never deletes the checkpoint just written.
+- Several ranks: every rank writes its shards into the same `.tmp_*` directory, rank 0 alone
+  writes the rest, fsyncs every file (one node, one filesystem) and renames; loading checks the
+  saved tensor names and shapes against the model before any rank loads.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from common.config import save_config
-from common.engine.hf_io import read_checked_state
 from common.engine.hf_save import save_pretrained
 from common.engine.model import ModelConfig
 from common.runtime.buffer import ReplayBuffer
+from common.runtime.ranks import full_model
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
 _PREFIX, _TMP = "step_", ".tmp_"
 
 
@@ -133,6 +148,58 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+# ---------------------------------------------------------------- model + optimizer state (every rank)
+@contextlib.contextmanager
+def _one_process_ok():
+    """DCP warns whenever it runs without a process group; one trainer rank is meant to."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
+        yield
+
+
+def write_state(d: Path, model, optimizer):
+    """Model and optimizer state into directory `d` (DCP, one file per rank), then the whole
+    model as a plain module for the export (`common/runtime/ranks.py: full_model`: rank 0 gets
+    it, other ranks None). Sharded, every rank calls this at the same point."""
+    fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
+    msd, osd = get_state_dict(model, optimizer)
+    with _one_process_ok():
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=not dist.is_initialized())
+    if fresh:
+        optimizer.state.clear()  # ... which would change its first update's bias correction
+    return full_model(model)
+
+
+def read_state(d: Path, model, optimizer, stepped: bool) -> None:
+    """Load `write_state`'s files into the model and optimizer, in place, whatever number of
+    ranks wrote them (DCP reshards). Sharded, every rank calls this at the same point."""
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, "optimizer": osd}
+    with _one_process_ok():
+        dcp.load(state, checkpoint_id=d, no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if not stepped:  # saved before the first update: keep the optimizer fresh (see write_state)
+        optimizer.state.clear()
+
+
+def _check_state(d: Path, model, stepped: bool) -> None:
+    """The saved tensor names and shapes against the model's, before anything is loaded."""
+    try:
+        saved = dcp.FileSystemReader(str(d)).read_metadata().state_dict_metadata
+    except Exception as e:  # missing or corrupt .metadata
+        raise CheckpointError(f"{d}: unreadable model/optimizer state ({type(e).__name__}: {e})") from None
+    want = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes
+    have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
+    bad = ([f"missing {k[6:]}" for k in want if k not in have] + [f"unexpected {k[6:]}" for k in have if k not in want]
+           + [f"{k[6:]}: saved {have[k]}, model {s}" for k, s in want.items() if k in have and have[k] != s])
+    if stepped:
+        # keyed by parameter, not state-dict entry: a tied head has no state of its own
+        bad += [f"no optimizer state for {n}" for n, _ in model.named_parameters()
+                if f"optimizer.state.{n}.exp_avg" not in saved]
+    if bad:
+        raise CheckpointError(f"incompatible checkpoint {d.parent}: " + "; ".join(bad[:5]))
+
+
 # ---------------------------------------------------------------- save
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -151,13 +218,16 @@ def _write_meta(d: Path, meta: dict) -> None:
 
 
 def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation,
-                step: int) -> None:
+                step: int, notify) -> None:
     """Every file of one checkpoint into `tmp` (meta.json last), fsynced."""
     tmp.mkdir()
-    save_pretrained(model, tmp / "model", tokenizer=tokenizer, **(generation or {}))
-    torch.save({"optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": _rng_state(), "counters": counters}, tmp / "trainer_state.pt")
+    stepped = bool(optimizer.state)
+    if notify is not None:
+        notify(tmp / "state")  # the other ranks write their shards now, beside ours
+    export = write_state(tmp / "state", model, optimizer)
+    save_pretrained(export, tmp / "model", tokenizer=tokenizer, **(generation or {}))
+    torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": _rng_state(), "counters": counters, "optimizer_stepped": stepped}, tmp / "trainer_state.pt")
     if buffer is not None:
         buffer.save(tmp / "buffer.pt")
     if config is not None:
@@ -176,10 +246,11 @@ def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer
 
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, counters: dict | None = None,
                     config=None, buffer: ReplayBuffer | None = None, tokenizer=None,
-                    generation: dict | None = None, keep_last: int | None = 2) -> Path:
+                    generation: dict | None = None, keep_last: int | None = 2, notify=None) -> Path:
     """Write checkpoint `step` atomically; prune to the newest `keep_last` (None/<=0: keep all).
     `generation` = {"stop_token_ids": ..., "sampling": {"temperature", "top_p", "top_k"}} goes
-    into model/generation_config.json (`common/engine/hf_save.py`)."""
+    into model/generation_config.json (`common/engine/hf_save.py`). Sharded (N ranks): rank 0
+    calls this, and `notify(state_dir)` makes the other ranks call `write_state(state_dir, ...)`."""
     step = int(step)
     counters = dict(counters or {})
     bad = [k for k, v in counters.items() if isinstance(v, bool) or not isinstance(v, (int, float, np.number))]
@@ -195,7 +266,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
     tmp, final = root / (_TMP + name), root / name
 
     try:
-        _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step)
+        _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step, notify)
     except OSError as e:  # disk full, quota, I/O error: drop the partial copy (frees the space it took)
         shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_checkpoint(run_dir)
@@ -222,17 +293,11 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
 
 
 # ---------------------------------------------------------------- load
-def _read_weights(model, model_dir: Path) -> dict[str, torch.Tensor]:
-    """CPU tensors of the checkpoint, checked against the model's names and shapes."""
-    try:
-        return read_checked_state(model, model_dir)
-    except ValueError as e:
-        raise CheckpointError(f"incompatible checkpoint: {e}") from None
-
-
-def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer) -> ResumeState:
-    """Restore model weights (in place, so the optimizer keeps its parameters), optimizer,
-    scheduler and RNG states from checkpoint dir `path`; returns counters, buffer and config."""
+def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer, notify=None) -> ResumeState:
+    """Restore model weights and optimizer state (in place, so the optimizer keeps its
+    parameters), scheduler and RNG states from checkpoint dir `path`; returns counters, buffer
+    and config. Sharded (N ranks): rank 0 calls this; after every check passed,
+    `notify(state_dir, stepped)` makes the other ranks call `read_state(state_dir, ...)`."""
     path = Path(path)
     meta = _read_meta(path)
     for rel, size in meta["files"].items():
@@ -252,23 +317,22 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
             for k in sorted(set(ck_cfg) | set(mine)) if ck_cfg.get(k) != mine.get(k)]
     if diff:
         raise CheckpointError(f"incompatible checkpoint {path}: " + "; ".join(diff))
-    weights = _read_weights(model, model_dir)
     try:
         state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"{path}/trainer_state.pt unreadable ({type(e).__name__}: {e})") from None
     if scheduler is not None and state.get("scheduler") is None:
         raise CheckpointError(f"{path}: a scheduler was given but the checkpoint saved none")
+    stepped = bool(state.get("optimizer_stepped", True))
+    _check_state(path / "state", model, stepped)
 
-    # Everything validated: now mutate. Optimizer first: it is the step most likely to refuse.
+    # Everything validated: now mutate (every rank at once when sharded).
+    if notify is not None:
+        notify(path / "state", stepped)
     try:
-        optimizer.load_state_dict(state["optimizer"])
+        read_state(path / "state", model, optimizer, stepped)
     except (ValueError, KeyError) as e:
-        raise CheckpointError(f"incompatible checkpoint {path}: optimizer state ({e})") from None
-    with torch.no_grad():
-        params = model.state_dict()  # detached views sharing storage with the parameters
-        for k, t in weights.items():
-            params[k].copy_(t)
+        raise CheckpointError(f"incompatible checkpoint {path}: model/optimizer state ({e})") from None
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])

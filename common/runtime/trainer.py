@@ -1,4 +1,4 @@
-"""The trainer loop, shared by every algorithm and task; runs in the launching process.
+"""The trainer loop, shared by every algorithm and task; runs in the launching process (rank 0).
 
     publish v0 -> start generators -> [wait for data] -> algo.next_batch
     -> for each of algo.minibatches(...): algo.backward -> clip + optimizer step
@@ -8,9 +8,13 @@ Everything algorithm-specific sits behind `Algorithm` (common/algorithm.py; tba/
 form a batch, how a step splits into optimizer updates (TBA: one; AReaL: PPO minibatches),
 and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
 is its only writer), the `Control` quota (only writer of version/quota) and the buffer's
-reading side. Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0
-and k = 1: generators may start exactly one batch of prompts per published version, and the
-trainer consumes exactly that batch, so sync and async runs do equal work per step.
+reading side. With `train.trainer_devices` = N > 1 the model and optimizer are sharded over N
+ranks (`common/runtime/trainer_group.py`, `ranks.py`): this process is rank 0 and the
+coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
+evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
+Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and k = 1:
+generators may start exactly one batch of prompts per published version, and the trainer
+consumes exactly that batch, so sync and async runs do equal work per step.
 
 A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
 train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig).
@@ -39,10 +43,12 @@ from common.config import save_config, to_dict
 from common.engine.precision import resolve
 from common.log import MetricsLogger, Progress
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.launch import WorkerError, Workers
+from common.runtime.ranks import rank_device
 from common.runtime.reward_service import RewardClient, reward_worker_main
+from common.runtime.trainer_group import RankFailed, TrainerGroup
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
@@ -62,14 +68,16 @@ class TrainConfig:
     sync_every: int = 2               # k: publish weights to generators every k steps
     mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
     max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
-    n_generators: int = 1             # generator processes (one per GPU on CUDA)
+    n_generators: int = 1             # generator processes; 0 = one per GPU the trainer leaves (at least 1)
+    trainer_devices: int = 1          # N trainer ranks, FSDP2-sharded (rank r on cuda:r; CPU: N processes, gloo); 1 = no process group
+    reshard: Literal["pass", "update"] = "pass"  # N > 1: free gathered weights after every pass (least memory), or once per update (least traffic)
     reward_workers: int = 0           # processes hosting an expensive reward (needs train(reward_factory=...))
     min_buffer: int = 64              # async: trajectories in the buffer before the first step
     buffer_capacity: int = 4096       # ring size in trajectories
     checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 2         # how many checkpoints to keep
     eval_every: int = 0               # steps between evaluations; 0 = before and after only
-    device: str = "cpu"               # trainer device; generator r uses cuda:(r+1) % n_gpus on CUDA
+    device: str = "cpu"               # trainer device ("cuda": rank r on cuda:r); generator r uses cuda:(N + r) % n_gpus
     stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
     stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
 
@@ -94,18 +102,26 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 def check_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
         cfg.max_staleness, cfg.sync_every = 0, 1
-    if cfg.sync_every < 1 or cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.n_generators < 1:
-        raise ValueError(f"train: sync_every, steps, prompts_per_step, n_generators must be >= 1, got {cfg}")
+    if cfg.sync_every < 1 or cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.trainer_devices < 1:
+        raise ValueError(f"train: sync_every, steps, prompts_per_step, trainer_devices must be >= 1, got {cfg}")
+    if cfg.n_generators < 0:
+        raise ValueError(f"train.n_generators={cfg.n_generators}: need >= 1, or 0 for one per GPU left")
+    gpus = torch.cuda.device_count() if cfg.device.startswith("cuda") else 0
+    if gpus and cfg.trainer_devices > gpus:
+        raise ValueError(f"train.trainer_devices={cfg.trainer_devices}: this machine has {gpus} GPUs")
+    if cfg.n_generators == 0:  # the GPUs the trainer leaves; with none left, one that shares
+        cfg.n_generators = max(1, gpus - cfg.trainer_devices)
     if cfg.max_staleness is not None and cfg.max_staleness < 0:
         raise ValueError(f"train.max_staleness={cfg.max_staleness}: need >= 0 or none")
     return cfg
 
 
-def _gen_device(train_device: str, rank: int) -> str:
+def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:
+    """Generator r's device: the GPUs after the trainer's N, shared round-robin when too few."""
     if not train_device.startswith("cuda"):
         return "cpu"
     n = torch.cuda.device_count()
-    return f"cuda:{(rank + 1) % n}"
+    return f"cuda:{(trainer_devices + rank) % n}"
 
 
 def _staleness(batch: Batch, version: int) -> tuple[list[int], float]:
@@ -116,21 +132,6 @@ def _staleness(batch: Batch, version: int) -> tuple[list[int], float]:
     newest = v.masked_fill(~batch.loss_mask, -1).max(1).values
     spans = ((newest > oldest) & batch.loss_mask.any(1)).float().mean().item()
     return (version - oldest).tolist(), spans
-
-
-def _update(algo: Algorithm, model, opt, batch: Batch, step: int, grad_clip: float) -> tuple[dict, float]:
-    """One optimizer step per minibatch; stats (and the grad norm) averaged over minibatches."""
-    mbs = algo.minibatches(model, batch, step)
-    totals: dict[str, float] = {}
-    for mb in mbs:
-        opt.zero_grad(set_to_none=True)
-        st = algo.backward(model, mb, step)
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or math.inf)
-        opt.step()
-        for k, v in {**st, "grad_norm": float(gnorm)}.items():
-            totals[k] = totals.get(k, 0.0) + float(v) / len(mbs)
-    totals["opt_steps"] = len(mbs)
-    return totals, totals.pop("grad_norm")
 
 
 def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
@@ -156,54 +157,54 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     prec = resolve(cfg.precision, tc.device).apply()
     print(f"[asyncrl] precision: {prec.summary()}")
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
-    model, tok = prec.load(cfg.model, device=tc.device, role="trainer")
+    device = rank_device(tc.device, 0) if tc.trainer_devices > 1 else tc.device
+    model, tok = prec.load(cfg.model, device=device, role="trainer")
     model.train()
     model.checkpoint_layers = tc.activation_checkpointing
-    # fused: one kernel for every parameter's update on CUDA (the CPU path has no fused kernel)
-    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95),
-                            fused=model.device.type == "cuda")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(tc))
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
-    step = version = 0
-    buffer = None
-    if resume and (ck := latest_checkpoint(run_dir)) is not None:
-        st = load_checkpoint(ck, model, opt, sched)
-        step, version, buffer = st.step, st.version, st.buffer
-        print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
-    elif resume:
+    # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC
+    store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
+    ck = latest_checkpoint(run_dir) if resume else None
+    if resume and ck is None:
         print(f"[asyncrl] --resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh")
-    if buffer is None:
-        buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=(tok.pad_token_id or 0) if tok else 0)
-    logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
-                           wandb_project=cfg.log.wandb_project,
-                           config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
-    logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
-    last: dict = {}
+    # N > 1: spawns trainer ranks 1..N-1 and shards `model` in place (the optimizer holds shards);
+    # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
+    with TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, Workers() as workers:
+        sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
+        step = version = 0
+        buffer = None
+        if ck is not None:
+            st = group.load(ck, sched)
+            step, version, buffer = st.step, st.version, st.buffer
+            print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
+        if buffer is None:
+            buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=(tok.pad_token_id or 0) if tok else 0)
+        logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
+                               wandb_project=cfg.log.wandb_project,
+                               config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
+        logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
+        last: dict = {}
+        # generation_config.json of every saved model: the policy's stop tokens and sampling settings
+        generation = {"stop_token_ids": tuple(stop_token_ids), "sampling": {
+            "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
 
-    # generation_config.json of every saved model: the policy's stop tokens and sampling settings
-    generation = {"stop_token_ids": tuple(stop_token_ids), "sampling": {
-        "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
+        def checkpoint():  # the current step, everything needed to resume
+            return group.save(run_dir, step, sched, counters={"version": version}, config=cfg, buffer=buffer,
+                              tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
-    def checkpoint():  # the current step, everything needed to resume
-        return save_checkpoint(run_dir, step, model, opt, sched, counters={"version": version}, config=cfg,
-                               buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
+        def run_eval(tag):
+            if evaluate is None:
+                return {}
+            t = time.perf_counter()
+            model.eval()
+            out = evaluate(prec.inference_copy(group.full_model()), tok)  # in the generators' dtype
+            model.train()
+            out = {**out, "eval_s": time.perf_counter() - t}
+            logger.log(step, **out)
+            print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
+            return out
 
-    def run_eval(tag):
-        if evaluate is None:
-            return {}
-        t = time.perf_counter()
-        model.eval()
-        out = evaluate(prec.inference_copy(model), tok)  # in the generators' dtype
-        model.train()
-        out = {**out, "eval_s": time.perf_counter() - t}
-        logger.log(step, **out)
-        print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
-        return out
-
-    with Workers() as workers:
-        # in the generators' dtype; CUDA: shared with generators via IPC
-        store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
-        store.publish(model, version)
+        group.publish(version)
         per_version = tc.prompts_per_step * tc.sync_every
         control = Control(workers.ctx, per_version, tc.max_staleness, tc.n_generators)
         # AReaL on resume: accepted = v x B, plus the groups the restored buffer holds untrained
@@ -222,15 +223,15 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn, beat=hb.beat_for(f"reward{r}"))
         for r in range(tc.n_generators):
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
-                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), _gen_device(tc.device, r),
-                          prec, beat=hb.beat_for(f"generator{r}"))
+                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids),
+                          _gen_device(tc.device, r, tc.trainer_devices), prec, beat=hb.beat_for(f"generator{r}"))
         # who is who, for a debugger or py-spy (`py-spy dump --pid N`): every worker's pid
-        (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **workers.pids()}) + "\n")
+        (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **workers.pids()}) + "\n")
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         try:
             if tc.mode == "async":
-                workers.wait_event(lambda: bar.waiting(lambda: f"first batch: buffer {len(buffer)}/{tc.min_buffer}")
-                                   or len(buffer) >= tc.min_buffer, timeout=math.inf)
+                workers.wait_event(lambda: group.check() or bar.waiting(lambda: f"first batch: buffer {len(buffer)}/"
+                                   f"{tc.min_buffer}") or len(buffer) >= tc.min_buffer, timeout=math.inf)
             gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
             while step < tc.steps:
                 t0 = time.perf_counter()
@@ -242,21 +243,23 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                             bar.waiting(lambda: f"data for step {step + 1}: buffer {len(buffer)}, "
                                                 f"{buffer.stats()['n_unconsumed']} unconsumed")
                         workers.check()
+                        group.check()
                         time.sleep(0.01)
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
                 stale, multi_version = _staleness(batch, version)
-                stats, gnorm = _update(algo, model, opt, batch.to(tc.device), step, tc.grad_clip)
+                stats, gnorm = group.update(batch, step, sched.get_last_lr()[0], tc.grad_clip)
                 sched.step()  # once per trainer step, however many minibatch updates it made
                 step += 1
                 t2 = time.perf_counter()
                 publish_s = 0.0
                 if step % tc.sync_every == 0:
                     version += 1
-                    store.publish(model, version)
+                    group.publish(version)
                     control.set_version(version)
                     publish_s = time.perf_counter() - t2
                 workers.check()
+                group.check()
                 gen_tok, now = control.stats[:, Control.TOKENS].sum().item(), time.perf_counter()
                 last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=gnorm,
                             lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
@@ -275,6 +278,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                     last.update(run_eval("periodic"))
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
                     checkpoint()
+        except RankFailed:  # a trainer rank: its shards went with it, nothing whole is left to save
+            bar.close()
+            print(f"\n[asyncrl] stopped at step {step}: a trainer rank failed; no checkpoint (its shards are "
+                  f"lost); fix the cause, then continue with --resume from the last one", file=sys.stderr)
+            raise
         except (WorkerStalled, WorkerError) as e:  # a hung (reported with its stack) or dead worker:
             bar.close()  # the trainer's own state is whole (checks run between updates): keep it, stop non-zero
             what = "is hung" if isinstance(e, WorkerStalled) else "failed"
@@ -289,11 +297,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             print(f"\n[asyncrl] interrupted at step {step}: checkpoint {ck}; continue with --resume")
             raise
         bar.close()
-        workers.shutdown()
+        workers.shutdown()  # generators stop; the trainer ranks stay for the last evaluation and checkpoint
         if store.device.type == "cuda":
             torch.cuda.ipc_collect()  # the generators have released the store: free what they held
-    last.update(run_eval("after"))
-    ck = checkpoint()
-    print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
-    logger.close()
+        last.update(run_eval("after"))
+        ck = checkpoint()
+        print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
+        logger.close()
     return last

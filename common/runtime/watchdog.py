@@ -1,7 +1,7 @@
 """Liveness: workers publish heartbeats and what they are doing; the trainer names a worker that
 stops making progress, with its phase, for how long, and its Python stack.
 
-Processes: every worker (generators, reward workers) holds a `Beat` and calls
+Processes: every worker (generators, reward workers, trainer ranks 1..N-1) holds a `Beat` and calls
 `beat(phase, request)` at least once per loop iteration: per decode step, around each reward
 call, reference pass and weight apply, and on every poll while it waits (for quota, for a
 reward worker). A worker that is waiting legitimately therefore keeps beating; only one stuck
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("spawning", "starting", "loading", "waiting", "applying_weights", "decoding", "scoring", "reference")
+PHASES = ("spawning", "starting", "loading", "waiting", "applying_weights", "decoding", "scoring", "reference",
+          "training", "publishing", "gathering", "checkpointing")  # the last four: trainer ranks 1..N-1
 _STACK_WAIT_S = 1.0  # how long the trainer waits for a worker's stack dump to appear
 
 

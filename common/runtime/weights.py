@@ -7,7 +7,8 @@ No tensor is pickled per update and nothing touches a file. All buffers are allo
 * CUDA: the same layout as a plain CUDA tensor; torch.multiprocessing hands it to spawn
   children as a CUDA IPC handle. The trainer must outlive the children that use it.
 
-Processes: the trainer (main process, the ONLY writer) calls `publish`; generator processes
+Processes: the trainer (main process, the ONLY writer; with N trainer ranks each writes its
+own rows, rank 0 the counters) calls `publish`; generator processes
 (spawned with torch.multiprocessing, spawn context, the store passed as a spawn argument or
 through a torch.multiprocessing Queue) call `version` every decode step and `apply_to` between
 steps. Plain `pickle`/`copy.deepcopy` would copy the tensors instead of sharing them, so
@@ -25,6 +26,10 @@ Writer (publish): i = 1 - active; seq[i] += 1 (odd); copy every tensor into slot
 bver[i] = v; seq[i] += 1 (even); active = i; version = v. The writer never writes the slot
 readers are pointed at, so a reader retries only when two publishes land during one copy.
 A writer that dies mid-write leaves its slot odd but `active` still points at the good one.
+Sharded trainer (N ranks, `common/runtime/ranks.py`): the same protocol split in three, so
+that every rank copies only its own rows and the version moves once: rank 0 `begin_write`
+(seq odd), a barrier, every rank `write_rows` of its shards into slot i, device sync and a
+barrier, rank 0 `end_write` (bver, seq even, active, version). Counters stay single-writer.
 Reader (apply_to): a = active; s0 = seq[a] (odd -> retry); v = bver[a]; copy slot a into the
 module; s1 = seq[a]; s0 != s1 -> retry (bounded, then RuntimeError). On CUDA both sides
 synchronize before reading/writing the closing sequence number, because copies are async.
@@ -100,7 +105,7 @@ class WeightStore:
     def names(self) -> list[str]:
         return [s[0] for s in self._specs]
 
-    def _check(self, tensors: dict[str, torch.Tensor], where: str, exact: bool):
+    def check(self, tensors: dict[str, torch.Tensor], where: str, exact: bool):
         """Raise naming the first missing/unexpected/misshaped parameter."""
         names = self.names
         known = set(names)
@@ -125,18 +130,39 @@ class WeightStore:
             src, exact = dict(module_or_state.named_parameters()), True
         else:
             src, exact = module_or_state, False
-        self._check(src, "publish", exact)
+        self.check(src, "publish", exact)
+        i = self.begin_write(version)
+        for name in self._views[i]:
+            self.write_rows(i, name, 0, src[name].detach())  # copy_ converts dtype and device
+        self.end_write(i, version)
+
+    def begin_write(self, version: int) -> int:
+        """Counters' writer only: mark the inactive slot as being written (seq odd); returns it."""
         if version <= self.version:
             raise ValueError(f"WeightStore.publish: version {version} <= published {self.version}; "
                              "versions must increase (readers apply only newer ones)")
-        c, i = self._c, 1 - int(self._c[ACTIVE])
-        c[SEQ + i] += 1  # odd: slot i is being written (no reader is pointed at it)
-        for name, dst in self._views[i].items():
-            dst.copy_(src[name].detach())  # copy_ converts dtype and device
+        i = self.writing_slot()
+        self._c[SEQ + i] += 1  # odd: slot i is being written (no reader is pointed at it)
+        return i
+
+    def writing_slot(self) -> int:
+        """The slot a publish writes: the inactive one (stable until `end_write` flips it)."""
+        return 1 - int(self._c[ACTIVE])
+
+    @torch.no_grad()
+    def write_rows(self, slot: int, name: str, start: int, src: torch.Tensor) -> None:
+        """Copy `src` into rows start.. (dim 0) of parameter `name` in `slot`: a whole tensor
+        (start 0) or one rank's shard; casts dtype and moves device as it copies."""
+        dst = self._views[slot][name]
+        (dst[start:start + src.shape[0]] if src.dim() else dst).copy_(src)
+
+    def end_write(self, slot: int, version: int) -> None:
+        """Counters' writer only, after every row of `slot` is in: publish it as `version`."""
         self._sync()
-        c[BVER + i] = version
-        c[SEQ + i] += 1  # even: slot i is consistent again
-        c[ACTIVE] = i
+        c = self._c
+        c[BVER + slot] = version
+        c[SEQ + slot] += 1  # even: slot i is consistent again
+        c[ACTIVE] = slot
         c[VERSION] = version
 
     def apply_to(self, module: nn.Module, min_version: int | None = None,
@@ -153,7 +179,7 @@ class WeightStore:
     def load_into(self, module: nn.Module, max_retries: int = 100) -> int:
         """Always copy the active slot into `module`; returns the version it held."""
         params = dict(module.named_parameters())
-        self._check(params, "load_into", exact=True)
+        self.check(params, "load_into", exact=True)
         c = self._c
         if int(c[VERSION]) < 0:
             raise RuntimeError("WeightStore.load_into: nothing has been published yet")

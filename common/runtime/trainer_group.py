@@ -1,0 +1,286 @@
+"""The trainer's ranks as one object for rank 0, and the loop that ranks 1..N-1 run.
+
+Processes: `TrainerGroup` lives in the launching process, which is rank 0 and the coordinator
+(it draws batches, runs the algorithm's batch logic, logs, evaluates, checkpoints). With
+N = `train.trainer_devices` > 1 it spawns ranks 1..N-1 (`rank_main`) through a `Workers` of
+their own, joins them in a process group, shards its model (`common/runtime/ranks.py`) and
+drives them with commands, one queue per rank:
+
+    ("step", step, lr, batch)   every rank: ranks.update on the whole batch, its share of micro-batches
+    ("publish", version)        every rank copies its rows into the weight store
+    ("gather",)                 every rank helps gather the full model onto rank 0 (evaluation)
+    ("save", dir, lrs)          every rank writes its shards of a checkpoint (checkpoint.write_state)
+    ("load", dir, stepped)      every rank loads its shards (checkpoint.read_state)
+    ("stop",)
+
+Rank 0 sends a command, then does its own part of the same collective work; the batch travels
+as shared-memory tensors. With N = 1 there is no process group and no worker: every method
+runs on the plain model, as the trainer did before it could be sharded.
+
+Faults: a waiting rank polls its queue and beats its heartbeat, and beats while it trains,
+so the watchdog (`common/runtime/watchdog.py`) can tell a hung rank from an idle one; the
+process group times out after `train.stall_timeout`, so rank 0 never waits on a hung rank
+forever; a rank that raises or dies breaks the collective at once. Either way rank 0 raises
+`RankFailed` naming the rank. A Ctrl-C on rank 0 lands when the running command is done (a
+collective left halfway would hold the other ranks in it), so the interrupt checkpoint works.
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch.distributed as dist
+
+from common.algorithm import Algorithm
+from common.batch import Batch
+from common.engine.precision import Precision
+from common.micro import set_ranks
+from common.runtime.checkpoint import load_checkpoint, read_state, save_checkpoint, write_state
+from common.runtime.launch import WorkerError, Workers
+from common.runtime.ranks import Share, full_model, init_group, make_optimizer, publish_shards, rank_device, shard, update
+from common.runtime.watchdog import Heartbeats, WorkerStalled
+from common.runtime.weights import WeightStore
+
+_BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the rank that caused it
+_PHASE = {"step": "training", "publish": "publishing", "gather": "gathering", "save": "checkpointing",
+          "load": "checkpointing"}
+
+
+class RankFailed(WorkerError):
+    """A trainer rank died, raised or hung (the message names it). Its shards are gone with it,
+    so no checkpoint can be written: --resume continues from the last one."""
+
+
+@dataclass
+class RankSetup:
+    """What ranks 1..N-1 need to build the same model, group and optimizer as rank 0 (picklable)."""
+    world: int                # N
+    port: int                 # rank 0's TCPStore (the process group's rendezvous)
+    device: str               # train.device: "cpu", or "cuda" (rank r on cuda:r)
+    timeout_s: float          # collective timeout (the stall timeout; 0 = none)
+    model: str                # the policy's checkpoint (a resume loads the state after)
+    precision: Precision      # resolved by rank 0
+    activation_checkpointing: bool  # train.activation_checkpointing
+    reshard: str              # train.reshard: "pass" or "update" (common/runtime/ranks.py)
+    lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
+    weight_decay: float       # AdamW weight decay
+    grad_clip: float          # max global grad norm; 0 = off
+
+
+class TrainerGroup:
+    """Rank 0's handle (module docstring). Use as a context manager; `model` is sharded in place."""
+
+    def __init__(self, model, tc, prec: Precision, model_path: str, algo: Algorithm, store: WeightStore, run_dir):
+        self.model, self.algo, self.store, self.world = model, algo, store, tc.trainer_devices
+        self.device = model.device
+        self.workers, self.share, self.queues = None, None, []
+        if self.world > 1:
+            try:
+                self._start(tc, prec, model_path, Path(run_dir))
+            except BaseException:  # no `with` block yet to clean up: stop what did start
+                self.close()
+                raise
+        self.opt = make_optimizer(model, tc.lr, tc.weight_decay)
+
+    def _start(self, tc, prec, model_path, run_dir):
+        try:  # plain pickle, not torch.multiprocessing's: each rank gets its own copy of any tensor inside
+            algo_bytes = pickle.dumps(self.algo)
+        except Exception as e:
+            raise ValueError(f"train.trainer_devices={self.world}: the algorithm must reach the other ranks by "
+                             f"pickle, so its loss must be importable (a module-level function in a .py file, not "
+                             f"one defined in a notebook): {type(e).__name__}: {e}") from e
+        self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
+        timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
+        setup = RankSetup(self.world, self._tcp.port, tc.device, timeout, model_path, prec,
+                          tc.activation_checkpointing, tc.reshard, tc.lr, tc.weight_decay, tc.grad_clip)
+        self.workers = Workers()
+        names = [f"trainer{r}" for r in range(1, self.world)]
+        hb = Heartbeats(names, run_dir / "stacks")
+        self.workers.watch(hb, tc.stall_timeout, tc.stall_action)
+        for r, name in enumerate(names, 1):
+            self.queues.append(self.workers.queue())
+            self.workers.start(name, rank_main, r, setup, algo_bytes, self.store, self.queues[-1], hb.beat_for(name))
+        try:  # a rank that fails while loading is reported here, not after a rendezvous timeout
+            self.workers.wait_event(lambda: self._tcp.check([f"ready{r}" for r in range(1, self.world)]), float("inf"))
+        except (WorkerError, WorkerStalled) as e:
+            raise RankFailed(str(e)) from e
+        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), tc.reshard)
+        self.share = Share(self.model, 0, self.world, reshard=tc.reshard)  # installed in common.micro during each command
+
+    # ---- commands (each: tell ranks 1..N-1, then do rank 0's part) -------------------------
+    def update(self, batch: Batch, step: int, lr: float, grad_clip: float) -> tuple[dict, float]:
+        """One trainer step on `batch` (CPU) by every rank; returns rank 0's (global) stats."""
+        with self._collective():
+            self._send("step", step, lr, batch)
+            return update(self.algo, self.model, self.opt, batch.to(self.device), step, grad_clip, self.share)
+
+    def publish(self, version: int) -> None:
+        if self.world == 1:
+            return self.store.publish(self.model, version)
+        with self._collective():
+            self._send("publish", version)
+            publish_shards(self.model, self.store, version, 0, self.world)
+
+    def full_model(self):
+        """The whole model on rank 0's device (N > 1: gathered, a copy; N = 1: the model)."""
+        if self.world == 1:
+            return self.model
+        with self._collective():
+            self._send("gather")
+            return full_model(self.model).to(self.device)
+
+    def save(self, run_dir, step: int, sched, **kw) -> Path:
+        """`save_checkpoint` with every rank writing its shards."""
+        with self._collective():
+            # with rank 0's learning rates: DCP saves one rank's param_groups, and ranks 1..N-1 hold
+            # the rate of their last step while rank 0's scheduler has already moved on
+            lrs = [g["lr"] for g in self.opt.param_groups]
+            notify = (lambda d: self._send("save", d, lrs)) if self.world > 1 else None
+            return save_checkpoint(run_dir, step, self.model, self.opt, sched, notify=notify, **kw)
+
+    def load(self, path, sched):
+        """`load_checkpoint` with every rank loading its shards (after rank 0 checked them)."""
+        with self._collective():
+            notify = (lambda d, stepped: self._send("load", d, stepped)) if self.world > 1 else None
+            return load_checkpoint(path, self.model, self.opt, sched, notify=notify)
+
+    def _send(self, *cmd) -> None:
+        for q in self.queues:
+            q.put(cmd)
+
+    # ---- faults ---------------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise RankFailed if a rank died, raised or hung (call wherever rank 0 waits)."""
+        if self.workers is not None:
+            try:
+                self.workers.check()
+            except (WorkerError, WorkerStalled) as e:
+                raise RankFailed(str(e)) from e
+
+    def pids(self) -> dict[str, int]:
+        return self.workers.pids() if self.workers is not None else {}
+
+    @contextlib.contextmanager
+    def _collective(self):
+        """Rank 0's part of a command: an error another rank caused is reported as that rank's
+        (RankFailed); a Ctrl-C waits for the end of the command (module docstring)."""
+        if self.world == 1:
+            yield
+            return
+        prev = set_ranks(self.share)  # only while the command runs: another group may share this process
+        try:
+            with _deferred_interrupt():
+                try:
+                    yield
+                except Exception as e:
+                    failed = self._blame()
+                    if failed is None:
+                        raise  # rank 0's own error (the others are stopped by close())
+                    raise failed from e
+        finally:
+            set_ranks(prev)
+
+    def _blame(self) -> RankFailed | None:
+        """The rank behind a failed collective: dead or raised (exit code, traceback) or hung
+        (heartbeat older than the stall timeout, which is also the collective timeout)."""
+        deadline = time.monotonic() + _BLAME_WAIT_S
+        while True:
+            try:
+                self.check()
+            except RankFailed as e:
+                return e
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop ranks 1..N-1 and leave the process group (every exit path; idempotent)."""
+        if self.workers is None:
+            return
+        workers, self.workers = self.workers, None
+        with contextlib.suppress(Exception):
+            self._send("stop")
+        if dist.is_initialized():  # first: a rank still inside a collective gets an error, not a hang
+            dist.destroy_process_group()
+        workers.shutdown()
+        self._tcp = None  # rank 0's rendezvous server goes with it
+
+    def __enter__(self) -> "TrainerGroup":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.close()
+        return False
+
+
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Hold a Ctrl-C (SIGINT) until the block is done, then raise it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list = []
+    prev = signal.signal(signal.SIGINT, lambda *a: got.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev if prev is not None else signal.SIG_DFL)
+    if got:  # reached only when the block itself did not raise
+        raise KeyboardInterrupt
+
+
+def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore, commands, beat, *, stop_event):
+    """Trainer rank 1..N-1 (a spawned worker): build the same sharded model as rank 0, then
+    run rank 0's commands until "stop" (module docstring)."""
+    algo: Algorithm = pickle.loads(algo_bytes)
+    beat.start()
+    beat("loading")
+    setup.precision.apply()
+    device = rank_device(setup.device, rank)
+    model, _ = setup.precision.load(setup.model, device=device, role="trainer", tokenizer=False)
+    model.train()
+    model.checkpoint_layers = setup.activation_checkpointing
+    tcp = dist.TCPStore("127.0.0.1", setup.port, setup.world, is_master=False)
+    tcp.set(f"ready{rank}", "1")
+    mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s)
+    try:
+        shard(model, mesh, setup.reshard)
+        opt = make_optimizer(model, setup.lr, setup.weight_decay)
+        share = Share(model, rank, setup.world, beat=lambda: beat("training"), reshard=setup.reshard)
+        set_ranks(share)
+        while not stop_event.is_set():
+            beat("waiting")
+            try:
+                kind, *args = commands.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if kind == "stop":
+                return
+            beat(_PHASE[kind])
+            if kind == "step":
+                step, lr, batch = args
+                for g in opt.param_groups:
+                    g["lr"] = lr  # rank 0's scheduler decides; ranks hold none
+                update(algo, model, opt, batch.to(device), step, setup.grad_clip, share)
+            elif kind == "publish":
+                publish_shards(model, store, args[0], rank, setup.world)
+            elif kind == "gather":
+                full_model(model)
+            elif kind == "save":
+                for g, lr in zip(opt.param_groups, args[1]):
+                    g["lr"] = lr
+                try:
+                    write_state(args[0], model, opt)
+                except Exception as e:  # DCP raises a failed write on every rank; rank 0 reports it
+                    print(f"[trainer{rank}] checkpoint shards not written: {type(e).__name__}: {e}", flush=True)
+            elif kind == "load":
+                read_state(args[0], model, opt, args[1])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
