@@ -29,6 +29,7 @@ from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
+from common.runtime.launch import keep_freed_memory  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
 
 
@@ -125,6 +126,7 @@ def main():
     if a.quick:
         a.prompts, a.n, a.max_new = 4, 2, 32
     torch.set_num_threads(a.threads)
+    keep_freed_memory()  # as a generator process does (ASYNCRL_MALLOC=system: glibc's defaults)
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)

@@ -29,6 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from common.engine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.ops import logp_from_logits, token_logp  # noqa: E402
+from common.runtime.launch import set_process_defaults  # noqa: E402
 
 VARIANTS = ("full_logits", "chunked", "chunked_checkpointed")
 
@@ -44,7 +45,7 @@ def full_logits_token_logp(model, tokens, temperature, mask):
 
 def one(args) -> dict:
     """Run one variant in this process; returns its peak memory and step time."""
-    torch.set_num_threads(1)
+    set_process_defaults(args.device)  # as the trainer: one CPU thread, freed memory kept
     dev = torch.device(args.device)
     prec = resolve(PrecisionConfig(dtype=args.dtype), args.device).apply()
     model, _ = prec.load(args.model, device=dev, role="trainer", tokenizer=False)

@@ -45,6 +45,7 @@ from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolv
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
+from common.runtime.launch import set_process_defaults  # noqa: E402
 from common.runtime.trainer import TrainConfig  # noqa: E402
 from common.runtime.trainer_group import TrainerGroup  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
@@ -150,7 +151,7 @@ def main():
     a = ap.parse_args()
     if a.quick:
         a.rows, a.tokens, a.reps, a.mismatch_prompts = 4, 64, 1, 1
-    torch.set_num_threads(1)
+    set_process_defaults("cpu")  # one thread, freed memory kept: as the trainer runs
     auto = resolve(PrecisionConfig())
     print(f"[bench] precision: {auto.summary()}", file=sys.stderr)
     if a.ranks:

@@ -1,6 +1,7 @@
 """Tests for common.runtime.launch: failure propagation, clean/forced shutdown, Ctrl-C, no leaks.
 Worker functions are module-level so the spawn start method can pickle them by name."""
 import gc
+import json
 import multiprocessing
 import multiprocessing.synchronize
 import os
@@ -272,3 +273,59 @@ def test_worker_releases_its_arguments_before_teardown():
         w.start("holder", _hold_then_return, _Witness(freed))
         assert freed.wait(30), "the worker's argument was still referenced when its function had returned"
         w.shutdown()
+
+
+# ---- keep_freed_memory ---------------------------------------------------------------------------
+_FAULTS = textwrap.dedent("""
+    import resource, sys, torch
+    sys.path.insert(0, {root!r})
+    from common.runtime.launch import keep_freed_memory
+    took = keep_freed_memory()
+    def faults():
+        x = torch.empty(64 << 18); x.fill_(1.0); del x  # 64 MiB of fp32, every page touched
+    for _ in range(20):  # kept: the heap grows for the first few (fragments), then stays put
+        faults()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        faults()
+    print(took, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) // 5)
+""")
+
+
+def _faults_per_alloc(how: str) -> tuple[str, int]:
+    out = subprocess.run([sys.executable, "-c", _FAULTS.format(root=ROOT)], capture_output=True, text=True,
+                         env={**os.environ, "ASYNCRL_MALLOC": how}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    took, faults = out.stdout.split()
+    return took, int(faults)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="mallopt is glibc's")
+def test_freed_memory_is_kept_so_a_reallocation_faults_no_pages():
+    took, kept = _faults_per_alloc("keep")
+    system_took, system = _faults_per_alloc("system")
+    assert (took, system_took) == ("True", "False")
+    assert system > 8000, system  # glibc unmaps the 64 MiB block: all 16384 pages fault again
+    assert kept < 100, kept       # kept: the heap is reused, no page faults again
+
+
+def test_a_bad_malloc_setting_is_an_error(monkeypatch):
+    from common.runtime.launch import keep_freed_memory
+    monkeypatch.setenv("ASYNCRL_MALLOC", "jemalloc")
+    with pytest.raises(ValueError, match="ASYNCRL_MALLOC='jemalloc'"):
+        keep_freed_memory()
+
+
+def test_host_memory_bench_runs_both_policies(tmp_path):
+    from tests.tiny import save_hf
+    save_hf("llama_tied", tmp_path / "m")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_memory.py"), "--model", str(tmp_path / "m"),
+                        "--steps", "3", "--tokens-per-step", "400", "--min-len", "50", "--max-len", "200"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    for policy in ("keep", "system"):
+        r = res[policy]
+        assert r["policy"] == policy and len(r["rss_after_step_gib"]) == len(r["shapes"]) == 3
+        assert r["wall_s"] > 0 and r["peak_rss_gib"] >= max(r["rss_after_step_gib"]) - 1e-3 > 0  # RSS rounded to MiB
+    assert res["keep_vs_system_wall"] > 0

@@ -13,7 +13,7 @@ from common.batch import Trajectory, collate
 from common.engine.precision import Precision
 from common.micro import micro_batches
 from common.ops import token_logp
-from common.runtime.ranks import rank_device, shard_rows
+from common.runtime.ranks import rank_device, resolve_reshard, shard_rows
 from common.runtime.trainer import TrainConfig, _gen_device, check_config
 from common.runtime.trainer_group import TrainerGroup
 from common.runtime.weights import WeightStore
@@ -163,3 +163,11 @@ def test_generators_take_the_gpus_the_trainer_leaves(monkeypatch):
     with pytest.raises(ValueError, match="trainer_devices=2: this machine has 1 GPUs"):
         check_config(TrainConfig(device="cuda", trainer_devices=2))
     assert check_config(TrainConfig(n_generators=0)).n_generators == 1  # CPU
+
+
+def test_reshard_auto_is_update_on_cpu_and_pass_on_gpus():
+    assert resolve_reshard("auto", "cpu") == "update"
+    assert resolve_reshard("auto", "cuda") == resolve_reshard("auto", "cuda:1") == "pass"
+    assert resolve_reshard("pass", "cpu") == "pass" and resolve_reshard("update", "cuda") == "update"
+    with pytest.raises(ValueError, match="train.reshard='zero3'"):
+        resolve_reshard("zero3", "cpu")

@@ -30,6 +30,7 @@ from common.engine.precision import Precision
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import reference_seq_logp
+from common.runtime.launch import set_process_defaults
 from common.runtime.reward_service import RewardClient
 from common.runtime.watchdog import Beat
 
@@ -150,6 +151,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     trainer's resolved choice. `beat`: this worker's heartbeat (common/runtime/watchdog.py), called at
     least once per loop."""
     beat.start()
+    set_process_defaults(device)
     prec = precision.apply()
     dev = torch.device(device)
     if dev.type == "cuda":

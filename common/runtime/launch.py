@@ -56,6 +56,7 @@ import torch.multiprocessing as tmp
 
 from common.runtime.watchdog import Watchdog, WorkerStalled
 
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 _TERM_GRACE_S = 2.0   # how long SIGTERM / SIGKILL get before we give up waiting on a process
 
 
@@ -64,11 +65,41 @@ class WorkerError(RuntimeError):
 
 
 def set_process_defaults(device: str) -> None:
-    """Per-process torch defaults. On CPU cap intra-op threads (ASYNCRL_NUM_THREADS, default 1):
-    with several processes sharing few cores, oversubscribed thread pools make small ops up to
-    two orders of magnitude slower (DESIGN.md section 7). GPU processes need nothing special."""
+    """Per-process defaults of a process that runs a model on `device`. On CPU: cap intra-op
+    threads (ASYNCRL_NUM_THREADS, default 1): with several processes sharing few cores,
+    oversubscribed thread pools make small ops up to two orders of magnitude slower (DESIGN.md
+    section 7); and keep freed memory in the process (`keep_freed_memory`). GPU processes need
+    neither (their big buffers live on the GPU)."""
     if torch.device(device).type == "cpu":
-        torch.set_num_threads(int(os.environ.get("ASYNCRL_NUM_THREADS", 1)))
+        _cap_threads()
+        keep_freed_memory()
+
+
+def _cap_threads() -> None:
+    torch.set_num_threads(int(os.environ.get("ASYNCRL_NUM_THREADS", 1)))
+
+
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory in this process (ASYNCRL_MALLOC=system leaves its
+    defaults). By default glibc serves every block above its mmap threshold (32 MiB at most)
+    with its own mmap, unmapped on free, and hands the heap's free top back to the kernel. A
+    training or sampling step frees and reallocates the same big tensors every time
+    (activations, log-prob chunks, gradients, AdamW's temporaries), so the kernel faults in and
+    zeroes every page of them again each step: time in the kernel, and memory traffic that
+    processes sharing a socket pay together. With no mmap and no trimming, the heap grows to
+    the step's peak once and is reused (PyTorch's CPU launcher does the same with jemalloc's
+    decay off). Price: the process never returns memory, its RSS stays at its peak. Returns
+    whether the setting took (False without glibc, e.g. on macOS)."""
+    how = os.environ.get("ASYNCRL_MALLOC", "keep")
+    if how not in ("keep", "system"):
+        raise ValueError(f"ASYNCRL_MALLOC={how!r}: expected 'keep' or 'system'")
+    if how == "system":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):  # no glibc
+        return False
 
 
 def _die_with_parent() -> None:
@@ -90,7 +121,8 @@ def _worker_main(name, fn, payload: list, stop_event, error_queue) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent()
     # Thread cap applies to every worker's CPU-side ops; a GPU worker's kernels are unaffected.
-    set_process_defaults("cpu")
+    # A worker that runs a model calls set_process_defaults(its device) too (generators, ranks).
+    _cap_threads()
     try:
         fn(*args, stop_event=stop_event, **kwargs)
     except KeyboardInterrupt:  # parent handles Ctrl-C and will stop us via stop_event

@@ -19,7 +19,7 @@ with c = ceil(rows / N). When gathered weights are freed is `train.reshard`:
             steps: one all-gather and one reduce-scatter per update instead of three
             transfers of the model per micro-batch; the whole fp32 model and its gradients
             sit on every rank meanwhile (+8 bytes / parameter; the AdamW state stays sharded).
-            For slow links (gloo on CPU: BENCHMARKS.md).
+            For slow links: "auto" picks it on CPU (gloo: BENCHMARKS.md), "pass" on GPUs.
 On gloo the all-gathers and reduce-scatters are point-to-point transfers (`_PointToPoint`).
 Mixed precision stays the model's own: fp32 master weights and optimizer state, forward under
 autocast (`Transformer.autocast`), so one rank and N ranks compute the same numbers. Gradients are reduce-scattered as SUMS (not FSDP's default
@@ -67,6 +67,16 @@ def init_group(rank: int, world: int, store: dist.Store, device: str, timeout_s:
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s) if timeout_s > 0 else _NO_TIMEOUT)
     return init_device_mesh(dev.type, (world,))
+
+
+def resolve_reshard(reshard: str, device: str) -> str:
+    """train.reshard "auto": "update" on CPU, where gloo's transfers are slow and host memory
+    is plentiful (BENCHMARKS.md), "pass" (least memory) on GPUs with NCCL."""
+    if reshard not in ("auto", "pass", "update"):
+        raise ValueError(f"train.reshard={reshard!r}: expected 'auto', 'pass' or 'update'")
+    if reshard != "auto":
+        return reshard
+    return "pass" if torch.device(device).type == "cuda" else "update"
 
 
 def shard(model: Transformer, mesh: DeviceMesh, reshard: str = "pass") -> Transformer:

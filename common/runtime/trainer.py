@@ -70,7 +70,7 @@ class TrainConfig:
     max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
     n_generators: int = 1             # generator processes; 0 = one per GPU the trainer leaves (at least 1)
     trainer_devices: int = 1          # N trainer ranks, FSDP2-sharded (rank r on cuda:r; CPU: N processes, gloo); 1 = no process group
-    reshard: Literal["pass", "update"] = "pass"  # N > 1: free gathered weights after every pass (least memory), or once per update (least traffic)
+    reshard: Literal["auto", "pass", "update"] = "auto"  # N > 1: free gathered weights after every pass (least memory) or once per update (least traffic); auto: update on CPU (gloo), pass on GPUs
     reward_workers: int = 0           # processes hosting an expensive reward (needs train(reward_factory=...))
     min_buffer: int = 64              # async: trajectories in the buffer before the first step
     buffer_capacity: int = 4096       # ring size in trajectories

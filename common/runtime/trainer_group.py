@@ -42,8 +42,9 @@ from common.batch import Batch
 from common.engine.precision import Precision
 from common.micro import set_ranks
 from common.runtime.checkpoint import load_checkpoint, read_state, save_checkpoint, write_state
-from common.runtime.launch import WorkerError, Workers
-from common.runtime.ranks import Share, full_model, init_group, make_optimizer, publish_shards, rank_device, shard, update
+from common.runtime.launch import WorkerError, Workers, set_process_defaults
+from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
+                                  resolve_reshard, shard, update)
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
@@ -67,7 +68,7 @@ class RankSetup:
     model: str                # the policy's checkpoint (a resume loads the state after)
     precision: Precision      # resolved by rank 0
     activation_checkpointing: bool  # train.activation_checkpointing
-    reshard: str              # train.reshard: "pass" or "update" (common/runtime/ranks.py)
+    reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks.py)
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
     grad_clip: float          # max global grad norm; 0 = off
@@ -97,8 +98,9 @@ class TrainerGroup:
                              f"one defined in a notebook): {type(e).__name__}: {e}") from e
         self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
+        reshard = resolve_reshard(tc.reshard, tc.device)
         setup = RankSetup(self.world, self._tcp.port, tc.device, timeout, model_path, prec,
-                          tc.activation_checkpointing, tc.reshard, tc.lr, tc.weight_decay, tc.grad_clip)
+                          tc.activation_checkpointing, reshard, tc.lr, tc.weight_decay, tc.grad_clip)
         self.workers = Workers()
         names = [f"trainer{r}" for r in range(1, self.world)]
         hb = Heartbeats(names, run_dir / "stacks")
@@ -110,8 +112,8 @@ class TrainerGroup:
             self.workers.wait_event(lambda: self._tcp.check([f"ready{r}" for r in range(1, self.world)]), float("inf"))
         except (WorkerError, WorkerStalled) as e:
             raise RankFailed(str(e)) from e
-        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), tc.reshard)
-        self.share = Share(self.model, 0, self.world, reshard=tc.reshard)  # installed in common.micro during each command
+        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), reshard)
+        self.share = Share(self.model, 0, self.world, reshard=reshard)  # installed in common.micro during each command
 
     # ---- commands (each: tell ranks 1..N-1, then do rank 0's part) -------------------------
     def update(self, batch: Batch, step: int, lr: float, grad_clip: float) -> tuple[dict, float]:
@@ -241,8 +243,9 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     algo: Algorithm = pickle.loads(algo_bytes)
     beat.start()
     beat("loading")
-    setup.precision.apply()
     device = rank_device(setup.device, rank)
+    set_process_defaults(device)
+    setup.precision.apply()
     model, _ = setup.precision.load(setup.model, device=device, role="trainer", tokenizer=False)
     model.train()
     model.checkpoint_layers = setup.activation_checkpointing
