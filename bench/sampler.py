@@ -12,6 +12,13 @@ bandwidth). Prints one JSON line.
 
     python bench/sampler.py --vs-fp32  # full benchmark (~20 min on 2 CPU cores)
     python bench/sampler.py --quick    # smoke check (< 1 min)
+    python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
+
+Host work per decode step (`host_ms_per_step`, in every run): the time `Sampler.step` spends
+outside the model (planning, bookkeeping, recording), measured as step time minus the time in
+the decode step, the prefills and the first-token draws, at the GSM8K GPU preset's batch shape
+(256 slots, 13 prompts x n = 20 in flight). On a GPU this is the work that must hide behind
+the device's; on the CPU it is measured the same way, with a tiny model so that it dominates.
 """
 from __future__ import annotations
 
@@ -19,18 +26,22 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+import common.engine.sampler as sampler_mod  # noqa: E402
+from common.engine.hf_io import load_model  # noqa: E402
 from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.runtime.launch import keep_freed_memory  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
+from tests.tiny import save_hf  # noqa: E402
 
 
 def bandwidths(nbytes=512 * 2**20, reps=5) -> tuple[float, float]:
@@ -86,6 +97,47 @@ def run_ours(model, prompts, params, max_batch) -> dict:
             "decode_rows": s.stats["decode_rows"]}
 
 
+def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0) -> dict:
+    """Host ms per decode step: `Sampler.step` time minus the time inside the model calls it
+    makes (decode step, prompt and continuation prefill, first-token draws), over a schedule of
+    ceil(rows / n) + 1 prompts x n samples of random lengths (stop token 3 of a random model)."""
+    inside = [0.0]
+    names = ("decode_step", "prefill_prompts", "prefill_continuations", "sample")
+    saved = {k: getattr(sampler_mod, k) for k in names if hasattr(sampler_mod, k)}
+
+    def timed(fn):
+        def run(*a, **kw):
+            t = time.perf_counter()
+            out = fn(*a, **kw)
+            if torch.is_tensor(out[0]) and out[0].is_cuda:
+                torch.cuda.synchronize()
+            inside[0] += time.perf_counter() - t
+            return out
+        return run
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(4, model.cfg.vocab_size, (int(L),), generator=g).tolist()
+               for L in torch.randint(20, 120, (rows // n + 2,), generator=g)]
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, stop_token_ids=(3,), seed=seed)
+    s = Sampler(model, max_batch=rows, max_seq_len=128 + max_new, max_prompt_len=128)
+    s.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0, n=2))  # warm-up
+    for k, fn in saved.items():
+        setattr(sampler_mod, k, timed(fn))
+    try:
+        for q in prompts:
+            s.submit(q, params)
+        t, steps, peak = time.perf_counter(), 0, 0
+        while s.has_work():
+            peak = max(peak, s.num_active)
+            s.step()
+            steps += 1
+        total = time.perf_counter() - t
+    finally:
+        for k, fn in saved.items():
+            setattr(sampler_mod, k, fn)
+    return {"host_ms_per_step": 1e3 * (total - inside[0]) / steps, "step_ms": 1e3 * total / steps,
+            "steps": steps, "peak_rows": peak, "rows": rows, "n": n}
+
+
 def run_hf(hf, prompts, params, batch, pad_id, eos_id) -> dict:
     per = max(1, batch // params.n)  # prompts per generate call; each returns n sequences
     t, ntok = time.perf_counter(), 0
@@ -120,6 +172,7 @@ def main():
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto", help="our precision (auto: measured)")
     ap.add_argument("--vs-fp32", action="store_true", help="also run ours in fp32 (the pre-auto default)")
     ap.add_argument("--skip-hf-bf16", action="store_true", help="run transformers in fp32 only")
+    ap.add_argument("--host-only", action="store_true", help="only host ms per decode step, on a tiny random model")
     ap.add_argument("--ablate-onednn", action="store_true",
                     help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
     a = ap.parse_args()
@@ -127,6 +180,13 @@ def main():
         a.prompts, a.n, a.max_new = 4, 2, 32
     torch.set_num_threads(a.threads)
     keep_freed_memory()  # as a generator process does (ASYNCRL_MALLOC=system: glibc's defaults)
+    if a.host_only:
+        with tempfile.TemporaryDirectory() as d:
+            save_hf("llama_tied", d)
+            tiny = load_model(d, tokenizer=False)[0]
+            print(json.dumps({"bench": "sampler_host", "device": "cpu", "model": "tiny llama",
+                              **host_ms_per_step(tiny)}))
+        return
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)
@@ -145,6 +205,7 @@ def main():
                batch1_frac_of_bw=b1 * wb / bw, read_bw_gb_s=rbw / 1e9, read_bw_limit_tok_s=rbw / wb,
                batch1_frac_of_read_bw=b1 * wb / rbw)
     res["ours"] = run_ours(model, prompts, params, a.max_batch)
+    res["host"] = host_ms_per_step(model, max_new=8 if a.quick else 48)
     if a.ablate_onednn:
         old = set_onednn(False)
         res["ours_mkl_gemm"] = run_ours(model, prompts, params, a.max_batch)

@@ -33,26 +33,48 @@ def attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return attend_lse_gqa(q, k, v, mask, causal)
 
 
+def matmul_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (..., m, k) x (..., k, n) -> (..., m, n) in fp32 from inputs of any float dtype, with
+    no rounding of the product to the inputs' dtype. On CUDA (and meta) one GEMM with fp32
+    output (`bmm(..., out_dtype=float32)`: bf16 operands, fp32 accumulate and store, no fp32
+    copy of the operands); elsewhere the operands are upcast (the CPU reaches this path only in
+    tests, where it stands in for the GPU's numerics)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.matmul(a, b)
+    if a.device.type == "cpu":
+        return torch.matmul(a.float(), b.float())
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a3 = a.expand(*batch, *a.shape[-2:]).reshape(-1, *a.shape[-2:])  # (batch, m, k): views when a is contiguous
+    b3 = b.expand(*batch, *b.shape[-2:]).reshape(-1, *b.shape[-2:])  # (batch, k, n): a transposed view stays one
+    return torch.bmm(a3, b3, out_dtype=torch.float32).view(*batch, a.shape[-2], b.shape[-1])
+
+
 def attend_lse_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
                    causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`attend_lse` from plain matmuls (CUDA and anything without the CPU kernel), captured into
     the sampler's CUDA graphs. Grouped-query attention without copying K/V per query head: the
     G = H / Hkv query heads that share a key/value head become G x Tq query rows against it.
-    The GEMMs run in the inputs' dtype (bf16 on GPU) with fp32 accumulation; scores, softmax and
-    lse are fp32 (scores are (Tq x Tk) per head, never a copy of the cache)."""
+    Both GEMMs take the inputs' dtype (bf16 on GPU) and return fp32 (`matmul_f32`), so scores,
+    softmax, lse and the weighted sum are never rounded to bf16. As in flash attention, the
+    probabilities enter the second GEMM unnormalised, exp(s - max) in v's dtype (the dominant
+    one is exactly 1), and the fp32 result is divided by their fp32 sum. Scores are (Tq x Tk) per
+    head, never a copy of the cache."""
     B, H, Tq, hd = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv
     qg = q.reshape(B, Hkv, G * Tq, hd)                                  # heads h = j*G + g share kv head j
-    s = torch.matmul(qg, k.transpose(-1, -2)).float() * (hd ** -0.5)    # (B, Hkv, G*Tq, Tk)
+    s = matmul_f32(qg, k.transpose(-1, -2)).mul_(hd ** -0.5)            # (B, Hkv, G*Tq, Tk) fp32
     s = s.view(B, Hkv, G, Tq, Tk)
     if mask is not None:
         s = s + mask.float().unsqueeze(2)                               # (B|1, 1, 1, Tq, Tk) over the G heads
     if causal:
         s = s.masked_fill(torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)                                        # (B, Hkv, G, Tq)
-    p = (s - lse.unsqueeze(-1)).exp().to(v.dtype).view(B, Hkv, G * Tq, Tk)
-    out = torch.matmul(p, v).view(B, H, Tq, hd)                         # (B, Hkv, G*Tq, hd) -> (B, H, Tq, hd)
+    m = s.amax(-1, keepdim=True)                                        # (B, Hkv, G, Tq, 1)
+    p = (s - m).exp_()                                                  # unnormalised, in (0, 1]: the max is exactly 1
+    denom = p.sum(-1)                                                   # (B, Hkv, G, Tq)
+    lse = m.squeeze(-1) + denom.log()
+    pv = matmul_f32(p.to(v.dtype).view(B, Hkv, G * Tq, Tk), v)          # (B, Hkv, G*Tq, hd) fp32
+    out = (pv.view(B, Hkv, G, Tq, hd) / denom.unsqueeze(-1)).view(B, H, Tq, hd).to(q.dtype)
     return out, lse.view(B, H, Tq)
 
 

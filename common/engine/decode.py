@@ -2,56 +2,77 @@
 
 Runs inside one process (a generator), called by `common/engine/sampler.py`. `decode_step`
 advances rows 0..B-1 of the continuous batch by one token: the pending token of each row goes
-through the model and the KV cache (`KVCache.begin_decode`), the last hidden state is scaled by
-1 / T_eff before the head, a token is drawn with the row's counter-based uniform
-(`common/engine/sampling.py`), and the rows' pending token and position advance in place. It
-reads nothing back to the host, and its shapes are Python ints chosen by the caller:
+through the model and the KV cache (`KVCache.begin_decode`), the head's logits are upcast and
+divided by T_eff in fp32 (`scale_logits`, as the trainer does), a token is drawn with the row's
+counter-based uniform (`common/engine/sampling.py`), and the rows' pending token and position
+advance in place. It reads nothing back to the host, and its shapes are Python ints chosen by
+the caller (`Shape`):
   eager (CPU; CUDA without graphs): the live sizes, recomputed every step;
-  captured (`GraphedDecode`, CUDA): one `torch.cuda.CUDAGraph` per bucket: B rounded up to a
-    power of two, E = B + 1 prompt entries, n (query rows per entry) rounded up to a power of
-    two, S and P the cache's capacity; replayed on the same buffers. Any larger shape gives the
-    same result (masked columns and padded rows contribute exact zeros / are never read), so the
-    captured step computes what the eager one does, and CPU tests check its numerics.
+  captured (`GraphedDecode`, CUDA): one `torch.cuda.CUDAGraph` per bucket (`captured_shape`),
+    replayed on the same buffers. Every dimension is bucketed on its own, from the live batch:
+    rows B and entries E to a power of two, query rows per entry n and the cache columns S and
+    P geometrically up to a grain, then in steps of it, so each stays within 2x its live size
+    (a larger n or column count than needed only adds masked work). Any larger shape gives the
+    same result (masked columns and padded rows contribute exact zeros / are never read), so
+    the captured step computes what the eager one does, and CPU tests check its numerics.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields
+from typing import NamedTuple
 
 import torch
 
-from common.engine.sampling import inv_temperature, sample, uniforms
+from common.engine.sampling import effective_temperature, sample, scale_logits, uniforms
+
+
+class Shape(NamedTuple):
+    """The Python-int sizes of one decode step (`decode_step`, `KVCache.begin_decode`)."""
+    B: int   # slot rows 0..B-1
+    E: int   # prompt entries 0..E-1
+    n: int   # query rows per entry
+    S: int   # slot columns attended (> every live row's own column)
+    P: int   # prompt columns attended (>= every live prompt)
 
 
 @dataclass
 class Rows:
     """Per-slot state the sampler keeps on the device, one row per slot, updated in place (a
-    captured graph reads these exact tensors). The entry plan (q_rows, back, entry_plen) maps
-    slots to their shared prompt entries (`KVCache.begin_decode`); the sampler rewrites it when
-    a sample starts, ends or moves."""
+    captured graph reads these exact tensors). The entry plan (q_rows, back, entry_plen: views
+    of one device tensor, written by one copy) maps slots to their shared prompt entries
+    (`KVCache.begin_decode`); the sampler rewrites it when a sample starts, ends or moves."""
     tok: torch.Tensor          # (max_batch,) long: pending token (sampled, not yet in the cache)
     pos: torch.Tensor          # (max_batch,) long: its absolute position
     plen: torch.Tensor         # (max_batch,) long: prompt length (pos - plen = the slot's column)
     active: torch.Tensor       # (max_batch,) bool: a live sample (idle rows compute at position 0)
-    inv_t: torch.Tensor        # (max_batch,) float: 1 / T_eff, applied to the head's input
+    temp: torch.Tensor         # (max_batch,) fp32: T_eff (T, or 1 for greedy) dividing the fp32 logits
     greedy: torch.Tensor       # (max_batch,) bool: T = 0
     top_k: torch.Tensor        # (max_batch,) long, 0 = off
     top_p: torch.Tensor        # (max_batch,) float, 1 = off
     key: torch.Tensor          # (max_batch,) long: the sample's random-number key
-    q_rows: torch.Tensor       # (max_prefixes * max_batch,) long: first E*n used
-    back: torch.Tensor         # (max_batch,) long
-    entry_plen: torch.Tensor   # (max_prefixes,) long
+    plan: torch.Tensor         # (max_prefixes * max_batch + max_batch + max_prefixes,) long: the three below
+    q_rows: torch.Tensor       # view of plan: (max_prefixes * max_batch,), first E*n used
+    back: torch.Tensor         # view of plan: (max_batch,)
+    entry_plen: torch.Tensor   # view of plan: (max_prefixes,)
+    staging: torch.Tensor      # host copy of plan, pinned on CUDA: the plan is built here and copied in one go
+    plan_key: tuple | None = None  # what `write_plan` last wrote (unchanged plans are not rewritten)
 
-    PER_SLOT = ("tok", "pos", "plen", "active", "inv_t", "greedy", "top_k", "top_p", "key")
+    PER_SLOT = ("tok", "pos", "plen", "active", "temp", "greedy", "top_k", "top_p", "key")
 
     @classmethod
     def allocate(cls, max_batch: int, max_prefixes: int, device) -> "Rows":
+        device = torch.device(device)
         long = dict(dtype=torch.long, device=device)
+        nq = max_prefixes * max_batch
+        plan = torch.zeros(nq + max_batch + max_prefixes, **long)
+        staging = torch.zeros(plan.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         return cls(tok=torch.zeros(max_batch, **long), pos=torch.zeros(max_batch, **long),
                    plen=torch.zeros(max_batch, **long), active=torch.zeros(max_batch, dtype=torch.bool, device=device),
-                   inv_t=torch.ones(max_batch, device=device), greedy=torch.zeros(max_batch, dtype=torch.bool, device=device),
+                   temp=torch.ones(max_batch, device=device), greedy=torch.zeros(max_batch, dtype=torch.bool, device=device),
                    top_k=torch.zeros(max_batch, **long), top_p=torch.ones(max_batch, device=device),
-                   key=torch.zeros(max_batch, **long), q_rows=torch.zeros(max_prefixes * max_batch, **long),
-                   back=torch.zeros(max_batch, **long), entry_plen=torch.zeros(max_prefixes, **long))
+                   key=torch.zeros(max_batch, **long), plan=plan, q_rows=plan[:nq], back=plan[nq:nq + max_batch],
+                   entry_plen=plan[nq + max_batch:], staging=staging)
 
     def per_slot(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self) if f.name in self.PER_SLOT]
@@ -63,7 +84,7 @@ class Rows:
         rows = torch.tensor(slots, device=dev)
         temp = torch.tensor([p.temperature for p in params], device=dev)
         self.pos[rows] = self.plen[rows] = torch.tensor(prompt_len, device=dev)
-        self.inv_t[rows], self.greedy[rows] = inv_temperature(temp), temp <= 0
+        self.temp[rows], self.greedy[rows] = effective_temperature(temp), temp <= 0
         self.top_k[rows] = torch.tensor([p.top_k for p in params], device=dev)
         self.top_p[rows] = torch.tensor([p.top_p for p in params], device=dev, dtype=self.top_p.dtype)
         self.key[rows] = keys
@@ -73,34 +94,41 @@ class Rows:
     def write_plan(self, entry_of_row: list[int], prompt_len: list[int], n: int) -> None:
         """The entry plan for rows 0..B-1 (B = len(entry_of_row); -1 = idle) and entries 0..E-1
         (E = len(prompt_len)) with n query rows each: query row e*n + i is the i-th live sample of
-        entry e (padding: row 0), and row b reads its prompt part from query row back[b]."""
+        entry e (padding: row 0), and row b reads its prompt part from query row back[b].
+        Built in Python on the host staging tensor and sent with one copy, only when it changed
+        (non_blocking from pinned memory on CUDA: the sampler reads each step's tokens back
+        before it writes the next plan, so the previous copy has always finished by then)."""
+        key = (tuple(entry_of_row), tuple(prompt_len), n)
+        if key == self.plan_key:
+            return
         B, E = len(entry_of_row), len(prompt_len)
-        e = torch.tensor(entry_of_row)                            # built on the host, copied once
-        rows = torch.nonzero(e >= 0).squeeze(1)
-        ent, order = torch.sort(e[rows], stable=True)             # live rows grouped by entry, in row order
-        rows = rows[order]
-        counts = torch.bincount(ent, minlength=E)
-        i = torch.arange(len(rows)) - (counts.cumsum(0) - counts)[ent]  # rank of the row within its entry
-        slot = ent * n + i
-        q_rows, back = torch.zeros(E * n, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-        q_rows[slot], back[rows] = rows, slot
-        dev = self.back.device
-        self.q_rows[:E * n] = q_rows.to(dev)
-        self.back[:B] = back.to(dev)
-        self.entry_plen[:E] = torch.tensor(prompt_len, device=dev)
+        q_rows, back, seen = [0] * (E * n), [0] * B, [0] * E
+        for b, e in enumerate(entry_of_row):  # live rows in row order: the i-th of entry e -> query row e*n + i
+            if e >= 0:
+                back[b] = e * n + seen[e]
+                q_rows[back[b]] = b
+                seen[e] += 1
+        nq, mb = self.q_rows.numel(), self.back.numel()
+        st = self.staging
+        st[:E * n] = torch.tensor(q_rows, dtype=torch.long)
+        st[nq:nq + B] = torch.tensor(back, dtype=torch.long)
+        st[nq + mb:nq + mb + E] = torch.tensor(prompt_len, dtype=torch.long)
+        self.plan.copy_(st, non_blocking=True)
+        self.plan_key = key
 
 
-def decode_step(model, cache, rows: Rows, B: int, E: int, n: int, S: int, P: int,
-                any_filtered: bool, any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_step(model, cache, rows: Rows, shape: Shape, any_filtered: bool,
+                any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Advance rows 0..B-1 by one token; returns the new tokens (B,) and their log-probs (B,).
     E entries with n query rows each must match the entry plan in `rows`; S > every slot column
     of a live row, P >= every live prompt (module docstring)."""
+    B, E, n, S, P = shape
     active = rows.active[:B]
     pos = torch.where(active, rows.pos[:B], 0)
     own = torch.where(active, pos - rows.plen[:B], 0)  # idle rows write garbage at their column 0
     cache.begin_decode(own, rows.entry_plen[:E], rows.q_rows[:E * n], rows.back[:B], S, P, n)
     h = model.hidden(rows.tok[:B, None], cache=cache, pos=pos[:, None], max_pos=cache.max_seq_len)[:, -1]  # (B, D)
-    scaled = model.lm_head(h * rows.inv_t[:B].to(h.dtype).unsqueeze(1))  # (B, V) = logits / T_eff
+    scaled = scale_logits(model.lm_head(h), rows.temp[:B])  # (B, V) fp32 logits / T_eff
     u = uniforms(rows.key[:B], own + 1)  # token own + 1 of the sample (token 0 came from the prefill)
     tok, logp = sample(scaled, rows.greedy[:B], rows.top_k[:B], rows.top_p[:B], u, any_filtered, any_greedy)
     rows.tok[:B] = torch.where(active, tok, rows.tok[:B])
@@ -113,42 +141,76 @@ def bucket(x: int, cap: int) -> int:
     return min(cap, 1 << max(0, x - 1).bit_length())
 
 
-def captured_shape(B: int, n: int, max_batch: int, max_prefixes: int) -> tuple[int, int, int]:
-    """(rows, entries, query rows per entry) of the graph that runs a step over B live rows with
-    groups of up to n: few distinct graphs, each valid for every schedule that fits it."""
-    Bb = bucket(B, max_batch)
-    return Bb, min(Bb + 1, max_prefixes), bucket(n, Bb)
+def bucket_grain(x: int, grain: int, cap: int) -> int:
+    """x rounded up to a power of two below `grain`, to a multiple of `grain` above; at most cap.
+    Within 2x of x everywhere, and a handful of values over a whole range."""
+    return min(cap, bucket(x, grain) if x <= grain else -(-x // grain) * grain)
+
+
+N_GRAIN = 4      # query rows per entry: 1, 2, 4, then multiples of 4 (n = 20 stays 20)
+COL_GRAIN = 128  # cache columns: 1, 2, ..., 128, then multiples of 128
+
+
+def captured_shape(live: Shape, max_batch: int, max_prefixes: int, max_seq_len: int, max_prompt_len: int) -> Shape:
+    """The bucket whose graph runs a step of `live` shape: each dimension on its own, so few
+    distinct graphs cover a run and each is within ~2x of the live work (module docstring)."""
+    B = bucket(live.B, max_batch)
+    return Shape(B, bucket(live.E, max_prefixes), bucket_grain(live.n, N_GRAIN, B),
+                 bucket_grain(live.S, COL_GRAIN, max_seq_len), bucket_grain(live.P, COL_GRAIN, max_prompt_len))
 
 
 class GraphedDecode:
-    """`decode_step` captured as one CUDA graph per (rows, group width, filtered, greedy) bucket,
-    as gpt-fast and nano-vllm do. The first step of a bucket runs eagerly on a side stream (it
-    warms cuBLAS and the allocator, builds the RoPE table, and is a real step), then the graph is
-    captured (capture runs nothing) and every later step of that bucket is one replay."""
+    """`decode_step` captured as one CUDA graph per (shape, filtered, greedy) bucket, as gpt-fast
+    and nano-vllm do. The first step of a bucket runs eagerly on a side stream (it warms cuBLAS
+    and the allocator, and is a real step), then the graph is captured (capture runs nothing) and
+    every later step of that bucket is one replay.
 
-    def __init__(self, model, cache, rows: Rows):
+    Memory: every graph allocates from one shared pool. A graph's intermediates are freed at the
+    end of its capture and reused by the next capture, so the pool holds about the largest
+    bucket's intermediates; what each graph keeps is its two small outputs plus the graph itself.
+    Sharing is safe because buckets never run at once and the sampler copies a replay's outputs
+    to the host before the next replay (a later capture may reuse an earlier graph's scratch).
+    At most `max_graphs` graphs are kept; past that the least recently used one is dropped.
+    The graphs read the model's RoPE table: if the model rebuilds it (a longer position than it
+    was built for), every graph is dropped and captured again."""
+
+    def __init__(self, model, cache, rows: Rows, max_graphs: int = 64):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the sampler's cache is on {cache.device}")
-        self.model, self.cache, self.rows = model, cache, rows
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()  # one memory pool: buckets never run at once
+        self.model, self.cache, self.rows, self.max_graphs = model, cache, rows, max_graphs
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stats = {"captures": 0, "replays": 0, "evictions": 0, "invalidations": 0}
+        self._tables = None  # the RoPE tables the graphs were captured against
 
-    def __call__(self, B: int, E: int, n: int, any_filtered: bool, any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode_step` at a `captured_shape` (B, E, n) and the cache's full S and P."""
-        args = (self.model, self.cache, self.rows, B, E, n, self.cache.max_seq_len, self.cache.max_prompt_len,
-                any_filtered, any_greedy)
-        key = (B, E, n, any_filtered, any_greedy)
+    def __call__(self, shape: Shape, any_filtered: bool, any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_step` at a `captured_shape`."""
+        args = (self.model, self.cache, self.rows, shape, any_filtered, any_greedy)
+        key = (*shape, any_filtered, any_greedy)
+        if self.graphs and self.model._rope_cache is not self._tables:
+            self.graphs.clear()
+            self.stats["invalidations"] += 1
         if key in self.graphs:
+            self.graphs.move_to_end(key)
             g, tok, logp = self.graphs[key]
             g.replay()
+            self.stats["replays"] += 1
             return tok, logp
-        side = torch.cuda.Stream(self.cache.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            tok, logp = decode_step(*args)  # the real step, eagerly: warm-up before capture
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):  # records kernels, runs none: the state stays as the step left it
-            out = decode_step(*args)
+        dev = self.cache.device
+        with torch.cuda.device(dev):
+            main = torch.cuda.current_stream(dev)
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                tok, logp = decode_step(*args)  # the real step, eagerly: warm-up (and RoPE table) before capture
+            main.wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):  # records kernels, runs none: the state stays as the step left it
+                out = decode_step(*args)
+        self._tables = self.model._rope_cache
         self.graphs[key] = (g, *out)
+        self.stats["captures"] += 1
+        if len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats["evictions"] += 1
         return tok, logp

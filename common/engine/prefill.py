@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.sampling import inv_temperature
+from common.engine.sampling import effective_temperature, scale_logits
 
 
 def padded(seqs: list[list[int]], device) -> torch.Tensor:
@@ -35,7 +35,7 @@ def prefill_prompts(model, cache, prompts: list[list[int]], entries: list[int], 
                     budget: int) -> tuple[list[torch.Tensor | None], int]:
     """K/V of each prompt into its prefix entry, `budget` padded tokens per forward. Returns, per
     prompt, its last position's logits / T_eff (V,) where a temperature is given (samples still
-    to draw their first token), else None; and the number of forwards."""
+    to draw their first token), else None (fp32 logits / T_eff); and the number of forwards."""
     dev, out = model.device, [None] * len(prompts)
     parts = batches([len(p) for p in prompts], budget)
     for part in parts:
@@ -45,9 +45,9 @@ def prefill_prompts(model, cache, prompts: list[list[int]], entries: list[int], 
         if want:
             rows = torch.tensor([k - part.start for k in want], device=dev)
             last = torch.tensor([len(prompts[k]) - 1 for k in want], device=dev)
-            inv_t = inv_temperature(torch.tensor([temperatures[k] for k in want], device=dev))
-            hw = h[rows, last]  # (w, D): each prompt's last position
-            for k, lg in zip(want, model.lm_head(hw * inv_t.to(hw.dtype).unsqueeze(1))):  # (w, V)
+            t_eff = effective_temperature(torch.tensor([temperatures[k] for k in want], device=dev))
+            scaled = scale_logits(model.lm_head(h[rows, last]), t_eff)  # (w, V) fp32: each prompt's last position
+            for k, lg in zip(want, scaled):
                 out[k] = lg
     return out, len(parts)
 

@@ -30,15 +30,17 @@ end on the old weights, then loads.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
-from common.engine.decode import GraphedDecode, Rows, captured_shape, decode_step
+from common.engine.decode import GraphedDecode, Rows, Shape, captured_shape, decode_step
 from common.engine.kv_cache import KVCache
 from common.engine.prefill import prefill_continuations, prefill_prompts
 from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
+from common.engine.slot_log import SlotLog
 
 
 @dataclass
@@ -53,11 +55,10 @@ class _Request:
 
 
 @dataclass
-class _Seq:  # one in-flight sample occupying one slot
+class _Seq:  # one in-flight sample occupying one slot (its tokens so far: the sampler's SlotLog)
     req: _Request
-    out: Completion
+    out: Completion       # filled from the SlotLog when the sample is handed out
     pos: int = 0          # absolute position of the pending token (prompt length + generated - 1)
-    stops: frozenset = field(default_factory=frozenset)
 
 
 def _hole_below(items: list) -> tuple[int, int] | None:
@@ -90,12 +91,14 @@ class Sampler:
         self.queue: deque[_Request] = deque()
         self.slots: list[_Seq | None] = [None] * max_batch
         self.rows = Rows.allocate(max_batch, self.cache.max_prefixes, dev)
+        self.log = SlotLog(max_batch, max_seq_len)  # host: tokens, log-probs, versions per slot
         self.graphed = GraphedDecode(model, self.cache, self.rows) if cuda_graphs else None
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
         self.stats = {"prefill_tokens": 0, "prefill_forwards": 0, "decode_steps": 0, "decode_tokens": 0,
-                      "decode_rows": 0, "interrupts": 0}
+                      "decode_rows": 0, "interrupts": 0, **{f"{a}_{b}": 0 for a in ("run", "live")
+                                                            for b in ("prompt_rows", "own_cols", "prompt_cols")}}
 
     # ------------------------------------------------------------------ requests
     def check_request(self, prompt, params: SamplingParams) -> None:
@@ -157,9 +160,9 @@ class Sampler:
         self._pending_update = None
         self._prefill([r for r in self.entries if r is not None])  # each live prompt once, shared as before
         # then every in-flight sample's tokens but the pending last one, after its prompt
-        busy = [(s, q) for s, q in enumerate(self.slots) if q is not None and len(q.out.tokens) > 1]
+        busy = [(s, q) for s, q in enumerate(self.slots) if q is not None and self.log.count[s] > 1]
         if busy:
-            own = [q.out.tokens[:-1] for _, q in busy]
+            own = [self.log.tokens(s)[:-1] for s, _ in busy]
             prefill_continuations(self.model, self.cache, [s for s, _ in busy], [q.req.entry for _, q in busy],
                                   [len(q.req.prompt) for _, q in busy], own, self.max_seq_len)
             self.stats["prefill_tokens"] += sum(len(o) for o in own)
@@ -174,6 +177,7 @@ class Sampler:
         out = []
         for s, seq in enumerate(self.slots):
             if seq is not None:
+                self.log.fill(s, seq.out)
                 seq.out.finish_reason = "interrupted"
                 out.append(seq.out)
                 self.slots[s] = None
@@ -205,8 +209,8 @@ class Sampler:
         for req, take in plan:
             p, P = req.params, len(req.prompt)
             for s in take:
-                self.slots[s] = _Seq(req, Completion(req.request_id, req.next_sample, req.prompt), P,
-                                     frozenset(p.stop_token_ids))
+                self.slots[s] = _Seq(req, Completion(req.request_id, req.next_sample, req.prompt), P)
+                self.log.start(s, min(p.max_new_tokens, self.max_seq_len - P), p.stop_token_ids)
                 rids.append(req.request_id)
                 sidx.append(req.next_sample)
                 req.next_sample += 1
@@ -242,6 +246,7 @@ class Sampler:
             self.cache.move_slot(src, dst, seq.pos - len(seq.req.prompt))  # columns already written
             for t in self.rows.per_slot():
                 t[dst] = t[src]
+            self.log.move(src, dst)
             self.slots[dst], self.slots[src] = seq, None
             self.rows.active[src] = False
         while (move := _hole_below(self.entries)) is not None:
@@ -259,24 +264,18 @@ class Sampler:
 
     def _record(self, slots: list[int], out: torch.Tensor) -> list[Completion]:
         """Append each slot's new token (out: (2, len(slots)) host tensor, tokens and log-probs);
-        free the slots whose sample is finished."""
-        finished, done = [], []
-        for s, t, lp in zip(slots, out[0].long().tolist(), out[1].tolist()):
+        free the slots whose sample is finished (a stop token, max_new_tokens or max_seq_len)."""
+        slots_np = np.asarray(slots, dtype=np.int64)
+        fin, stopped = self.log.append(slots_np, out[0].numpy().astype(np.int64), out[1].numpy(), self.version)
+        finished, done = [], slots_np[fin].tolist()
+        for s, stop in zip(done, stopped[fin].tolist()):
             seq = self.slots[s]
-            o = seq.out
-            o.tokens.append(t)
-            o.logp.append(lp)
-            o.versions.append(self.version)
-            if t in seq.stops:
-                o.finish_reason = "stop"
-            elif len(o.tokens) >= seq.req.params.max_new_tokens or seq.pos + 1 >= self.max_seq_len:
-                o.finish_reason = "length"
-            if o.finish_reason:
-                finished.append(o)
-                done.append(s)
-                self.slots[s] = None
-                seq.req.live -= 1
-                self._release(seq.req)
+            self.log.fill(s, seq.out)
+            seq.out.finish_reason = "stop" if stop else "length"
+            finished.append(seq.out)
+            self.slots[s] = None
+            seq.req.live -= 1
+            self._release(seq.req)
         if done:
             self.rows.active[torch.tensor(done, device=self.rows.active.device)] = False
         return finished
@@ -301,25 +300,29 @@ class Sampler:
         counts: dict[int, int] = {}
         for q in seqs:
             counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
-        n, E = max(counts.values()), max(counts) + 1
         flags = self._flags([q.req.params for q in seqs])
-        B = hi
-        S = max(q.pos - len(q.req.prompt) for q in seqs) + 1  # slot columns in use, the new one included
-        P = max(len(q.req.prompt) for q in seqs)
+        live = Shape(B=hi, E=max(counts) + 1, n=max(counts.values()),
+                     S=max(q.pos - len(q.req.prompt) for q in seqs) + 1,  # slot columns in use, the new one included
+                     P=max(len(q.req.prompt) for q in seqs))
+        shape = live
         if self.static_shapes:  # the shapes a captured step runs at (eagerly: tests compare them with the live ones)
-            (B, E, n), S, P = captured_shape(hi, n, self.max_batch, self.cache.max_prefixes), self.max_seq_len, \
-                self.max_prompt_len
-        self._plan(B, E, n)
+            shape = captured_shape(live, self.max_batch, self.cache.max_prefixes, self.max_seq_len,
+                                   self.max_prompt_len)
+        self._plan(shape.B, shape.E, shape.n)
         if self.graphed is not None:
-            tok, lp = self.graphed(B, E, n, *flags)
+            tok, lp = self.graphed(shape, *flags)
         else:
-            tok, lp = decode_step(self.model, self.cache, self.rows, B, E, n, S, P, *flags)
+            tok, lp = decode_step(self.model, self.cache, self.rows, shape, *flags)
         tok, lp = tok[:hi], lp[:hi]
         for q in seqs:
             q.pos += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(busy)
-        self.stats["decode_rows"] += hi  # rows computed, idle ones included
+        self.stats["decode_rows"] += shape.B  # rows computed, idle and padding ones included
+        for name, sh in (("run", shape), ("live", live)):  # the step's shape vs the live batch's (graph padding)
+            self.stats[f"{name}_prompt_rows"] += sh.E * sh.n  # query rows against shared prompts
+            self.stats[f"{name}_own_cols"] += sh.S            # slot columns attended per row
+            self.stats[f"{name}_prompt_cols"] += sh.P         # prompt columns attended per entry
         out = torch.stack((tok.double(), lp.double())).cpu()  # the step's one device-to-host transfer
         return finished + self._record(busy, out[:, busy])
 

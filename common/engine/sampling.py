@@ -4,10 +4,12 @@ Per-row parameters (each slot of a continuous batch may belong to a different re
 temperature (B,), top_k (B,) with 0 = off, top_p (B,) with 1 = off. Greedy rows have T = 0.
 Sampling is by inverse CDF: one uniform per row against the cumulative sum of
 exp(logits / T - max), taken in two levels (blocks, then inside one block). (A Gumbel-max race
-would need B x V exponential draws instead of B uniforms.) The temperature is applied before
-the lm_head, to its input (`inv_temperature`), so `sample` receives logits / T_eff and makes
-three passes over (B, V): max, exp, block sums; the log-normaliser comes from the same sums,
-instead of a (B, V) divide, a full cumsum and a separate logsumexp (BENCHMARKS.md, "Sampler").
+would need B x V exponential draws instead of B uniforms.) The temperature divides the fp32
+logits (`scale_logits`), exactly as the trainer's head does (`common/engine/head.py`), so the
+recorded log-probs are the trainer's at the same T whatever the model dtype (a bf16 1/T would
+sample at a slightly different temperature); `sample` then makes three passes over (B, V): max,
+exp, block sums, and the log-normaliser comes from the same sums instead of a full cumsum and a
+separate logsumexp (BENCHMARKS.md, "Sampler").
 
 Random numbers are counter-based (`uniforms`): the uniform for token t of sample j of request r
 is a hash of (seed, r, j, t), computed with 32-bit integer arithmetic on the device. So a
@@ -79,10 +81,17 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def inv_temperature(temperature: torch.Tensor) -> torch.Tensor:
-    """(B,) 1 / T_eff, with T_eff = T, or 1 for greedy rows (T = 0): the factor the sampler
-    applies to the lm_head's *input*, so the head emits logits / T_eff with no (B, V) pass."""
-    return torch.where(temperature > 0, temperature, torch.ones_like(temperature)).reciprocal()
+def effective_temperature(temperature: torch.Tensor) -> torch.Tensor:
+    """(B,) fp32 T_eff: T, or 1 for greedy rows (T = 0), the temperature log-probs are taken at
+    (`common.ops.logp_temperature`)."""
+    temperature = temperature.float()
+    return torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+
+
+def scale_logits(logits: torch.Tensor, t_eff: torch.Tensor) -> torch.Tensor:
+    """logits (B, V) in the head's dtype -> fp32 logits / T_eff (B, V), T_eff (B,) fp32. The
+    division happens after the upcast, as in the trainer (`head_logp`: z = float(h W^T) / T)."""
+    return logits.float() / t_eff.unsqueeze(1)
 
 
 def block_sums(e: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
@@ -149,7 +158,7 @@ def draw(e: torch.Tensor, sums: torch.Tensor, u: torch.Tensor, block: int = BLOC
 
 def sample(scaled: torch.Tensor, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            u: torch.Tensor, any_filtered: bool = True, any_greedy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from `scaled` = logits / T_eff (B, V) (see `inv_temperature`)
+    """Sample one token per row from `scaled` = logits / T_eff (B, V) fp32 (see `scale_logits`)
     with the rows' uniforms u (B,). Greedy rows (B,) bool take the argmax. Returns tokens (B,)
     and their log-probs (B,) under softmax(scaled), i.e. before top-k / top-p truncation, via
     the shared `logp_from_logits`. `any_filtered` / `any_greedy`: whether some row has top-k /
