@@ -2,38 +2,71 @@
 decode step's wall time against its device time.
 
 sampler  Our `Sampler` (eager, and with `cuda_graphs=True` when its constructor has that
-         argument and the device is CUDA) on the workload: a full warm-up run of the same work
-         (every batch size the timed run meets, so every CUDA graph is captured), then one timed
+         argument and the device is CUDA) on a workload: a full warm-up run of the same work
+         (every bucket the timed run meets, so every CUDA graph is captured), then one timed
          `generate`, device synchronised around it. tok/s = generated tokens / wall seconds.
          transformers: `AutoModelForCausalLM` from the same checkpoint, same dtype and device,
-         `generate(do_sample, T, top_k=0, top_p=1, min_new_tokens = max_new_tokens)` on
-         left-padded batches of `--hf-batch` sequences (prompts x num_return_sequences), in three
-         settings: dynamic cache; static cache (`disable_compile=True`: transformers would
-         otherwise compile the decode step by itself on CUDA); static cache with
-         `model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`.
-         Warm-up: a 16-token run (eager settings), the full run (compiled: compile + CUDA graph
-         capture, reported as `warmup_s`). Ratios: our best / each setting.
+         `generate(do_sample, T, top_k=0, top_p=1)` on left-padded batches of `--hf-batch`
+         sequences (prompts x num_return_sequences), in three settings: dynamic cache; static
+         cache (`disable_compile=True`); static cache compiled the way transformers compiles it
+         for its users: its own automatic compile of the decoding forward with
+         `compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead")`, the cache created
+         outside the compiled region (dynamo's CUDA-graph skips are reported: a skipped graph is
+         an eager step). Warm-up: a 16-token run (eager settings), the full run (compiled).
+         Two workloads:
+           default  `--prompts` x `--n`, no stop tokens (every sample runs max_new tokens), as
+                    measured before; all rows start and stop together (one bucket, no tail);
+           gsm8k    the GSM8K GPU preset's shape: `--gsm8k-prompts` x n = 20, ragged prompt
+                    lengths, `--gsm8k-stops` stop ids (random weights: samples end at random
+                    times), so tails and bucket changes happen; length quantiles are reported.
+         Ratios: `ours_over_hf_*` are *system* ratios: our sampler shares each prompt's prefill
+         and K/V across its n samples and refills finished slots at once, transformers cannot
+         (num_return_sequences copies the prompt; finished rows pad until the batch ends).
+         `engine.ours_no_sharing_over_hf_*`: the default workload with every sample its own
+         request (n = 1, prompts repeated): no sharing, every row the same length: decode engine
+         against decode engine.
 decode   A fresh sampler per variant gets all prompts x n (= max_batch rows), one step admits them
          all; after warm-up steps, `--decode-steps` steps are timed one by one on the host
          (synchronised; `wall_ms` = median), then `--decode-profile` steps run under the torch
          profiler: `gpu_ms` = the union of the CUDA kernel/memcpy/memset intervals per step (on CPU
          the summed self time of the aten ops instead, `gpu_ms_source` says which).
          Every measured step has all rows busy (asserted). launch_bound = wall / gpu > 1.5.
+         `gsm8k_schedule` (CUDA): the gsm8k workload's whole generate under the profiler, eager at
+         the live shapes vs captured at the graph buckets (warm run first): device ms per step
+         each, their ratio (`captured_over_live_gpu`, target <= 1.3), and the sampler's padding
+         counters (rows, prompt query rows, cache columns run vs live).
 """
 from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import dataclass, replace
 
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench._gpu_util import Ctx, free_memory, median, sync
+from bench._gpu_util import FIRST_ID, Ctx, free_memory, median, random_prompts, sync
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 
 LAUNCH_BOUND = 1.5  # wall / device time above this: the host, not the GPU, sets the pace
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompts: list            # token ids per request
+    n: int                   # samples per prompt
+    max_new: int             # new tokens per sample at most
+    stops: tuple = ()        # stop ids (none: every sample runs max_new tokens)
+
+
+def workloads(ctx: Ctx) -> dict[str, Workload]:
+    a = ctx.args
+    g = random_prompts(a.gsm8k_prompts, a.gsm8k_prompt_min, a.gsm8k_prompt_max, ctx.shape["vocab_size"], a.seed + 1)
+    return {"default": Workload("default", ctx.prompts, a.n, a.max_new),
+            "gsm8k": Workload("gsm8k", g, a.gsm8k_n, a.max_new, tuple(range(FIRST_ID, FIRST_ID + a.gsm8k_stops)))}
 
 
 def has_cuda_graphs() -> bool:
@@ -48,34 +81,46 @@ def _variants(ctx: Ctx) -> dict[str, dict | str]:
     return {"ours_eager": {"cuda_graphs": False} if has_cuda_graphs() else {}, "ours_cuda_graphs": graphs}
 
 
-def _new_sampler(ctx: Ctx, model, kw: dict) -> Sampler:
-    a, P = ctx.args, max(map(len, ctx.prompts))
-    return Sampler(model, max_batch=a.max_batch, max_seq_len=P + a.max_new, max_prompt_len=P, **kw)
+def _new_sampler(ctx: Ctx, model, kw: dict, wl: Workload | None = None) -> Sampler:
+    wl = wl or workloads(ctx)["default"]
+    P = max(map(len, wl.prompts))
+    return Sampler(model, max_batch=ctx.args.max_batch, max_seq_len=P + wl.max_new, max_prompt_len=P, **kw)
 
 
-def _params(ctx: Ctx, seed: int, max_new: int | None = None) -> SamplingParams:
-    a = ctx.args  # no stop tokens: every sample runs max_new tokens, as transformers' min_new_tokens does
-    return SamplingParams(max_new_tokens=max_new or a.max_new, temperature=a.temperature, n=a.n, seed=seed)
+def _params(ctx: Ctx, seed: int, wl: Workload | None = None, max_new: int | None = None) -> SamplingParams:
+    wl = wl or workloads(ctx)["default"]
+    return SamplingParams(max_new_tokens=max_new or wl.max_new, temperature=ctx.args.temperature, n=wl.n,
+                          stop_token_ids=wl.stops, seed=seed)
 
 
-def run_ours(ctx: Ctx, model, kw: dict) -> dict:
-    s = _new_sampler(ctx, model, kw)
+def _lengths(lens: list[int]) -> dict:
+    q = sorted(lens)
+    return {"mean": sum(q) / len(q), "p10": q[len(q) // 10], "p50": q[len(q) // 2], "p90": q[9 * len(q) // 10]}
+
+
+PADDING = ("decode_rows", "decode_tokens", "run_prompt_rows", "live_prompt_rows", "run_own_cols", "live_own_cols",
+           "run_prompt_cols", "live_prompt_cols")
+
+
+def run_ours(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
+    s = _new_sampler(ctx, model, kw, wl)
     t = time.perf_counter()
-    s.generate(ctx.prompts, _params(ctx, seed=1))  # warm-up: the same work, so every bucket is met
+    s.generate(wl.prompts, _params(ctx, 1, wl))  # warm-up: the same work, so every bucket is met
     sync(ctx.device)
     warm = time.perf_counter() - t
     before = dict(s.stats)
     sync(ctx.device)
     t = time.perf_counter()
-    outs = s.generate(ctx.prompts, _params(ctx, seed=0))
+    outs = s.generate(wl.prompts, _params(ctx, 0, wl))
     sync(ctx.device)
     dt = time.perf_counter() - t
     ntok = sum(len(c.tokens) for c in outs)
-    st = {k: s.stats[k] - before[k] for k in ("prefill_tokens", "decode_steps", "decode_rows")}
+    st = {k: s.stats[k] - before[k] for k in ("prefill_tokens", "decode_steps", *PADDING)}
+    graphs = dict(s.graphed.stats, graphs=len(s.graphed.graphs)) if s.graphed is not None else None
     return {"tok_s": ntok / dt, "seconds": dt, "tokens": ntok, "sequences": len(outs), "warmup_s": warm,
-            "all_full_length": all(len(c.tokens) == ctx.args.max_new for c in outs), "max_batch": ctx.args.max_batch,
-            "dtype": str(model.dtype).replace("torch.", ""), "kv_dtype": str(s.cache.dtype).replace("torch.", ""),
-            **st, **kw}
+            "all_full_length": all(len(c.tokens) == wl.max_new for c in outs), "lengths": _lengths([len(c.tokens) for c in outs]),
+            "max_batch": ctx.args.max_batch, "dtype": str(model.dtype).replace("torch.", ""),
+            "kv_dtype": str(s.cache.dtype).replace("torch.", ""), "graphs": graphs, **st, **kw}
 
 
 def _left_pad(prompts, pad_id, device):
@@ -85,85 +130,132 @@ def _left_pad(prompts, pad_id, device):
     return ids, mask
 
 
-def _hf_generate(ctx: Ctx, hf, max_new: int, extra: dict) -> tuple[int, float]:
-    """(generated tokens, wall s) of the whole workload in batches of --hf-batch sequences."""
+def _hf_generate(ctx: Ctx, hf, wl: Workload, max_new: int, extra: dict) -> tuple[int, float]:
+    """(generated tokens, wall s) of the whole workload in batches of --hf-batch sequences; with
+    stop ids, a row's tokens count up to and including its first stop (the rest is padding)."""
     a = ctx.args
-    per = max(1, a.hf_batch // a.n)  # prompts per call; each returns n sequences
+    per = max(1, a.hf_batch // wl.n)  # prompts per call; each returns n sequences
+    stop = {"eos_token_id": list(wl.stops)} if wl.stops else {"min_new_tokens": max_new}
     ntok = 0
     torch.manual_seed(0)
     sync(ctx.device)
     t = time.perf_counter()
-    for i in range(0, len(ctx.prompts), per):
-        ids, mask = _left_pad(ctx.prompts[i:i + per], 0, ctx.device)
+    for i in range(0, len(wl.prompts), per):
+        ids, mask = _left_pad(wl.prompts[i:i + per], 0, ctx.device)
         with torch.no_grad():
             out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=a.temperature, top_k=0,
-                              top_p=1.0, max_new_tokens=max_new, min_new_tokens=max_new, num_return_sequences=a.n,
-                              pad_token_id=0, **extra)
-        ntok += out.shape[0] * (out.shape[1] - ids.shape[1])  # min_new_tokens: no row stops early
+                              top_p=1.0, max_new_tokens=max_new, num_return_sequences=wl.n, pad_token_id=0,
+                              **stop, **extra)
+        gen = out[:, ids.shape[1]:]
+        if wl.stops:
+            hit = torch.isin(gen, torch.tensor(wl.stops, device=gen.device))
+            first = torch.where(hit.any(1), hit.float().argmax(1) + 1, gen.shape[1])
+            ntok += int(first.sum())
+        else:
+            ntok += gen.numel()  # min_new_tokens: no row stops early
     sync(ctx.device)
     return ntok, time.perf_counter() - t
 
 
-def _compiled_graphs() -> int | None:
-    """Graphs dynamo has compiled in this process so far (None if this torch does not say)."""
-    try:
-        return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
-    except (AttributeError, KeyError, TypeError):
-        return None
+def _dynamo_counts() -> dict:
+    """Graphs dynamo compiled and CUDA-graph skips inductor logged in this process so far."""
+    c = torch._dynamo.utils.counters
+    return {"graphs": int(c["stats"].get("unique_graphs", 0)),
+            "cudagraph_skips": int(sum(v for k, v in c["inductor"].items() if "cudagraph_skip" in k))}
 
 
-def run_hf(ctx: Ctx, compile_forward: bool, static: bool) -> dict:
+def run_hf(ctx: Ctx, compiled: bool, static: bool, wl: Workload) -> dict:
     import transformers  # lazy: slow import, only this section needs it
     hf = transformers.AutoModelForCausalLM.from_pretrained(ctx.ckpt, dtype=ctx.prec.torch_dtype).to(ctx.device).eval()
     extra = {"cache_implementation": "static"} if static else {}
-    if hasattr(transformers.GenerationConfig(), "disable_compile"):
-        extra["disable_compile"] = True  # no automatic compile: the settings below say exactly what is compiled
-    if compile_forward:
-        hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    if compiled:  # transformers' own automatic compile of the decoding step (its users' setting)
+        extra["compile_config"] = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+        extra["disable_compile"] = False
+    else:
+        extra["disable_compile"] = True
     try:
-        warm_new = ctx.args.max_new if compile_forward else min(16, ctx.args.max_new)
-        _, warm = _hf_generate(ctx, hf, warm_new, extra)
-        graphs = _compiled_graphs()
-        ntok, dt = _hf_generate(ctx, hf, ctx.args.max_new, extra)
-        recompiled = None if graphs is None else _compiled_graphs() - graphs  # must be 0: compile time not in dt
+        warm_new = wl.max_new if compiled else min(16, wl.max_new)
+        c0 = _dynamo_counts()
+        _, warm = _hf_generate(ctx, hf, wl, warm_new, extra)
+        c1 = _dynamo_counts()
+        ntok, dt = _hf_generate(ctx, hf, wl, wl.max_new, extra)
+        c2 = _dynamo_counts()
     finally:
-        if compile_forward:
+        if compiled:
             torch._dynamo.reset()  # drop the compiled graphs and their CUDA graph memory pools
         del hf
         free_memory(ctx.device)
+    extra["compile_config"] = "CompileConfig(fullgraph=True, mode='reduce-overhead')" if compiled else None
     return {"tok_s": ntok / dt, "seconds": dt, "tokens": ntok, "warmup_s": warm, "warmup_new_tokens": warm_new,
-            "batch": min(ctx.args.hf_batch, len(ctx.prompts) * ctx.args.n), **extra,
-            "compiled_forward": "reduce-overhead, fullgraph" if compile_forward else None,
-            "graphs_compiled_in_warmup": graphs if compile_forward else None,
-            "graphs_compiled_in_timed_run": recompiled if compile_forward else None}
+            "batch": min(ctx.args.hf_batch, len(wl.prompts) * wl.n), **extra,
+            "graphs_compiled_in_warmup": c1["graphs"] - c0["graphs"] if compiled else None,
+            "graphs_compiled_in_timed_run": c2["graphs"] - c1["graphs"] if compiled else None,  # must be 0
+            "cudagraph_skips": c2["cudagraph_skips"] - c0["cudagraph_skips"] if compiled else None}
+
+
+HF_SETTINGS = {"hf_dynamic": (False, False), "hf_static": (False, True), "hf_static_compiled": (True, True)}
+
+
+def _hf_runs(ctx: Ctx, wl: Workload, names) -> dict:
+    out = {}
+    for name in names:
+        comp, static = HF_SETTINGS[name]
+        if ctx.args.skip_hf:
+            out[name] = {"skipped": "--skip-hf"}
+        elif comp and not ctx.args.hf_compile:
+            out[name] = {"skipped": "no torch.compile (--no-hf-compile, the --smoke default)"}
+        else:
+            out[name] = run_hf(ctx, comp, static, wl)
+    return out
+
+
+def _ours(ctx: Ctx, model, wl: Workload) -> dict:
+    out = {}
+    for name, kw in _variants(ctx).items():
+        out[name] = run_ours(ctx, model, kw, wl) if isinstance(kw, dict) else {"skipped": kw}
+        free_memory(ctx.device)
+    out["ours_best"] = max((v["tok_s"], k) for k, v in out.items() if "tok_s" in v)[1]
+    return out
+
+
+def _ratios(out: dict, prefix: str = "ours") -> None:
+    """ours_over_<hf setting> (the best of ours) and <variant>_over_<setting> for the other variant."""
+    best = out["ours_best"]
+    for name in HF_SETTINGS:
+        if "tok_s" in out.get(name, {}):
+            out[f"{prefix}_over_{name}"] = out[best]["tok_s"] / out[name]["tok_s"]
+            for k in ("ours_eager", "ours_cuda_graphs"):
+                if "tok_s" in out[k] and k != best:
+                    out[f"{k}_over_{name}"] = out[k]["tok_s"] / out[name]["tok_s"]
 
 
 def sampler_section(ctx: Ctx) -> dict:
     a = ctx.args
+    wls = workloads(ctx)
     model = ctx.prec.load(ctx.ckpt, device=ctx.device, role="generator", tokenizer=False)[0]
-    out = {"workload": {"prompts": len(ctx.prompts), "n": a.n, "prompt_len": [a.prompt_min, a.prompt_max],
-                        "max_new_tokens": a.max_new, "temperature": a.temperature, "stop_tokens": None},
-           "sampler_has_cuda_graphs": has_cuda_graphs()}
-    for name, kw in _variants(ctx).items():
-        out[name] = run_ours(ctx, model, kw) if isinstance(kw, dict) else {"skipped": kw}
-        free_memory(ctx.device)
+    d, g = wls["default"], wls["gsm8k"]
+    out = {"workload": {"prompts": len(d.prompts), "n": d.n, "prompt_len": [a.prompt_min, a.prompt_max],
+                        "max_new_tokens": d.max_new, "temperature": a.temperature, "stop_tokens": None},
+           "sampler_has_cuda_graphs": has_cuda_graphs(), **_ours(ctx, model, d)}
+    # engine against engine: every sample its own request (no prompt sharing), same rows and lengths
+    distinct = replace(d, name="default_no_sharing", prompts=[p for p in d.prompts for _ in range(d.n)], n=1)
+    eng = {"ours_no_sharing": run_ours(ctx, model, {"cuda_graphs": out["ours_best"] == "ours_cuda_graphs"}
+                                       if has_cuda_graphs() else {}, distinct)}
+    gsm = {"workload": {"prompts": len(g.prompts), "n": g.n, "prompt_len": [a.gsm8k_prompt_min, a.gsm8k_prompt_max],
+                        "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)}
     del model
     free_memory(ctx.device)
-    ours = max((v["tok_s"], k) for k, v in out.items() if k.startswith("ours_") and "tok_s" in v)
-    out["ours_best"] = ours[1]
-    hf_settings = {"hf_dynamic": (False, False), "hf_static": (False, True), "hf_static_compiled": (True, True)}
-    for name, (comp, static) in hf_settings.items():
-        if a.skip_hf:
-            out[name] = {"skipped": "--skip-hf"}
-        elif comp and not a.hf_compile:
-            out[name] = {"skipped": "no torch.compile (--no-hf-compile, the --smoke default)"}
-        else:
-            out[name] = run_hf(ctx, comp, static)
+    out.update(_hf_runs(ctx, d, HF_SETTINGS))
+    _ratios(out)
+    for name in HF_SETTINGS:
         if "tok_s" in out[name]:
-            out[f"ours_over_{name}"] = ours[0] / out[name]["tok_s"]
-            for k in ("ours_eager", "ours_cuda_graphs"):
-                if "tok_s" in out[k] and k != ours[1]:
-                    out[f"{k}_over_{name}"] = out[k]["tok_s"] / out[name]["tok_s"]
+            eng[f"ours_no_sharing_over_{name}"] = eng["ours_no_sharing"]["tok_s"] / out[name]["tok_s"]
+    out["engine"] = eng
+    gsm.update(_hf_runs(ctx, g, ("hf_static", "hf_static_compiled")))
+    _ratios(gsm)
+    out["gsm8k"] = gsm
+    out["ratios"] = {"ours_over_hf_*": "system (prompt sharing and slot refill included)",
+                     "engine.ours_no_sharing_over_hf_*": "engine (no sharing, equal rows and lengths)"}
     return out
 
 
@@ -223,11 +315,33 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
     return res
 
 
+def schedule_gpu(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
+    """Device ms per decode step over the whole `wl` generate (after a warm run of the same work,
+    so every graph is captured before the profiled one) and the sampler's padding counters."""
+    s = _new_sampler(ctx, model, kw, wl)
+    s.generate(wl.prompts, _params(ctx, 0, wl))
+    before = dict(s.stats)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    with profile(activities=acts) as prof:
+        s.generate(wl.prompts, _params(ctx, 0, wl))
+        sync(ctx.device)
+    dev_ms, _ = _device_ms(prof, ctx.cuda)
+    st = {k: s.stats[k] - before[k] for k in ("decode_steps", *PADDING)}
+    return {"device_ms_per_step": dev_ms / st["decode_steps"], **st, **kw}
+
+
 def decode_section(ctx: Ctx) -> dict:
     model = ctx.prec.load(ctx.ckpt, device=ctx.device, role="generator", tokenizer=False)[0]
     out = {"launch_bound_if_over": LAUNCH_BOUND}
     for name, kw in _variants(ctx).items():
         out[name] = decode_one(ctx, model, kw) if isinstance(kw, dict) else {"skipped": kw}
         free_memory(ctx.device)
+    # the captured step's shapes vs the live ones over a ragged schedule (on CPU: the bucket shapes
+    # run eagerly, the same kernels a graph replays)
+    wl = workloads(ctx)["gsm8k"]
+    captured = {"cuda_graphs": True} if ctx.cuda and has_cuda_graphs() else {"static_shapes": True}
+    live = schedule_gpu(ctx, model, {"cuda_graphs": False} if has_cuda_graphs() else {}, wl)
+    cap = schedule_gpu(ctx, model, captured, wl)
+    out["gsm8k_schedule"] = {"live": live, "captured": cap,
+                             "captured_over_live_gpu": cap["device_ms_per_step"] / live["device_ms_per_step"]}
     return out
-

@@ -40,7 +40,9 @@ def greedy_pass_at_1(model, tokenizer, prompts: list[list[int]], metas: list, re
 @torch.no_grad()
 def sample_completions(model, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
                        progress: bool = True) -> list[Completion]:
-    """params.n completions per prompt from a sampler sized for this set, in prompt order."""
+    """params.n completions per prompt from a sampler sized for this set, in prompt order. It is
+    the generators' sampler: on CUDA its decode runs as CUDA graphs when the run decodes so
+    (`--gen.cuda_graphs`, passed on as `model.decode_graphs`), instead of one launch per kernel."""
     P = max(len(p) for p in prompts)
     s = Sampler(model, max_batch=min(max_batch, len(prompts) * params.n), max_seq_len=P + params.max_new_tokens,
                 max_prompt_len=P)

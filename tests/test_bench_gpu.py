@@ -45,6 +45,13 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     s = res["sampler"]
     assert s["ours_eager"]["all_full_length"] and s["ours_eager"]["tokens"] == s["hf_static"]["tokens"]
     assert "skipped" in s["hf_static_compiled"] and "skipped" in s["ours_cuda_graphs"]  # no compile / graphs on CPU
+    g = s["gsm8k"]  # the ragged, stop-token workload: samples of different lengths, a ratio to transformers
+    assert _finite(g["ours_eager"]["tok_s"]) and _finite(g["ours_over_hf_static"]) and not g["ours_eager"]["all_full_length"]
+    assert _finite(s["engine"]["ours_no_sharing_over_hf_static"]) and s["engine"]["ours_no_sharing"]["prefill_tokens"] > \
+        s["ours_eager"]["prefill_tokens"]  # no prompt sharing: every sample prefills its own copy
+    sched = res["decode"]["gsm8k_schedule"]  # bucket shapes (eager on CPU) vs live shapes over the same schedule
+    assert _finite(sched["captured_over_live_gpu"]) and sched["captured"]["run_prompt_rows"] >= sched["live"]["run_prompt_rows"]
+    assert "captured_over_live_gpu" in res["targets"]
     assert res["ipc"]["torn_reads"] == 0 and res["ipc"]["race_reads"] >= 1
     assert res["async"]["steps"] == 3
     assert set(res["targets"]) >= {"comparable", "decode_wall_over_gpu", "trainer_no_checkpointing", "ipc"}

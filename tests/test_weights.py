@@ -63,6 +63,27 @@ def test_round_trip_in_process():
         store.publish(src, 4)
 
 
+def test_bind_loads_with_one_copy_in_place():
+    """A bound reader's parameters live in one flat buffer: loads land in the same memory
+    (captured graphs keep reading valid weights), tied weights stay tied, values equal."""
+    src, dst = Tiny(), Tiny()
+    store = WeightStore.from_module(src)
+    assert store.bind(dst)
+    ptrs = [p.data_ptr() for p in dst.parameters()]
+    for v in (0, 1):
+        _fill(src, float(v + 2))
+        store.publish(src, version=v)
+        assert store.load_into(dst) == v and _same(src, dst)
+        assert [p.data_ptr() for p in dst.parameters()] == ptrs
+    assert dst.head.weight is dst.embed.weight
+    with torch.no_grad():
+        dst.head.weight.data = dst.head.weight.data.clone()  # moved out of the buffer: per-parameter copies
+    _fill(src, 7.0)
+    store.publish(src, version=2)
+    assert store.load_into(dst) == 2 and _same(src, dst)
+    assert not WeightStore.from_module(src, dtype=torch.bfloat16).bind(Tiny())  # dtypes differ: no binding
+
+
 def test_dtype_conversion():
     src = Tiny()
     store = WeightStore.from_module(src, dtype=torch.bfloat16)

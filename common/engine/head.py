@@ -38,7 +38,7 @@ def _gemm_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 class _HeadLogp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, temperature: float, chunk: int, dtype: torch.dtype):
+    def forward(ctx, h, weight, targets, temperature: float, chunk: int, dtype: torch.dtype, for_backward: bool):
         n = h.shape[0]
         w = weight.to(dtype)
         out = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -51,8 +51,8 @@ class _HeadLogp(torch.autograd.Function):
                     z = z / temperature
                 lse[i:i + chunk] = torch.logsumexp(z, -1)
                 out[i:i + chunk] = z.gather(-1, targets[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
-                if n <= chunk:  # one chunk: keep its softmax rather than recompute it in backward
-                    probs = z.sub_(lse[:, None]).exp_()
+                if n <= chunk and for_backward:  # one chunk: keep its softmax for backward (no-grad
+                    probs = z.sub_(lse[:, None]).exp_()  # passes, e.g. reference log-probs, skip it)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.probs, ctx.temperature, ctx.chunk, ctx.dtype = probs, temperature, chunk, dtype
         return out
@@ -63,7 +63,9 @@ class _HeadLogp(torch.autograd.Function):
         h, weight, targets, lse = ctx.saved_tensors
         dt, T, chunk = ctx.dtype, ctx.temperature, ctx.chunk
         w = weight.to(dt)
-        w_t = w.t().contiguous()  # (D, V): dh = dz W is linear(dz, W^T)
+        # dh = dz W and dW = dz^T h: cuBLAS takes the transposed views as they are; the CPU's
+        # GEMM (`linear`, oneDNN or ATen) wants contiguous operands, so W^T is copied once there
+        w_t = w.t() if w.is_cuda else w.t().contiguous()  # (D, V)
         gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         with torch.autocast(h.device.type, enabled=False):
@@ -83,11 +85,11 @@ class _HeadLogp(torch.autograd.Function):
                     dz = dz / T
                 dz = dz.to(dt)
                 if gh is not None:
-                    gh[i:i + chunk] = linear(dz, w_t).to(h.dtype)
+                    gh[i:i + chunk] = (dz @ w if dz.is_cuda else linear(dz, w_t)).to(h.dtype)  # (c, D)
                 if gw is not None:
-                    gw += linear(dz.t().contiguous(), hc.t().contiguous()).float()  # (V, D) = dz^T h
+                    gw += (dz.t() @ hc if dz.is_cuda else linear(dz.t().contiguous(), hc.t().contiguous())).float()  # (V, D)
         ctx.probs = None
-        return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None
+        return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None, None
 
 
 def head_logp(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -97,4 +99,5 @@ def head_logp(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temp
     if h.shape[0] == 0:
         return (h.sum(-1) + weight.sum() * 0).float()  # (0,), still connected to the graph
     chunk = chunk or default_chunk(weight.shape[0])
-    return _HeadLogp.apply(h, weight, targets, float(temperature), int(chunk), _gemm_dtype(h, weight))
+    for_backward = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _HeadLogp.apply(h, weight, targets, float(temperature), int(chunk), _gemm_dtype(h, weight), for_backward)

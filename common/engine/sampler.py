@@ -71,14 +71,16 @@ def _hole_below(items: list) -> tuple[int, int] | None:
 class Sampler:
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
-                 prefill_tokens: int = 8192, cuda_graphs: bool = False, static_shapes: bool = False):
+                 prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
         run's `Precision`: fp32 with bf16 weights where the machine attends faster in fp32),
         else the model's dtype. prefill_tokens: padded tokens per prefill forward.
         cuda_graphs: decode through CUDA graphs captured per batch bucket (CUDA only; see
-        `common/engine/decode.py`); static_shapes: run the captured shapes eagerly (tests)."""
+        `common/engine/decode.py`); None = `model.decode_graphs` (the run's --gen.cuda_graphs, set by
+        the trainer on the model it evaluates) where the model is on CUDA; static_shapes: run the
+        captured shapes eagerly (tests)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_prompt_len = min(max_prompt_len or max_seq_len - 1, max_seq_len - 1)
         self.prefill_tokens = prefill_tokens
@@ -92,6 +94,8 @@ class Sampler:
         self.slots: list[_Seq | None] = [None] * max_batch
         self.rows = Rows.allocate(max_batch, self.cache.max_prefixes, dev)
         self.log = SlotLog(max_batch, max_seq_len)  # host: tokens, log-probs, versions per slot
+        if cuda_graphs is None:
+            cuda_graphs = bool(getattr(model, "decode_graphs", False)) and dev.type == "cuda"
         self.graphed = GraphedDecode(model, self.cache, self.rows) if cuda_graphs else None
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0

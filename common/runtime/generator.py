@@ -165,6 +165,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
         beat("waiting")
         time.sleep(0.01)
     beat("applying_weights")
+    store.bind(model)  # loads become one copy of the whole slot (same dtype), before graphs see the weights
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
                       max_prompt_len=max(len(p) for p in prompts.tokens),
                       version=store.load_into(model), seed=seed * 1000 + rank, prefill_tokens=cfg.prefill_tokens,

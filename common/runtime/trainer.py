@@ -197,7 +197,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 return {}
             t = time.perf_counter()
             model.eval()
-            out = evaluate(prec.inference_copy(group.full_model()), tok)  # in the generators' dtype
+            m = prec.inference_copy(group.full_model())  # in the generators' dtype
+            m.decode_graphs = cfg.gen.cuda_graphs  # and decoding as they do (common/evaluate.py's Sampler)
+            out = evaluate(m, tok)
             model.train()
             out = {**out, "eval_s": time.perf_counter() - t}
             logger.log(step, **out)

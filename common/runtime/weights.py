@@ -78,6 +78,7 @@ class WeightStore:
                         for n, shape, dt, off in self._specs} for s in (0, 1)]
         self._c = self._ctr.numpy()  # numpy indexing is ~20x cheaper than tensor.item()
         self._applied = -1  # per process: a fresh generator has applied nothing yet
+        self._bound = None  # per process: (module, flat buffer, [(param, data_ptr)]) after `bind`
 
     def __getstate__(self):
         # Only the shared tensors travel (torch's multiprocessing reductions share them).
@@ -176,10 +177,38 @@ class WeightStore:
         return self.load_into(module, max_retries)
 
     @torch.no_grad()
+    def bind(self, module: nn.Module) -> bool:
+        """Reader side, once: make `module`'s parameters views of one flat buffer laid out like a
+        slot (on the module's device), so that `load_into` copies a whole slot with one copy
+        instead of one per parameter. Only when every parameter has the store's dtype (else
+        False, and loads copy per parameter). Call before anything captures the parameters'
+        addresses (CUDA graphs): they move here, once, and never again."""
+        params = dict(module.named_parameters())
+        self.check(params, "bind", exact=True)
+        if any(params[n].dtype != dt for n, _, dt, _ in self._specs):
+            return False
+        flat = torch.zeros(self._slot_bytes, dtype=torch.uint8, device=params[self._specs[0][0]].device)
+        for n, shape, dt, off in self._specs:
+            view = flat[off:off + shape.numel() * dt.itemsize].view(dt).view(shape)
+            view.copy_(params[n].data)
+            params[n].data = view  # tied weights are one Parameter: both names see the view
+        self._bound = (module, flat, [(p, p.data_ptr()) for p in params.values()])
+        return True
+
+    def _flat_of(self, module: nn.Module) -> torch.Tensor | None:
+        """The flat buffer `bind` gave `module`, if its parameters still live in it."""
+        b = self._bound
+        if b is None or b[0] is not module or any(p.data_ptr() != ptr for p, ptr in b[2]):
+            return None
+        return b[1]
+
+    @torch.no_grad()
     def load_into(self, module: nn.Module, max_retries: int = 100) -> int:
-        """Always copy the active slot into `module`; returns the version it held."""
+        """Always copy the active slot into `module` (one copy if `bind` laid it out, else one per
+        parameter); returns the version it held."""
         params = dict(module.named_parameters())
         self.check(params, "load_into", exact=True)
+        flat = self._flat_of(module)
         c = self._c
         if int(c[VERSION]) < 0:
             raise RuntimeError("WeightStore.load_into: nothing has been published yet")
@@ -188,8 +217,11 @@ class WeightStore:
             s0 = int(c[SEQ + a])
             if s0 % 2 == 0:
                 v = int(c[BVER + a])
-                for name, src in self._views[a].items():
-                    params[name].data.copy_(src)
+                if flat is not None:
+                    flat.copy_(self._buf[a])
+                else:
+                    for name, src in self._views[a].items():
+                        params[name].data.copy_(src)
                 self._sync()
                 if int(c[SEQ + a]) == s0:
                     self._applied = v
