@@ -32,6 +32,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import common.engine.sampler as sampler_mod  # noqa: E402
 from common.engine.hf_io import load_model  # noqa: E402
@@ -101,19 +102,28 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
     """Host ms per decode step: `Sampler.step` time minus the time inside the model calls it
     makes (decode step, prompt and continuation prefill, first-token draws), over a schedule of
     ceil(rows / n) + 1 prompts x n samples of random lengths (stop token 3 of a random model)."""
-    inside = [0.0]
+    inside, ops = [0.0, 0], [0]
     names = ("decode_step", "prefill_prompts", "prefill_continuations", "sample")
     saved = {k: getattr(sampler_mod, k) for k in names if hasattr(sampler_mod, k)}
 
     def timed(fn):
         def run(*a, **kw):
             t = time.perf_counter()
-            out = fn(*a, **kw)
+            inside[1] += 1
+            try:
+                out = fn(*a, **kw)
+            finally:
+                inside[1] -= 1
             if torch.is_tensor(out[0]) and out[0].is_cuda:
                 torch.cuda.synchronize()
             inside[0] += time.perf_counter() - t
             return out
         return run
+
+    class CountOps(TorchDispatchMode):  # torch ops the sampler runs outside the model calls (launches, on a GPU)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops[0] += inside[1] == 0
+            return func(*args, **(kwargs or {}))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, model.cfg.vocab_size, (int(L),), generator=g).tolist()
                for L in torch.randint(20, 120, (rows // n + 2,), generator=g)]
@@ -131,10 +141,15 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
             s.step()
             steps += 1
         total = time.perf_counter() - t
+        host = total - inside[0]
+        s.generate(prompts, params)  # the same schedule again, counting torch ops (not timed: the mode slows it)
+        with CountOps():
+            s.generate(prompts, params)
     finally:
         for k, fn in saved.items():
             setattr(sampler_mod, k, fn)
-    return {"host_ms_per_step": 1e3 * (total - inside[0]) / steps, "step_ms": 1e3 * total / steps,
+    return {"host_ms_per_step": 1e3 * host / steps, "host_ops_per_step": ops[0] / steps,
+            "step_ms": 1e3 * total / steps,
             "steps": steps, "peak_rows": peak, "rows": rows, "n": n}
 
 

@@ -4,7 +4,9 @@ Two processes: this one (the trainer: owns the model, publishes) and one spawned
 (holds its own copy of the model, applies updates, reports floats/timestamps only).
 
   ours   trainer: `store.publish(model, v)` (timed here); generator: `store.apply_to(model)`
-         (timed there, perf_counter). ours_total_s = publish + apply.
+         (timed there, perf_counter), one copy per parameter; and `store.load_into(bound)` into
+         a second copy laid out by `store.bind` (what generators do: one copy of the whole slot),
+         `ours_apply_bound_s`. ours_total_s = publish + apply (per parameter).
   queue  trainer: clone the state dict, `torch.save` it into bytes, `queue.put(bytes)`;
          generator: `get`, `torch.load`, `load_state_dict`. queue_total_s = generator's
          time.time() when loaded - trainer's time.time() before the clone (same machine clock).
@@ -81,6 +83,8 @@ def generator(name, store, cmd_q, res_q):
     """Spawned generator: serves 'ours' / 'queue' update requests until 'stop'."""
     torch.set_num_threads(1)
     model = build_model(name).requires_grad_(False)
+    bound = build_model(name).requires_grad_(False)
+    assert store.bind(bound)
     res_q.put(("ready",))
     while True:
         cmd = cmd_q.get()
@@ -89,7 +93,10 @@ def generator(name, store, cmd_q, res_q):
         if cmd[0] == "ours":
             t = time.perf_counter()
             v = store.apply_to(model)
-            res_q.put(("ours", v, time.perf_counter() - t))
+            t_app = time.perf_counter() - t
+            t = time.perf_counter()
+            vb = store.load_into(bound)
+            res_q.put(("ours", v, t_app, vb, time.perf_counter() - t))
         else:  # "queue": cmd[1] is the torch.save payload
             sd = torch.load(io.BytesIO(cmd[1]), weights_only=True)
             model.load_state_dict(sd)
@@ -113,14 +120,14 @@ def main():
     proc.start()
     try:
         assert res_q.get(timeout=300)[0] == "ready"
-        pub, app, que, payload_len = [], [], [], 0
+        pub, app, appb, que, payload_len = [], [], [], [], 0
         for rep in range(args.reps + 1):  # rep 0 is the warm-up (page faults, allocator)
             t = time.perf_counter()
             store.publish(model, rep + 1)
             t_pub = time.perf_counter() - t
             cmd_q.put(("ours",))
-            tag, v, t_app = res_q.get(timeout=300)
-            assert tag == "ours" and v == rep + 1, (tag, v)
+            tag, v, t_app, vb, t_appb = res_q.get(timeout=300)
+            assert tag == "ours" and v == vb == rep + 1, (tag, v, vb)
 
             t0 = time.time()
             buf = io.BytesIO()
@@ -131,7 +138,7 @@ def main():
             del buf, payload  # the Queue's feeder thread holds its own reference until sent
             tag, t_loaded = res_q.get(timeout=300)
             if rep:
-                pub.append(t_pub), app.append(t_app), que.append(t_loaded - t0)
+                pub.append(t_pub), app.append(t_app), appb.append(t_appb), que.append(t_loaded - t0)
         cmd_q.put(("stop",))
         proc.join(timeout=60)
     finally:
@@ -145,6 +152,7 @@ def main():
         "bench": "weights", "model": "random-SmolLM2-135M-shapes" if args.random else args.model,
         "param_bytes": p, "reps": args.reps,
         "ours_publish_s": round(med(pub), 5), "ours_apply_s": round(med(app), 5),
+        "ours_apply_bound_s": round(med(appb), 5), "bound_over_per_param": round(med(appb) / med(app), 3),
         "ours_total_s": round(ours, 5), "queue_total_s": round(med(que), 5),
         "speedup": round(med(que) / ours, 2),
         "bytes_moved_ours": 2 * p, "bytes_moved_queue": 2 * p + 6 * payload_len,

@@ -102,7 +102,7 @@ def test_decode_step_reads_nothing_back_on_meta(flags):
     """On the meta device (no data at all) with the matmul attention CUDA runs: any host read
     raises, and the step's outputs have the bucket's shape."""
     model, cache, rows, shape = _meta_setup()
-    with NoHostRead():
+    with torch.inference_mode(), NoHostRead():  # as Sampler.step runs it
         tok, logp = decode_step(model, cache, rows, shape, *flags)
     assert tok.shape == (shape.B,) and logp.shape == (shape.B,) and logp.dtype == torch.float32
 

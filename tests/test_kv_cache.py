@@ -61,6 +61,21 @@ def test_compaction_keeps_outputs_and_computes_only_busy_rows(pair):
     assert s.entries == [None] * len(s.entries) and s.slots == [None] * 4
 
 
+def test_several_moves_in_one_step(pair):
+    """Three short samples finish in the same step below three long ones of different lengths:
+    the long ones (and their prompt entries) move down together, in one copy per store."""
+    ours, ref = pair
+    s = Sampler(ours, max_batch=6, max_seq_len=64)
+    prompts, lens = PROMPTS + [[7, 8]], [2, 2, 2, 12, 9, 11]
+    ids = [s.submit(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(prompts, lens)]
+    out = {}
+    while s.has_work():
+        out.update({c.request_id: c for c in s.step()})
+    for i, p, n in zip(ids, prompts, lens):
+        assert out[i].tokens == _hf_greedy(ref, p, n)
+    assert s.stats["decode_rows"] == s.stats["decode_tokens"]
+
+
 def test_partial_admission_then_interrupt_uses_new_weights(tmp_path):
     """n=4 with 2 slots: the last two samples are admitted after an interrupt; their first token
     comes from the re-prefilled prompt under the new weights."""

@@ -38,10 +38,15 @@ import torch.nn.functional as F
 from common.engine.attention import additive_mask, attend_lse, merge
 
 
-def _move(stores: list[torch.Tensor], src: int, dst: int, length: int) -> None:
-    """Copy row src's first `length` columns to row dst in every (rows, Hkv, cols, hd) store."""
+def _move(stores: list[torch.Tensor], src: list[int], dst: list[int], length: int) -> None:
+    """Copy rows src[i]'s first `length` columns to rows dst[i] in every (L, rows, Hkv, cols, hd)
+    store: one gather and one scatter per store for all moves and layers (src and dst disjoint)."""
+    if not src:
+        return
+    dev = stores[0].device
+    s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
     for t in stores:
-        t[dst, :, :length] = t[src, :, :length]
+        t[:, d, :, :length] = t[:, s, :, :length]
 
 
 class KVCache:
@@ -52,12 +57,12 @@ class KVCache:
         self.max_prompt_len = max_prompt_len or max_seq_len
         # a request waiting for free slots can hold an entry with no live sample: +1
         self.max_prefixes = max_prefixes or max_batch + 1
-        pshape = (self.max_prefixes, Hkv, self.max_prompt_len, hd)
-        sshape = (max_batch, Hkv, max_seq_len, hd)
-        self.pk = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(L)]
-        self.pv = [torch.zeros(pshape, dtype=dtype, device=device) for _ in range(L)]
-        self.k = [torch.zeros(sshape, dtype=dtype, device=device) for _ in range(L)]
-        self.v = [torch.zeros(sshape, dtype=dtype, device=device) for _ in range(L)]
+        pshape = (L, self.max_prefixes, Hkv, self.max_prompt_len, hd)
+        sshape = (L, max_batch, Hkv, max_seq_len, hd)
+        # one tensor per store, all layers: compaction moves rows of every layer with one copy;
+        # each layer's attention works on its view
+        self.stores = [torch.zeros(shape, dtype=dtype, device=device) for shape in (pshape, pshape, sshape, sshape)]
+        self.pk, self.pv, self.k, self.v = ([t[i] for i in range(L)] for t in self.stores)
         self.dtype, self.device = dtype, device
         self.G = cfg.num_attention_heads // Hkv  # query heads per key/value head
         self.mode = None
@@ -136,13 +141,13 @@ class KVCache:
         return merge(o_p.unsqueeze(2), lse_p.unsqueeze(2), o_s, lse_s)
 
     # ------------------------------------------------------------------ compaction (sampler)
-    def move_slot(self, src: int, dst: int, length: int) -> None:
-        """Move a sample's first `length` own K/V columns from slot src to slot dst."""
-        _move(self.k + self.v, src, dst, length)
+    def move_slots(self, src: list[int], dst: list[int], length: int) -> None:
+        """Move samples' own K/V (their first `length` columns) from slots src[i] to dst[i]."""
+        _move(self.stores[2:], src, dst, length)
 
-    def move_entry(self, src: int, dst: int, length: int) -> None:
-        """Move a prompt's K/V (`length` columns) from prefix entry src to dst."""
-        _move(self.pk + self.pv, src, dst, length)
+    def move_entries(self, src: list[int], dst: list[int], length: int) -> None:
+        """Move prompts' K/V (`length` columns) from prefix entries src[i] to dst[i]."""
+        _move(self.stores[:2], src, dst, length)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pk + self.pv + self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.stores)

@@ -61,11 +61,13 @@ class _Seq:  # one in-flight sample occupying one slot (its tokens so far: the s
     pos: int = 0          # absolute position of the pending token (prompt length + generated - 1)
 
 
-def _hole_below(items: list) -> tuple[int, int] | None:
-    """(highest busy index, lowest free index) if a free index lies below a busy one, else None."""
-    free = next((i for i, x in enumerate(items) if x is None), None)
-    busy = next((i for i in range(len(items) - 1, -1, -1) if items[i] is not None), None)
-    return (busy, free) if free is not None and busy is not None and free < busy else None
+def _compaction(items: list) -> tuple[list[int], list[int]]:
+    """(src, dst): the busy indices above the lowest free ones, highest first, paired with the
+    free indices below them, lowest first, so that the busy ones become a prefix."""
+    free = [i for i, x in enumerate(items) if x is None]
+    busy = [i for i in range(len(items) - 1, -1, -1) if items[i] is not None]
+    pairs = [(b, f) for f, b in zip(free, busy) if f < b]  # free rises, busy falls: stop where they cross
+    return [b for b, _ in pairs], [f for _, f in pairs]
 
 
 class Sampler:
@@ -239,26 +241,28 @@ class Sampler:
         return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
 
     def _compact(self) -> None:
-        """Move the highest busy slot into the lowest free one (and likewise for prompt entries)
-        until the busy ones are a prefix, so decode, which runs over rows 0..hi-1, never computes
+        """Move the highest busy slots into the lowest free ones (and likewise for prompt entries)
+        so the busy ones are a prefix, so decode, which runs over rows 0..hi-1, never computes
         idle rows. Only matters when the queue cannot refill freed slots (the tail of a batch,
-        where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). A move
-        copies the sample's own K/V (t columns)."""
-        while (move := _hole_below(self.slots)) is not None:
-            src, dst = move
-            seq = self.slots[src]
-            self.cache.move_slot(src, dst, seq.pos - len(seq.req.prompt))  # columns already written
+        where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). All of a
+        step's moves are one copy per cache store and per row tensor (a few kernel launches,
+        not a few per moved sample and layer)."""
+        src, dst = _compaction(self.slots)
+        if src:
+            self.cache.move_slots(src, dst, max(self.slots[s].pos - len(self.slots[s].req.prompt) for s in src))
+            si, di = (torch.tensor(x, device=self.rows.tok.device) for x in (src, dst))
             for t in self.rows.per_slot():
-                t[dst] = t[src]
+                t[di] = t[si]
+            self.rows.active[si] = False
             self.log.move(src, dst)
-            self.slots[dst], self.slots[src] = seq, None
-            self.rows.active[src] = False
-        while (move := _hole_below(self.entries)) is not None:
-            src, dst = move
-            req = self.entries[src]
-            self.cache.move_entry(src, dst, len(req.prompt))
-            self.entries[dst], self.entries[src] = req, None
-            req.entry = dst
+            for s, d in zip(src, dst):
+                self.slots[d], self.slots[s] = self.slots[s], None
+        src, dst = _compaction(self.entries)
+        if src:
+            self.cache.move_entries(src, dst, max(len(self.entries[s].prompt) for s in src))
+            for s, d in zip(src, dst):
+                self.entries[d], self.entries[s] = self.entries[s], None
+                self.entries[d].entry = d
 
     def _release(self, req: _Request) -> None:
         """Free a request's prompt entry once all its samples were admitted and have finished."""

@@ -50,9 +50,10 @@ class SlotLog:
         out.tokens, out.logp, out.versions = (self.tok[slot, :n].tolist(), self.logp[slot, :n].tolist(),
                                              self.ver[slot, :n].tolist())
 
-    def move(self, src: int, dst: int) -> None:
-        """A sample moves from slot src to slot dst (the sampler's compaction)."""
-        n = self.count[src]
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Samples move from slots src[i] to dst[i] (the sampler's compaction; disjoint sets)."""
+        n = int(self.count[src].max())
         for a in (self.tok, self.logp, self.ver):
             a[dst, :n] = a[src, :n]
-        self.count[dst], self.limit[dst], self.stops[dst] = n, self.limit[src], self.stops[src]
+        for a in (self.count, self.limit, self.stops):
+            a[dst] = a[src]
