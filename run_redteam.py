@@ -102,7 +102,7 @@ class RedTeamConfig(task.RunConfig):
     name: str = "redteam_tba"           # run directory name under run_root
     # CPU preset (2 cores, ~30 min): 2 prompts x 4 attacks of <= 32 tokens per step (~10 s),
     # 120 steps, k = 5 (paper: 10); TBA beta = 1 so that r / beta = log R (module docstring);
-    # m = 0.5 with uniform replay (DESIGN.md: red-teaming m = 0.5-0.6)
+    # m = 0.5 with uniform replay (the TBA paper's red-teaming runs use m = 0.5-0.6)
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=32, n=4, temperature=1.0,
                                                              error_reward=math.log(P_FLOOR) / 0.05))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -284,7 +284,8 @@ PANELS = (("reward_mean", "train log R"), ("eval_success_rate", "attack success 
           ("eval_diversity", "diversity (1 - cos, all attacks)"), ("staleness_mean", "staleness (versions behind)"))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, loss=None) -> dict:
+    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
     cfg = make_config(argv)
     if cfg.train.reward_workers < 1:
         raise ValueError("red-teaming runs the victim in reward-worker processes: --train.reward_workers >= 1")
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     evaluate = Evaluator(cfg, prompts, stops, run_dir / "attacks.jsonl")
     factory = functools.partial(make_scorer, to_dict(cfg))
     last = task.run(cfg, PromptSet(prompts, prompts), None, stops, reward_factory=factory, title="Red-teaming",
-                    evaluate=evaluate if cfg.data.eval_attacks else None, panels=PANELS)
+                    evaluate=evaluate if cfg.data.eval_attacks else None, panels=PANELS, loss=loss)
     if len(evaluate.success) >= 2:
         s = bootstrap_diff(evaluate.success[0], evaluate.success[-1], seed=cfg.seed)
         (run_dir / "eval_summary.json").write_text(json.dumps({"success_rate": s}, indent=2) + "\n")
