@@ -39,7 +39,7 @@ from common.micro import micro_batches, rank_sum, rank_sum_stats
 from common.ops import group_normalised_advantages, token_logp
 
 
-_SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # AReaLConfig fields a loss may take by keyword
+_SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # config fields a loss may take by keyword
 
 
 @dataclass

@@ -123,7 +123,8 @@ class GRPO(_Base):
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
-            loss, st = call_loss(self.loss_fn, mb, lp, mb.behav_logp, mb.loss_mask, adv[rows], eps_clip=self.cfg.eps_clip)
+            loss, st = call_loss(self.loss_fn, mb, lp, mb.behav_logp, mb.loss_mask, adv[rows],
+                                 eps_clip=self.cfg.eps_clip)
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch
             (loss * w).backward()
             accumulate(totals, float(w), loss, st)

@@ -4,13 +4,18 @@ and a worker's failure before its function runs reaches the caller with its caus
 A notebook's functions live in a `__main__` that has no file; `python -c` makes one the same
 way, so the end-to-end tests run their script with `python -c`: a reward, a reward factory, a
 loss and an `Algorithm` subclass all defined there train a tiny random model in async mode with
-1 and 2 trainer ranks and with a reward worker.
+1 and 2 trainer ranks and with a reward worker. Also: what cannot be pickled is refused before
+any process starts, naming it; a worker or trainer rank failing while unpickling its arguments
+raises in the caller with the original error; a red-teaming classifier defined in a notebook
+reaches the reward workers.
 """
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -19,16 +24,18 @@ import threading
 import pytest
 import torch
 
+import run_redteam
+from common.config import to_dict
 from common.engine.precision import Precision, PrecisionConfig
 from common.runtime.generator import GenConfig, PromptSet
 from common.runtime.launch import WorkerError, Workers
-from common.runtime.pickling import NotSendable, check_sendable
+from common.runtime.pickling import NotSendable, check_sendable, dumps
 from common.runtime.trainer import TrainConfig, train
 from common.runtime.trainer_group import RankFailed, TrainerGroup
 from common.runtime.weights import WeightStore
 from common.task import RunConfig
 from tba.algo import TBA, TBAConfig
-from tests.tiny import save_hf
+from tests.tiny import save_hf, tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,7 +49,7 @@ NOTEBOOK = textwrap.dedent('''
     from common.engine.precision import Precision, PrecisionConfig
     from common.task import RunConfig, run
     from tba.algo import TBA
-    from tests.tiny import save_hf
+    from tests.tiny import save_hf, tokenizer
 
     LOW = 20  # a notebook global the reward reads in the generator / reward worker
 
@@ -197,3 +204,20 @@ def test_a_rank_failing_while_unpickling_the_algorithm_raises_with_the_original_
                      WeightStore.from_module(model), tmp_path)
     assert multiprocessing.active_children() == []
     assert torch.distributed.is_initialized() is False
+
+
+def test_a_redteam_classifier_defined_in_a_notebook_reaches_the_reward_worker_by_value(tmp_path):
+    """module:function is resolved in the launching process (`__main__:fn` names a notebook's
+    function) and the reward-worker factory carries the function itself."""
+    tiny_dir = tmp_path / "m"
+    save_hf("llama_tied", tiny_dir)
+    tokenizer().save_pretrained(tiny_dir)
+    cfg = run_redteam.make_config([f"--model={tiny_dir}", f"--victim.model={tiny_dir}", "--precision.dtype=fp32",
+                                   "--toxicity.model=tests.test_by_value:_unused"])  # never resolved: the function wins
+    threshold = 3  # a closure: not importable by name, as a notebook cell's function is not
+
+    def notebook_classifier(texts):
+        return [float(len(t.split()) >= threshold) for t in texts]
+
+    factory = pickle.loads(dumps(functools.partial(run_redteam.make_scorer, to_dict(cfg), notebook_classifier)))
+    assert factory().toxicity(["a b c", "a"]) == [1.0, 0.0]

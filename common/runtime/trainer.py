@@ -148,8 +148,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
-    # what reaches worker processes is refused here, naming it, rather than in a worker (by value: common/runtime/pickling.py)
-    check_sendable(reward_fn=None if tc.reward_workers else reward_fn, reward_factory=reward_factory if tc.reward_workers else None,
+    # what reaches worker processes (by value: common/runtime/pickling.py) is refused here, naming it
+    check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
+                   reward_factory=reward_factory if tc.reward_workers else None,
                    algorithm=algo if tc.trainer_devices > 1 else None)
     run_dir = Path(cfg.run_root) / cfg.name
     if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
