@@ -91,7 +91,7 @@ def check_sendable(**named) -> None:
             raise NotSendable(f"{name} cannot be sent to a worker process: {_reason(obj, e)}") from e
 
 
-def describe_args(fn, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
+def _call_args(fn, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
     """[(parameter name, value)] of a call fn(*args, **kwargs), positions when unbindable."""
     try:
         return list(inspect.signature(fn).bind_partial(*args, **kwargs).arguments.items())
@@ -102,7 +102,7 @@ def describe_args(fn, args: tuple, kwargs: dict) -> list[tuple[str, object]]:
 def _blame(obj, err: Exception) -> str:
     """For a Payload ([fn, args, kwargs]) that failed to pickle: which argument, and why."""
     fn, args, kwargs = obj
-    for name, value in [("the function", fn), *describe_args(fn, args, kwargs)]:
+    for name, value in [("the function", fn), *_call_args(fn, args, kwargs)]:
         try:
             dumps(value, shared=True)
         except Exception as e:
