@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import numbers
 from typing import Callable, Literal, Optional, Protocol
 
 import torch
@@ -94,7 +95,7 @@ def scalar_stats(stats: dict, who: str = "loss") -> dict:
     for k, v in stats.items():
         if torch.is_tensor(v) and v.numel() == 1:
             v = v.item()
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy scalars too
             raise ValueError(f"{who}: stat {k!r} must be a scalar (float, int or one-element tensor), got "
                              f"{type(v).__name__}{tuple(v.shape) if torch.is_tensor(v) else ''}")
         out[k] = float(v)
