@@ -1,6 +1,6 @@
 """AReaL's trainer hooks (Fu et al. 2025), called by `common/runtime/trainer.py` in the trainer process.
 
-Per trainer step (the AReaL paper's algorithm, with the settings of its code base's defaults):
+Per trainer step (the AReaL paper's algorithm):
   batch       the oldest B = prompts_per_step x n unconsumed trajectories whose oldest token is
               at most eta = max_staleness versions behind the current weights, each used once
               (`ReplayBuffer.pop_oldest`; rows past the bound are dropped and counted). Sync mode
