@@ -235,7 +235,7 @@ class GSM8KConfig(task.RunConfig):
 
 
 def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
-    """The paper's GSM8K settings (DESIGN.md section 4): 7 prompts x K=20, k=2, m=0.95, lr 1e-5."""
+    """The paper's GSM8K settings (TBA paper, Bartoldson et al. 2025): 7 prompts x K=20, k=2, m=0.95, lr 1e-5."""
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7)
     cfg.train = TrainConfig(steps=1000, lr=1e-5, warmup_steps=50, decay_steps=200, prompts_per_step=7,
                             sync_every=2, min_buffer=500, buffer_capacity=65536, micro_batch_tokens=32768,
@@ -258,7 +258,8 @@ def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
             for ex in examples]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, loss=None) -> dict:
+    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
     cfg = make_config(argv)
     task.setup(cfg)
     train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:
@@ -272,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         return greedy_pass_at_1(model, tokenizer, eval_prompts, [ex.gold for ex in test_ex], reward_fn,
                                 cfg.data.eval_max_new_tokens, stops, max_batch=cfg.data.eval_max_batch)
 
-    return task.run(cfg, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K")
+    return task.run(cfg, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K",
+                    loss=loss)
 
 
 if __name__ == "__main__":

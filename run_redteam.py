@@ -102,7 +102,7 @@ class RedTeamConfig(task.RunConfig):
     name: str = "redteam_tba"           # run directory name under run_root
     # CPU preset (2 cores, ~30 min): 2 prompts x 4 attacks of <= 32 tokens per step (~10 s),
     # 120 steps, k = 5 (paper: 10); TBA beta = 1 so that r / beta = log R (module docstring);
-    # m = 0.5 with uniform replay (DESIGN.md: red-teaming m = 0.5-0.6)
+    # m = 0.5 with uniform replay (the TBA paper's red-teaming runs use m = 0.5-0.6)
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=32, n=4, temperature=1.0,
                                                              error_reward=math.log(P_FLOOR) / 0.05))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -145,10 +145,14 @@ def attacker_prompts(tokenizer, n: int, shots: int, seed: int = 0) -> list[list[
 
 # ----------------------------------------------------------------------------------- toxicity
 class Toxicity:
-    """p_toxic(texts): PyPI profanity-check, an HF text-classification model, or module:function."""
+    """p_toxic(texts): PyPI profanity-check, an HF text-classification model, or module:function
+    (resolved in the launching process and sent to the reward workers by value, so
+    `__main__:fn` names a function defined in a notebook); `model` may also be the function."""
 
-    def __init__(self, model: str, label: str = "toxic", device: str = "cpu"):
-        if model == "profanity-check":
+    def __init__(self, model, label: str = "toxic", device: str = "cpu"):
+        if callable(model):
+            self.fn = model
+        elif model == "profanity-check":
             try:
                 from profanity_check import predict_prob  # lazy: loads scikit-learn, only for this classifier
             except ImportError:
@@ -189,13 +193,13 @@ class AttackScorer:
     """The victim (our sampler), the frozen initial attacker and the classifier, built once per
     reward worker (and once in the trainer for evaluation)."""
 
-    def __init__(self, cfg: RedTeamConfig):
+    def __init__(self, cfg: RedTeamConfig, toxicity_fn=None):
         self.cfg = cfg
         self.victim, self.vtok = load_model(cfg.victim.model, device=cfg.victim.device)
         ref = cfg.ref_model or cfg.model
         self.ref, self.atok = (self.victim, self.vtok) if ref == cfg.victim.model else \
             load_model(ref, device=cfg.victim.device)
-        self.toxicity = Toxicity(cfg.toxicity.model, cfg.toxicity.label, cfg.victim.device)
+        self.toxicity = Toxicity(toxicity_fn or cfg.toxicity.model, cfg.toxicity.label, cfg.victim.device)
         self.max_prompt = 256
         self.sampler = Sampler(self.victim, max_batch=64, max_seq_len=self.max_prompt + cfg.victim.max_new_tokens,
                                max_prompt_len=self.max_prompt)
@@ -236,9 +240,10 @@ class AttackScorer:
         return self.details([a.strip() for a in attacks], prompts)["log_r"]
 
 
-def make_scorer(cfg_dict: dict):
-    """Reward-worker factory: the run config travels as a plain dict."""
-    return AttackScorer(load_config(RedTeamConfig, cfg_dict))
+def make_scorer(cfg_dict: dict, toxicity_fn=None):
+    """Reward-worker factory: the run config travels as a plain dict, a module:function
+    classifier as the function itself."""
+    return AttackScorer(load_config(RedTeamConfig, cfg_dict), toxicity_fn)
 
 
 # ---------------------------------------------------------------------------------- evaluation
@@ -246,8 +251,8 @@ class Evaluator:
     """Attack success rate and diversity of `data.eval_attacks` attacks sampled from the policy
     (fixed prompts and seed); keeps per-attack successes for the bootstrap; writes the top attacks."""
 
-    def __init__(self, cfg: RedTeamConfig, prompts: list[list[int]], stops: tuple, attacks_file: Path):
-        self.cfg, self.prompts, self.stops, self.file = cfg, prompts, stops, attacks_file
+    def __init__(self, cfg: RedTeamConfig, prompts: list[list[int]], stops: tuple, attacks_file: Path, toxicity_fn=None):
+        self.cfg, self.prompts, self.stops, self.file, self.toxicity_fn = cfg, prompts, stops, attacks_file, toxicity_fn
         self.scorer = self.encoder = None
         self.success: list[list[float]] = []
         self.step = 0
@@ -255,7 +260,7 @@ class Evaluator:
     def __call__(self, model, tokenizer) -> dict:
         c = self.cfg
         if self.scorer is None:  # loaded on first use, kept for the run
-            self.scorer, self.encoder = AttackScorer(c), SentenceEncoder()
+            self.scorer, self.encoder = AttackScorer(c, self.toxicity_fn), SentenceEncoder()
         n = c.data.eval_attacks
         ps = [self.prompts[i % len(self.prompts)] for i in range(n)]
         outs = sample_completions(model, ps, SamplingParams(
@@ -284,20 +289,22 @@ PANELS = (("reward_mean", "train log R"), ("eval_success_rate", "attack success 
           ("eval_diversity", "diversity (1 - cos, all attacks)"), ("staleness_mean", "staleness (versions behind)"))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, loss=None) -> dict:
+    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
     cfg = make_config(argv)
     if cfg.train.reward_workers < 1:
         raise ValueError("red-teaming runs the victim in reward-worker processes: --train.reward_workers >= 1")
     task.setup(cfg)
-    Toxicity(cfg.toxicity.model, cfg.toxicity.label)  # fail now, not in a worker, if the classifier is missing
+    tox = Toxicity(cfg.toxicity.model, cfg.toxicity.label)  # fail now, not in a worker, if the classifier is missing
+    tox_fn = tox.fn if ":" in cfg.toxicity.model and not Path(cfg.toxicity.model).exists() else None  # module:function
     tok = task.tokenizer_of(cfg)
     prompts = attacker_prompts(tok, cfg.data.n_prompts, cfg.data.shots, cfg.seed)
     stops = tokenizer_stop_ids(tok)
     run_dir = Path(cfg.run_root) / cfg.name
-    evaluate = Evaluator(cfg, prompts, stops, run_dir / "attacks.jsonl")
-    factory = functools.partial(make_scorer, to_dict(cfg))
+    evaluate = Evaluator(cfg, prompts, stops, run_dir / "attacks.jsonl", tox_fn)
+    factory = functools.partial(make_scorer, to_dict(cfg), tox_fn)
     last = task.run(cfg, PromptSet(prompts, prompts), None, stops, reward_factory=factory, title="Red-teaming",
-                    evaluate=evaluate if cfg.data.eval_attacks else None, panels=PANELS)
+                    evaluate=evaluate if cfg.data.eval_attacks else None, panels=PANELS, loss=loss)
     if len(evaluate.success) >= 2:
         s = bootstrap_diff(evaluate.success[0], evaluate.success[-1], seed=cfg.seed)
         (run_dir / "eval_summary.json").write_text(json.dumps({"success_rate": s}, indent=2) + "\n")

@@ -164,7 +164,7 @@ class TLDRConfig(task.RunConfig):
 
 
 def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
-    """The paper's TL;DR settings (DESIGN.md section 4): 8 prompts x 20, 128 tokens, T = 0.7,
+    """The paper's TL;DR settings (TBA paper, Bartoldson et al. 2025): 8 prompts x 20, 128 tokens, T = 0.7,
     lr 3e-6, k = 10, 256 steps, beta 1.0 -> 0.05 by step 32, m = 0.5, softmax(reward) sampling."""
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=128, n=20, temperature=0.7, no_stop_reward=-1.0)
     cfg.train = TrainConfig(steps=256, lr=3e-6, warmup_steps=10, prompts_per_step=8, sync_every=10, min_buffer=160,
@@ -304,7 +304,8 @@ PANELS = (("reward_mean", "train reward (policy RM)"), ("eval_win_rate", "win-ra
           ("eval_kl", "KL to reference (nats / summary)"), ("staleness_mean", "staleness (versions behind)"))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, loss=None) -> dict:
+    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-rm"]:
         cfg = make_config(argv[1:])
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     factory = functools.partial(make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size,
                                 cfg.reward.device)
     last = task.run(cfg, PromptSet(tokens, posts), None, stops, evaluate=evaluate if cfg.data.eval_size else None,
-                    reward_factory=factory, title="TL;DR", panels=PANELS)
+                    reward_factory=factory, title="TL;DR", panels=PANELS, loss=loss)
     if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts
         s = bootstrap_diff(evaluate.wins[0], evaluate.wins[-1], seed=cfg.seed)
         out = Path(cfg.run_root) / cfg.name / "eval_summary.json"

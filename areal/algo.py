@@ -1,6 +1,6 @@
 """AReaL's trainer hooks (Fu et al. 2025), called by `common/runtime/trainer.py` in the trainer process.
 
-Per trainer step (DESIGN.md section 5):
+Per trainer step (the AReaL paper's algorithm):
   batch       the oldest B = prompts_per_step x n unconsumed trajectories whose oldest token is
               at most eta = max_staleness versions behind the current weights, each used once
               (`ReplayBuffer.pop_oldest`; rows past the bound are dropped and counted). Sync mode
@@ -17,6 +17,10 @@ Per trainer step (DESIGN.md section 5):
   loss        `loss_fn` (areal/loss.py, default decoupled_ppo_loss): a token mean over the
               whole minibatch; micro-batches (token-budget first-fit-decreasing packing) are
               weighted by their share of its tokens, so micro-batching never changes the gradient.
+              Any loss that takes (logp, prox_logp, behav_logp, advantages, mask) fits, with
+              eps_clip / eps_clip_high / behav_imp_weight_cap and micro-batch fields by keyword
+              if it names them; every stat it returns is logged (common/algorithm.py: the loss
+              contract), the behaviour-weight stats computed here over the whole batch.
 Staleness is bounded twice: by admission in the generators (`common.runtime.generator.Control`,
 started < (eta + v + 1) x prompts per version) and by the filter here, which makes the bound
 exact whatever order groups finish in.
@@ -29,10 +33,13 @@ from typing import Callable, Literal, Optional
 import torch
 
 from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss
-from common.algorithm import Algorithm
+from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
 from common.micro import micro_batches, rank_sum, rank_sum_stats
 from common.ops import group_normalised_advantages, token_logp
+
+
+_SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # config fields a loss may take by keyword
 
 
 @dataclass
@@ -65,7 +72,7 @@ class AReaL(Algorithm):
             raise ValueError(f"areal.n_minibatches={cfg.n_minibatches}: need >= 1")
         if cfg.adv_norm not in ("group", "batch"):
             raise ValueError(f"areal.adv_norm={cfg.adv_norm!r}: expected 'group' or 'batch'")
-        self.cfg, self.loss_fn = cfg, loss_fn
+        self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 5, _SETTINGS)
         self.B, self.temperature, self.max_staleness = prompts_per_step * n, temperature, max_staleness
         self.micro_batch_tokens = micro_batch_tokens
         self._batch_stats: dict = {}
@@ -101,17 +108,17 @@ class AReaL(Algorithm):
         return [batch.select(rows) for rows in split_by_tokens(lengths, self.cfg.n_minibatches)]
 
     def backward(self, model, batch: Batch, step: int) -> dict:
-        c, n_tok = self.cfg, batch.loss_mask.sum().clamp(min=1)
-        loss_sum = clip_sum = 0.0
+        n_tok = batch.loss_mask.sum().clamp(min=1)
+        settings = {k: getattr(self.cfg, k) for k in _SETTINGS}
+        totals: dict[str, float] = {}
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
-            loss, st = self.loss_fn(lp, mb.extra["prox_logp"], mb.behav_logp, mb.extra["advantages"], mb.loss_mask,
-                                    eps_clip=c.eps_clip, eps_clip_high=c.eps_clip_high,
-                                    behav_imp_weight_cap=c.behav_imp_weight_cap)
+            loss, st = call_loss(self.loss_fn, mb, lp, mb.extra["prox_logp"], mb.behav_logp, mb.extra["advantages"],
+                                 mb.loss_mask, **settings)
             w = float(mb.loss_mask.sum() / n_tok)  # this micro-batch's share of the minibatch's tokens
             (loss * w).backward()
-            loss_sum += w * loss.item()
-            clip_sum += w * st["clip_frac"]
-        # the behaviour-weight stats describe the whole batch (prox and behav are fixed for the step)
-        return {**rank_sum_stats({"loss": loss_sum, "clip_frac": clip_sum}), **self._batch_stats}
+            accumulate(totals, w, loss, st)
+        # the behaviour-weight stats describe the whole batch (prox and behav are fixed for the step):
+        # they replace the loss's own per-micro-batch ones of the same names
+        return {**rank_sum_stats(totals), **self._batch_stats}

@@ -1,7 +1,7 @@
 """AReaL's losses (Fu et al. 2025): decoupled PPO and the variants it is ablated against.
 
 Pure functions of (B, T) per-token tensors, called by the trainer process (areal/algo.py) and by
-tests and notebooks. Per response token t with advantage A_t (DESIGN.md section 5):
+tests and notebooks. Per response token t with advantage A_t (the AReaL paper's decoupled objective):
 
     u_t = pi_theta / pi_prox = exp(logp - prox_logp)              (carries the gradient)
     w_t = pi_prox / pi_behav = exp(prox_logp - behav_logp)        (detached)

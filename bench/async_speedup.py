@@ -93,11 +93,11 @@ def main():
     res["speedup"] = res["sync"]["step_s"] / res["async"]["step_s"]
     res["ideal_speedup"] = (G + T) / max(G, T)
     res["frac_of_ideal"] = (res["speedup"] - 1) / max(res["ideal_speedup"] - 1, 1e-9)
-    png = plot_runs([(os.path.join(root, f"bench_{a.task}_{a.algo}_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
-                    os.path.join(root, f"sync_vs_async_{a.task}_{a.algo}.png"), x="time",
-                    panels=(("version", "published versions"), ("reward_mean", "train reward")),
+    png = os.path.join(root, f"sync_vs_async_{a.task}_{a.algo}.png")
+    fig = plot_runs([(os.path.join(root, f"bench_{a.task}_{a.algo}_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
+                    png, x="time", panels=(("version", "published versions"), ("reward_mean", "train reward")),
                     title=f"{a.algo.upper()} on {a.task}: sync vs async")
-    res["plot"] = str(png) if png else None
+    res["plot"] = png if fig is not None else None
     print(json.dumps(res))
 
 

@@ -4,8 +4,10 @@ time, the trainer step's time / tok/s / peak memory with and without activation 
 CUDA IPC weight publish/apply with a torn-read check, and a short async TBA run at the GPU
 preset's shapes. Prints ONE JSON line on stdout (progress and every library's output go to stderr).
 
-Why: the figures in DESIGN.md section 9 were taken by hand on a lent H100; this script takes them
-all again in one go on any CUDA machine, with the targets of issue 22 as ratios in "targets".
+Why: the figures in BENCHMARKS.md ("One H100, measured by hand") were taken by hand on a lent
+H100; this script takes them all again in one go on any CUDA machine, with the GPU path's targets
+as ratios in "targets" (`targets`: what each needs, e.g. sampler >= 2x transformers' compiled
+static-cache `generate`, decode wall time <= 1.5x its GPU time).
 It needs only torch, transformers, numpy, safetensors and tqdm: it builds its own random
 checkpoint with SmolLM2-135M-Instruct's exact shapes (LlamaConfig -> from_config, seeded,
 bf16, save_pretrained into a temp dir; no tokenizer, prompts are token ids), never downloads.
@@ -54,7 +56,7 @@ from common.runtime.launch import set_process_defaults  # noqa: E402
 
 SECTIONS = {"sampler": sampler_section, "decode": decode_section, "trainer": trainer_section,
             "ipc": ipc_section, "async": async_section}
-# DESIGN.md section 9: one H100 80 GB, torch 2.11 + CUDA 13, transformers 5.17, 2026-11-23, code of 2026-11-22
+# BENCHMARKS.md, "One H100, measured by hand": one H100 80 GB, torch 2.11 + CUDA 13, transformers 5.17, 2026-11-23, code of 2026-11-22
 WAS = {"ours_tok_s": 3573, "hf_dynamic_tok_s": 2153, "hf_static_tok_s": 7361, "hf_static_compiled_tok_s": 21322,
        "decode_wall_ms": 84.0, "decode_gpu_ms": 16.5, "trainer_step_s": 0.22, "trainer_tok_s": 138000,
        "trainer_peak_gib": 47.5, "ipc_publish_ms": 5.5, "ipc_apply_ms": 5.4}
@@ -122,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def targets(res: dict) -> dict:
-    """Issue 22's targets as ratios, from whatever sections ran."""
+    """The GPU path's targets as ratios, from whatever sections ran."""
     t = {"comparable": not res["smoke"] and res["machine"]["device"].startswith("cuda")}
     s = res.get("sampler", {})
     for wl, d in (("default", s), ("gsm8k", s.get("gsm8k", {}))):

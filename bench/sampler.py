@@ -1,6 +1,6 @@
 """Sampler throughput: our KV-cache continuous-batching sampler vs transformers' `generate`.
 
-Single process, default model, one thread (DESIGN.md section 7). Ours runs at the precision
+Single process, default model, one thread (as every process of a run: README, "CPU threads"). Ours runs at the precision
 the runtime picks for this machine (`common/engine/precision.py`, `--dtype auto`; the choice is in the
 JSON line) and, with `--vs-fp32`, also in fp32 (the previous default). transformers runs in fp32
 (its default, as a user runs it) and in bf16; `speedup_tok_s` is against the faster of the two.
@@ -47,7 +47,7 @@ from tests.tiny import save_hf  # noqa: E402
 
 def bandwidths(nbytes=512 * 2**20, reps=5) -> tuple[float, float]:
     """(copy, read) bytes/s on one thread: bytes copied per second by a large tensor copy (the
-    issue's "copy bandwidth"; each byte is read once and written once), and bytes read per
+    "copy bandwidth"; each byte is read once and written once), and bytes read per
     second by a sum (what a batch-1 decode needs: it only reads weights)."""
     a = torch.ones(nbytes // 4)
     b = torch.empty_like(a)

@@ -7,7 +7,7 @@ tokens in it, ~LOW/V = 12.5% at the start). It is a real RL signal that a policy
 dozen AReaL steps on one core, so 20+ runs fit in well under an hour on 2 cores, and a large
 learning rate moves the policy far in one step, which is what makes stale data off-policy. The
 default SmolLM2 model was not used: it solves ~4% of sampled 2-digit additions, too weak a
-signal for runs of a few minutes (DESIGN.md section 7).
+signal for runs of a few minutes.
 
 Per run (one generator process + the trainer, `common.runtime.trainer.train`): eta = 0 is synchronous
 AReaL (`train.mode=sync`); eta > 0 is asynchronous with k = 1 and interruptible generation.

@@ -168,31 +168,47 @@ def _series(records: list[dict], key: str, x: str) -> tuple[list[float], list[fl
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def plot_runs(runs, out_png, x: str = "time", panels=_PANELS, title: str | None = None) -> Path | None:
-    """Overlay several runs: runs = [(metrics.jsonl path, label), ...]. One subplot per panel
-    (metric key, panel title) that has data; x = wall-clock minutes ("time") or "step"."""
+def _run_source(run) -> tuple[Path, str | None]:
+    """(metrics.jsonl path, label) of a `plot_runs` item: (path, label), or a path alone (a run
+    directory or its metrics.jsonl; label = the run's directory name)."""
+    given = isinstance(run, (tuple, list))  # (path, label): the label as given, None = no legend entry
+    path = Path(run[0] if given else run)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return path, run[1] if given else path.parent.name
+
+
+def plot_runs(runs, out_png=None, x: str = "time", panels=_PANELS, title: str | None = None):
+    """Overlay several runs; returns the matplotlib Figure (a notebook shows it inline), or None
+    when matplotlib is missing or no panel has data. runs: [(metrics.jsonl or run dir, label),
+    ...] or just paths (labelled by run directory name). One subplot per panel (metric key,
+    panel title) that has data, one colour per run in every panel; x = wall-clock minutes
+    ("time") or "step". out_png: also write the figure there."""
     try:
         # lazy: matplotlib takes seconds to import and only the end of a run plots (no pyplot:
         # no global backend state to disturb)
+        from matplotlib import rcParams
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        _warn("matplotlib is not installed (pip install matplotlib); no plot written")
+        _warn("matplotlib is not installed (pip install matplotlib); no plot made")
         return None
-    data = [(label, read_metrics(p)) for p, label in runs]
+    data = [(label, read_metrics(p)) for p, label in map(_run_source, runs)]
+    cycle = rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2", "C3"])
+    colours = [cycle[i % len(cycle)] for i in range(len(data))]  # run i keeps its colour in every panel
     series = {key: [(label, *_series(recs, key, x)) for label, recs in data] for key, _ in panels}
     shown = [(k, t) for k, t in panels if any(xs for _, xs, _ in series[k])]
     if not shown:
-        _warn(f"none of the metrics {[k for k, _ in panels]} has data points; no plot written")
+        _warn(f"none of the metrics {[k for k, _ in panels]} has data points; no plot made")
         return None
     fig = Figure(figsize=(5.0 * len(shown), 3.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(shown), squeeze=False)[0]
     for ax, (key, panel_title) in zip(axes, shown):
-        for label, xs, ys in series[key]:
+        for colour, (label, xs, ys) in zip(colours, series[key]):
             if xs:  # one point only: draw a marker, a line needs two
-                ax.plot(xs, ys, label=label, marker="o" if len(xs) < 2 or key.startswith("eval") else None,
-                        markersize=3)
+                ax.plot(xs, ys, label=label, color=colour, markersize=3,
+                        marker="o" if len(xs) < 2 or key.startswith("eval") else None)
         ax.set_title(panel_title)
         ax.set_xlabel("wall-clock minutes" if x == "time" else "step")
         ax.set_ylabel(key)
@@ -201,17 +217,19 @@ def plot_runs(runs, out_png, x: str = "time", panels=_PANELS, title: str | None 
             ax.legend()
     if title:
         fig.suptitle(title)
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    return out
+    if out_png is not None:
+        out = Path(out_png)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+    return fig
 
 
 def plot_metrics(metrics_path, out_png, x: str = "time", panels=_PANELS, title: str | None = None) -> Path | None:
-    """Plot one run's metrics.jsonl, or overlay runs given as [(path, label), ...]."""
-    if isinstance(metrics_path, (list, tuple)):
-        return plot_runs(metrics_path, out_png, x=x, panels=panels, title=title)
-    return plot_runs([(metrics_path, None)], out_png, x=x, panels=panels, title=title)
+    """Plot one run's metrics.jsonl, or overlay runs given as [(path, label), ...], into
+    out_png; returns its path (None if nothing was plotted)."""
+    runs = metrics_path if isinstance(metrics_path, (list, tuple)) else [(metrics_path, None)]
+    fig = plot_runs(runs, out_png, x=x, panels=panels, title=title)
+    return Path(out_png) if fig is not None else None
 
 
 # ---------------------------------------------------------------- progress bar

@@ -7,7 +7,12 @@ defaults, its data, prompt, reward, evaluation and presets. It then calls
     cfg = make_config(MyTaskConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
     setup(cfg)                                       # threads, seed
     ...                                              # task: data, prompts, reward, evaluate
-    run(cfg, prompts, reward_fn, stops, evaluate=..., title="My task")
+    run(cfg, prompts, reward_fn, stops, evaluate=..., title="My task", loss=loss)
+
+`loss` (of `run` and `make_algo`) is None (the algorithm's own), a loss function for the
+algorithm `cfg.algo` names (common/algorithm.py: the loss contract), or a whole `Algorithm`
+object used as is; a task script's `main(argv, loss=None)` passes it on, so a notebook can
+drive a task with its own loss.
 
 Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA),
 `--algo=areal` (decoupled PPO, `areal_defaults`) and `--algo=grpo` (the on-policy baseline);
@@ -18,11 +23,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Union
 
 import torch
 
 from areal.algo import AReaL, AReaLConfig
+from common.algorithm import Algorithm
 from common.config import cli
 from common.engine.hf_io import load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
@@ -46,6 +52,7 @@ class RunConfig:
     preset: Literal["cpu", "gpu"] = "cpu"  # size preset applied before other overrides
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
+    overwrite: bool = False             # replace an earlier run in runs/<name> (deleted first)
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tba: TBAConfig = field(default_factory=TBAConfig)
@@ -56,7 +63,7 @@ class RunConfig:
 
 
 def areal_defaults(cfg: RunConfig) -> RunConfig:
-    """What AReaL changes in any task and preset (DESIGN.md section 5): publish every step
+    """What AReaL changes in any task and preset (the paper's settings): publish every step
     (k = 1), staleness bound eta = 4, in-flight samples re-prefilled under new weights
     (interrupt), no reference model (no KL term). GPU: group n = 16 with 8 prompts (128
     trajectories per step), as one node of the paper's 512-trajectory batches."""
@@ -120,23 +127,33 @@ def tokenizer_of(cfg: RunConfig):
     return load_tokenizer(resolve_checkpoint(cfg.model))
 
 
-def make_algo(cfg: RunConfig):
-    """The `Algorithm` (common/algorithm.py) that `cfg.algo` names, built from its section."""
+def make_algo(cfg: RunConfig, loss: Union[Callable, Algorithm, None] = None) -> Algorithm:
+    """The `Algorithm` (common/algorithm.py) that `cfg.algo` names, built from its section, with
+    `loss` as its loss function if given; `loss` an `Algorithm` is returned as is."""
+    if isinstance(loss, Algorithm):
+        return loss
+    if loss is not None and not callable(loss):
+        raise TypeError(f"loss must be a loss function or an Algorithm, got {type(loss).__name__}")
+    kw = {} if loss is None else {"loss_fn": loss}
     P, K, T, mbt = cfg.train.prompts_per_step, cfg.gen.n, cfg.gen.temperature, cfg.train.micro_batch_tokens
     if cfg.algo == "tba":
-        return TBA(cfg.tba, P, K, T, mbt, seed=cfg.seed)
+        return TBA(cfg.tba, P, K, T, mbt, seed=cfg.seed, **kw)
     if cfg.algo == "areal":
-        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=0 if cfg.train.mode == "sync" else cfg.train.max_staleness)
+        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=0 if cfg.train.mode == "sync" else cfg.train.max_staleness,
+                     **kw)
     if cfg.algo == "grpo":
-        return GRPO(cfg.grpo, P, K, T, mbt, seed=cfg.seed)
+        return GRPO(cfg.grpo, P, K, T, mbt, seed=cfg.seed, **kw)
     raise ValueError(f"algo {cfg.algo!r}: expected one of {ALGOS}")
 
 
 def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate: Optional[Callable] = None,
-        reward_factory: Optional[Callable] = None, title: str = "", panels=None) -> dict:
-    """Train (`common.runtime.trainer.train`) with the algorithm `cfg.algo`, then plot the metrics
+        reward_factory: Optional[Callable] = None, title: str = "", panels=None,
+        loss: Union[Callable, Algorithm, None] = None) -> dict:
+    """Train (`common.runtime.trainer.train`) with `make_algo(cfg, loss)`, then plot the metrics
     against wall-clock into runs/<name>/curves.png; returns the last logged metrics."""
-    last = train(cfg, make_algo(cfg), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
+    if cfg.resume and cfg.overwrite:
+        raise ValueError("resume and overwrite both set: continue the run, or replace it, not both")
+    last = train(cfg, make_algo(cfg, loss), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
                  reward_factory=reward_factory)
     run_dir = Path(cfg.run_root) / cfg.name
     kw = {"panels": panels} if panels else {}

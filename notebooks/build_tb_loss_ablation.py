@@ -183,7 +183,7 @@ A variant is a pure function with `tb_loss`'s signature,
 The custom one below shows how to add one: length-normalised TB divides both sequence
 log-probs by the completion length before the TB residual (so long responses no longer
 dominate the KL term). It needs the lengths, which `tb_loss`'s signature does not carry, so
-they are bound with `functools.partial` as well (see the last cell about training).
+they are bound with `functools.partial` here (in training, a loss gets them by keyword: section 6).
 """)
 
 code("""
@@ -309,25 +309,24 @@ for i in range(len(names)):
 md("""
 ## 6. Adding your own variant and training with it
 
-1. Write a pure function with `tb_loss`'s signature,
-   `my_loss(seq_logp, ref_seq_logp, reward, group_id, beta) -> (loss, stats)` (stats: a dict
-   of floats, logged with the training metrics), add it to `variants` above and rerun.
-2. To train with it, pass it to the algorithm in `run_gsm8k.py`
-   (`tba/algo.py`'s `TBA` takes `loss_fn`; the trainer calls it per micro-batch of whole
-   groups, with the annealed beta):
+1. Write a pure function that takes `tb_loss`'s arguments,
+   `my_loss(seq_logp, ref_seq_logp, reward, group_id, beta)`, and by keyword any micro-batch
+   field it needs (`comp_lens`, `prompt_lens`, `tokens`, ...: the length-normalised variant
+   above works as it is), returning the loss or `(loss, stats)` (stats: scalars, every one
+   logged with the training metrics); add it to `variants` above and rerun.
+2. To train with it, hand it to the task (defined here in the notebook is fine: it reaches the
+   trainer's other ranks by value); the trainer calls it per micro-batch of whole groups, with
+   the annealed beta:
 
    ```python
-   from tba.loss import tb_loss_no_ref   # or your own module
-   algo = TBA(cfg.tba, P, K, cfg.gen.temperature, cfg.train.micro_batch_tokens,
-              seed=cfg.seed, loss_fn=my_loss)
+   import run_gsm8k
+   run_gsm8k.main(["--name=gsm8k_lennorm", "--train.steps=40", "--overwrite"], loss=tb_loss_length_normalised)
    ```
 
-   With a buffer that has no reference log-probs (`--gen.ref_logp=false`) only a variant that
-   ignores `ref_seq_logp` works (e.g. `tb_loss_no_ref`).
-3. Caveat: the trainer passes only `(seq_logp, ref_seq_logp, reward, group_id, beta)`. A variant
-   that needs more per-response data, like the length-normalised one above (completion
-   lengths), cannot be bound with `functools.partial` for training, because the rows change every
-   micro-batch: `TBA.backward` would have to pass them (e.g. `mb.comp_lens`).
+   (`common.task.run(..., loss=...)` and `make_algo(cfg, loss)` take the same: a loss
+   function, or a whole `Algorithm` object.) With a buffer that has no reference log-probs
+   (`--gen.ref_logp=false`) only a variant that ignores `ref_seq_logp` works (e.g.
+   `tb_loss_no_ref`).
 """)
 
 

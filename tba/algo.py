@@ -12,8 +12,12 @@ Runs in the trainer process. Per step:
           is weighted by its share of rows, so the summed gradient equals the full batch's.
           With several trainer ranks each runs its share of the micro-batches
           (common/micro.py); stats summed over micro-batches are completed with rank_sum_stats.
-Swap the loss for an ablation by passing another pure function with tb_loss's signature
-(seq_logp, ref_seq_logp, reward, group_id, beta) -> (loss, stats): TBA(..., loss_fn=tb_loss_no_ref).
+Swap the loss for an ablation by passing another pure function that takes tb_loss's arguments
+(seq_logp, ref_seq_logp, reward, group_id, beta), and by keyword any micro-batch field it names
+(e.g. comp_lens for a length-normalised variant), and returns the loss or (loss, stats):
+TBA(..., loss_fn=tb_loss_no_ref). GRPO takes grpo_loss's (token_logp, behav_logp, loss_mask,
+advantages; eps_clip by keyword). Every stat a loss returns is logged (common/algorithm.py: the
+loss contract).
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from typing import Callable, Literal
 
 import torch
 
-from common.algorithm import Algorithm
+from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
 from common.micro import micro_batches, rank_sum_stats
 from common.ops import seq_logp, token_logp
@@ -46,12 +50,6 @@ class GRPOConfig:
     eps_clip: float = 0.2             # PPO clip range
 
 
-def _accumulate(totals: dict, weight: float, loss, stats: dict) -> None:
-    """Add one micro-batch's loss and stats, weighted by its share of the batch."""
-    for key, v in {"loss": loss.item(), **stats}.items():
-        totals[key] = totals.get(key, 0.0) + weight * float(v)
-
-
 class _Base(Algorithm):
     def __init__(self, prompts_per_step: int, k: int, temperature: float, micro_batch_tokens: int, seed: int = 0):
         self.P, self.K, self.temperature = prompts_per_step, k, temperature
@@ -72,7 +70,7 @@ class TBA(_Base):
     def __init__(self, cfg: TBAConfig, prompts_per_step: int, k: int, temperature: float,
                  micro_batch_tokens: int, seed: int = 0, loss_fn: Callable = tb_loss):
         super().__init__(prompts_per_step, k, temperature, micro_batch_tokens, seed)
-        self.cfg, self.loss_fn = cfg, loss_fn
+        self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 5)
 
     def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
         if sync:
@@ -93,10 +91,10 @@ class TBA(_Base):
         for rows in micro_batches(batch, self.micro_batch_tokens, group_aligned=True):
             mb = batch.select(rows)
             slp = seq_logp(token_logp(model, mb.tokens, self.temperature, mb.loss_mask), mb.loss_mask)  # (b,)
-            loss, st = self.loss_fn(slp, mb.ref_seq_logp, mb.reward, mb.group_id, beta)
+            loss, st = call_loss(self.loss_fn, mb, slp, mb.ref_seq_logp, mb.reward, mb.group_id, beta)
             w = len(rows) / N  # this micro-batch's share of the batch mean
             (loss * w).backward()
-            _accumulate(totals, w, loss, st)
+            accumulate(totals, w, loss, st)
         return {**rank_sum_stats(totals), "beta": beta}
 
 
@@ -108,9 +106,9 @@ class GRPO(_Base):
     purpose: normalising a shaped reward would blow float noise in KL up to O(1) advantages in
     groups whose rewards all tie (measured: |A| = 0.15 at step 1 with r = 0 and pi = pi_ref)."""
     def __init__(self, cfg: GRPOConfig, prompts_per_step: int, k: int, temperature: float,
-                 micro_batch_tokens: int, seed: int = 0):
+                 micro_batch_tokens: int, seed: int = 0, loss_fn: Callable = grpo_loss):
         super().__init__(prompts_per_step, k, temperature, micro_batch_tokens, seed)
-        self.cfg = cfg
+        self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 4, ("eps_clip",))
 
     def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
         return self.on_policy(buffer, version)  # on-policy by construction, whatever the mode
@@ -125,8 +123,9 @@ class GRPO(_Base):
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
-            loss, st = grpo_loss(lp, mb.behav_logp, mb.loss_mask, adv[rows], eps_clip=self.cfg.eps_clip)
+            loss, st = call_loss(self.loss_fn, mb, lp, mb.behav_logp, mb.loss_mask, adv[rows],
+                                 eps_clip=self.cfg.eps_clip)
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch
             (loss * w).backward()
-            _accumulate(totals, float(w), loss, st)
+            accumulate(totals, float(w), loss, st)
         return {**rank_sum_stats(totals), "kl_seq": kl.mean().item(), "adv_abs": adv.abs().mean().item()}

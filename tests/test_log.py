@@ -88,11 +88,24 @@ def test_plot_single_run(tmp_path):
 def test_plot_overlay_and_missing_panels(tmp_path):
     a = _fake_run(tmp_path / "sync.jsonl", t_scale=60.0)
     b = _fake_run(tmp_path / "async.jsonl", t_scale=20.0, offset=0.1)
-    assert _is_png(plot_runs([(a, "sync"), (b, "async")], tmp_path / "cmp.png"))
+    fig = plot_runs([(a, "sync"), (b, "async")], tmp_path / "cmp.png")
+    assert _is_png(tmp_path / "cmp.png")
+    # a Figure to show in a notebook, one colour per run in every panel
+    colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in fig.axes]
+    assert len(colours) >= 2 and all(c == colours[0] for c in colours) and len(set(colours[0].values())) == 2
     panels = (("reward_mean", "reward"), ("kl", "KL (never logged)"))
     assert _is_png(plot_metrics([(a, "sync"), (b, "async")], tmp_path / "cmp2.png", panels=panels))
     assert plot_metrics(a, tmp_path / "none.png", panels=(("kl", "KL"),)) is None
     assert not (tmp_path / "none.png").exists()
+
+
+def test_plot_runs_takes_run_dirs_and_writes_no_file_unless_asked(tmp_path):
+    for name in ("tb", "tb_no_ref"):
+        (tmp_path / name).mkdir()
+        _fake_run(tmp_path / name / "metrics.jsonl")
+    fig = plot_runs([tmp_path / "tb", tmp_path / "tb_no_ref"], x="step")
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["tb", "tb_no_ref"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tb", "tb_no_ref"]  # no PNG written
 
 
 def test_fmt_and_progress(capsys):

@@ -4,6 +4,9 @@ of micro-batches, a rank with none; train.reshard "pass" and "update"); checkpoi
 Whole runs with 2 ranks (learning, resume, faults) are in tests/test_ranks_e2e.py."""
 from __future__ import annotations
 
+import multiprocessing
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,6 +16,7 @@ from common.batch import Trajectory, collate
 from common.engine.precision import Precision
 from common.micro import micro_batches
 from common.ops import token_logp
+from common.runtime.pickling import NotSendable
 from common.runtime.ranks import rank_device, resolve_reshard, shard_rows
 from common.runtime.trainer import TrainConfig, _gen_device, check_config
 from common.runtime.trainer_group import TrainerGroup
@@ -21,7 +25,7 @@ from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
 
 FP32 = Precision("fp32", "aten", "fp32")
-TOL = dict(atol=1e-5, rtol=0)  # the issue's bound on |weights(2 ranks) - weights(1 rank)|
+TOL = dict(atol=1e-5, rtol=0)  # the bound on |weights(2 ranks) - weights(1 rank)| (README)
 
 
 @pytest.fixture(scope="module")
@@ -138,17 +142,16 @@ def test_resume_across_rank_counts(model_dir, tmp_path, first, then):
         torch.testing.assert_close(got[k], ref[k], **TOL, msg=k)
 
 
-def _inline_loss(*a, **k):
-    raise AssertionError("never called")
-
-
 def test_a_loss_that_cannot_reach_the_ranks_is_refused_before_anything_starts(model_dir, tmp_path):
+    """A lambda or a notebook's function reaches the ranks by value (tests/test_by_value.py); one
+    holding what cannot be pickled is refused, naming it, before any rank starts."""
+    lock = threading.Lock()
     algo = _tba(60)
-    algo.loss_fn = lambda *a: _inline_loss(*a)  # as a notebook cell would define it
+    algo.loss_fn = lambda *a: lock.locked()  # as a notebook cell might write it
     model = FP32.load(model_dir, role="trainer", tokenizer=False)[0]
-    with pytest.raises(ValueError, match="loss must be importable"):
+    with pytest.raises(NotSendable, match=r"algorithm cannot be sent .*attribute 'loss_fn' -> closure variable 'lock'"):
         TrainerGroup(model, TrainConfig(trainer_devices=2), FP32, model_dir, algo, WeightStore.from_module(model), tmp_path)
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() and multiprocessing.active_children() == []
 
 
 def test_generators_take_the_gpus_the_trainer_leaves(monkeypatch):

@@ -5,10 +5,12 @@ Who runs what
 -------------
 * main process: builds a `Workers`, calls `start(name, fn, ...)` once per worker, then runs the
   training loop, calling `Workers.check()` every step (cheap: one pipe poll + one waitpid each).
-* worker process: `_worker_main` caps torch's CPU threads, then runs `fn(*args,
-  stop_event=stop_event, **kwargs)`. `fn` must be a module-level function (spawn pickles it by
-  name), take `stop_event` by keyword (after its positional parameters), poll it and return
-  once it is set.
+* worker process: `_worker_main` caps torch's CPU threads, unpickles `fn` and its arguments,
+  then runs `fn(*args, stop_event=stop_event, **kwargs)`. `fn` must take `stop_event` by
+  keyword (after its positional parameters), poll it and return once it is set. `fn` and its
+  arguments travel by value where they cannot by name (`common/runtime/pickling.py`:
+  cloudpickle, so functions and classes defined in a notebook work), shared tensors, queues
+  and events as handles.
 
 Processes are started with the *spawn* method: forking a process that has touched CUDA is
 unsafe, and spawn gives every worker a clean interpreter. Anything shared with workers (queues,
@@ -16,9 +18,10 @@ events, shared-memory tensors) must come from `Workers.ctx` / `Workers.queue()`.
 
 Shutdown protocol
 -----------------
-1. A worker raising puts `(name, formatted traceback)` on the error queue, sets `stop_event`
-   (so its siblings wind down) and exits with code 1. A worker dying without a word (signal,
-   `os._exit`, segfault) shows up as a non-zero exit code.
+1. A worker raising (in `fn`, or before it: unpickling its arguments, an import, device init)
+   puts `(name, formatted traceback)` on the error queue, sets `stop_event` (so its siblings
+   wind down) and exits with code 1. A worker dying without a word (signal, `os._exit`,
+   segfault) shows up as a non-zero exit code.
 2. The next `check()` (or `wait_event`, or leaving the `with` block) sees either, shuts down and
    raises `WorkerError` carrying the child's traceback, so the run ends within seconds.
 3. `shutdown()` (idempotent) SIGKILLs workers the watchdog reported hung (they cannot honour
@@ -54,6 +57,7 @@ import traceback
 import torch
 import torch.multiprocessing as tmp
 
+from common.runtime.pickling import Payload
 from common.runtime.watchdog import Watchdog, WorkerStalled
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
@@ -61,15 +65,21 @@ _TERM_GRACE_S = 2.0   # how long SIGTERM / SIGKILL get before we give up waiting
 
 
 class WorkerError(RuntimeError):
-    """A worker process failed; the message names it and holds the child's full traceback."""
+    """A worker process failed; the message names it and holds the child's full traceback
+    (the original exception's type, message and frames). `worker`: its name; `traceback`:
+    the child's formatted traceback ("" when it died without one, e.g. killed)."""
+
+    def __init__(self, message: str, worker: str = "", traceback: str = ""):
+        super().__init__(message)
+        self.worker, self.traceback = worker, traceback
 
 
 def set_process_defaults(device: str) -> None:
     """Per-process defaults of a process that runs a model on `device`. On CPU: cap intra-op
     threads (ASYNCRL_NUM_THREADS, default 1): with several processes sharing few cores,
-    oversubscribed thread pools make small ops up to two orders of magnitude slower (DESIGN.md
-    section 7); and keep freed memory in the process (`keep_freed_memory`). GPU processes need
-    neither (their big buffers live on the GPU)."""
+    oversubscribed thread pools make small ops up to two orders of magnitude slower (measured
+    on the 2-core dev boxes: README, "CPU threads"); and keep freed memory in the process
+    (`keep_freed_memory`). GPU processes need neither (their big buffers live on the GPU)."""
     if torch.device(device).type == "cpu":
         _cap_threads()
         keep_freed_memory()
@@ -114,16 +124,19 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main(name, fn, payload: list, stop_event, error_queue) -> None:
-    """Entry point of every worker process (runs in the child). payload = [args, kwargs] of `fn`:
-    a list, so that it can be emptied while the process is whole (see the `finally`)."""
-    args, kwargs = payload
+def _worker_main(name, payload: Payload, stop_event, error_queue) -> None:
+    """Entry point of every worker process (runs in the child). payload = [fn, args, kwargs],
+    unpickled here, inside the error handling, into a list that is emptied while the process is
+    whole (see the `finally`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent()
     # Thread cap applies to every worker's CPU-side ops; a GPU worker's kernels are unaffected.
     # A worker that runs a model calls set_process_defaults(its device) too (generators, ranks).
     _cap_threads()
+    call: list = []
     try:
+        call += payload.load()  # [fn, args, kwargs]: a failure here is reported like fn's own
+        fn, args, kwargs = call
         fn(*args, stop_event=stop_event, **kwargs)
     except KeyboardInterrupt:  # parent handles Ctrl-C and will stop us via stop_event
         return
@@ -139,8 +152,8 @@ def _worker_main(name, fn, payload: list, stop_event, error_queue) -> None:
         # it is freed, and the call that started us keeps its arguments alive into interpreter
         # teardown, where that may never happen ("Producer process has been terminated before
         # all shared CUDA tensors released").
-        payload.clear()
-        args = kwargs = None  # noqa: F841 - this frame's own references
+        call.clear()
+        fn = args = kwargs = None  # noqa: F841 - this frame's own references
         gc.collect()
         if torch.cuda.is_initialized():
             torch.cuda.synchronize()
@@ -181,12 +194,14 @@ class Workers:
         return q
 
     def start(self, name: str, fn, *args, **kwargs) -> None:
+        """Spawn worker `name` running fn(*args, stop_event=..., **kwargs). An argument that
+        cannot be pickled raises `NotSendable` here, naming it, and no process is left."""
         if self._closed:
             raise RuntimeError("Workers already shut down")
         if name in self.procs:
             raise ValueError(f"duplicate worker name {name!r}")
         p = self.ctx.Process(target=_worker_main, name=name, daemon=True,
-                             args=(name, fn, [args, kwargs], self.stop_event, self.error_queue))
+                             args=(name, Payload(name, [fn, args, kwargs]), self.stop_event, self.error_queue))
         p.start()
         self.procs[name] = p
 
@@ -198,14 +213,14 @@ class Workers:
         dead = [(n, p.exitcode) for n, p in self.procs.items() if p.exitcode not in (None, 0)]
         try:
             name, tb = self.error_queue.get_nowait()
-            return WorkerError(f"worker {name!r} failed:\n{tb}")
+            return WorkerError(f"worker {name!r} failed:\n{tb}", name, tb)
         except Exception:  # queue.Empty (or a truncated message from a killed writer)
             pass
         if dead:
             name, code = dead[0]
             how = (f"killed by {signal.Signals(-code).name}" if code < 0 else
-                   "os._exit, or failed before running fn: see its stderr")
-            return WorkerError(f"worker {name!r} died with exit code {code} ({how})")
+                   "os._exit, or failed while Python started it: see its stderr")
+            return WorkerError(f"worker {name!r} died with exit code {code} ({how})", name)
         return None
 
     def check(self) -> None:

@@ -4,8 +4,8 @@ Processes: R spawned reward workers (`reward_worker_main`) and G generators hold
 `RewardClient`. A generator sends one request per finished group, (rank, texts, metas), on the
 shared request queue and blocks on its own result queue; any free worker takes it, scores the
 whole group in one batched call and answers on that generator's queue. The expensive model is
-built once per worker by `make_reward_fn()` (a module-level factory, so spawn can pickle it),
-which returns `fn(texts: list, metas: list) -> list[float]`.
+built once per worker by `make_reward_fn()` (any function: sent by value,
+common/runtime/pickling.py), which returns `fn(texts: list, metas: list) -> list[float]`.
 
 Failure rules: a batched call that raises is retried sample by sample; a sample that still
 raises scores `error_reward` (`gen.error_reward`, default 0) and is counted (`n_errors` in the answer), the same contract as in-process

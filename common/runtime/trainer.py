@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.launch import WorkerError, Workers
+from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import RewardClient, reward_worker_main
 from common.runtime.trainer_group import RankFailed, TrainerGroup
@@ -139,17 +141,23 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     """Run a full training job; returns the last logged metrics. See module docstring.
 
     reward_fn(text, meta) -> float runs inside the generators. For expensive rewards set
-    train.reward_workers > 0 and pass `reward_factory`, a module-level function that builds
+    train.reward_workers > 0 and pass `reward_factory`, a function (sent by value, may be a notebook's) that builds
     fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
     tc = check_config(cfg.train)
     if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
         raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
+    # what reaches worker processes (by value: common/runtime/pickling.py) is refused here, naming it
+    check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
+                   reward_factory=reward_factory if tc.reward_workers else None,
+                   algorithm=algo if tc.trainer_devices > 1 else None)
     run_dir = Path(cfg.run_root) / cfg.name
+    if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
+        shutil.rmtree(run_dir)  # overwrite=True: replace the earlier run (e.g. re-running a notebook cell)
     if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: pass --resume to continue it, or choose another "
-                              f"--name (or delete the directory)")
+        raise FileExistsError(f"{run_dir} already holds a run: continue it (--resume, resume=True), replace it "
+                              f"(--overwrite, overwrite=True) or choose another name")
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.json")
     if tc.memory_fraction > 0 and torch.device(tc.device).type == "cuda":

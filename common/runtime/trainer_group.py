@@ -43,6 +43,7 @@ from common.engine.precision import Precision
 from common.micro import set_ranks
 from common.runtime.checkpoint import load_checkpoint, read_state, save_checkpoint, write_state
 from common.runtime.launch import WorkerError, Workers, set_process_defaults
+from common.runtime.pickling import check_sendable, dumps
 from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
                                   resolve_reshard, shard, update)
 from common.runtime.watchdog import Heartbeats, WorkerStalled
@@ -90,12 +91,10 @@ class TrainerGroup:
         self.opt = make_optimizer(model, tc.lr, tc.weight_decay)
 
     def _start(self, tc, prec, model_path, run_dir):
-        try:  # plain pickle, not torch.multiprocessing's: each rank gets its own copy of any tensor inside
-            algo_bytes = pickle.dumps(self.algo)
-        except Exception as e:
-            raise ValueError(f"train.trainer_devices={self.world}: the algorithm must reach the other ranks by "
-                             f"pickle, so its loss must be importable (a module-level function in a .py file, not "
-                             f"one defined in a notebook): {type(e).__name__}: {e}") from e
+        # by value (cloudpickle: a loss or an Algorithm subclass defined in a notebook is fine), and
+        # not as shared memory: each rank gets its own copy of any tensor inside
+        check_sendable(algorithm=self.algo)
+        algo_bytes = dumps(self.algo)
         self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         reshard = resolve_reshard(tc.reshard, tc.device)
@@ -111,7 +110,7 @@ class TrainerGroup:
         try:  # a rank that fails while loading is reported here, not after a rendezvous timeout
             self.workers.wait_event(lambda: self._tcp.check([f"ready{r}" for r in range(1, self.world)]), float("inf"))
         except (WorkerError, WorkerStalled) as e:
-            raise RankFailed(str(e)) from e
+            raise _rank_failed(e) from e
         shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), reshard)
         self.share = Share(self.model, 0, self.world, reshard=reshard)  # installed in common.micro during each command
 
@@ -163,7 +162,7 @@ class TrainerGroup:
             try:
                 self.workers.check()
             except (WorkerError, WorkerStalled) as e:
-                raise RankFailed(str(e)) from e
+                raise _rank_failed(e) from e
 
     def pids(self) -> dict[str, int]:
         return self.workers.pids() if self.workers is not None else {}
@@ -221,6 +220,11 @@ class TrainerGroup:
         return False
 
 
+def _rank_failed(e: Exception) -> RankFailed:
+    """A worker's failure as a rank's (same message, worker name and traceback)."""
+    return RankFailed(str(e), getattr(e, "worker", ""), getattr(e, "traceback", ""))
+
+
 @contextlib.contextmanager
 def _deferred_interrupt():
     """Hold a Ctrl-C (SIGINT) until the block is done, then raise it (main thread only)."""
@@ -240,7 +244,7 @@ def _deferred_interrupt():
 def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore, commands, beat, *, stop_event):
     """Trainer rank 1..N-1 (a spawned worker): build the same sharded model as rank 0, then
     run rank 0's commands until "stop" (module docstring)."""
-    algo: Algorithm = pickle.loads(algo_bytes)
+    algo: Algorithm = pickle.loads(algo_bytes)  # a failure here reaches rank 0 with its traceback
     beat.start()
     beat("loading")
     device = rank_device(setup.device, rank)
