@@ -124,10 +124,12 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def _worker_main(name, payload: Payload, stop_event, error_queue) -> None:
+def _worker_main(name, payload: Payload, stop_event, error_queue, cuda_device: str | None = None) -> None:
     """Entry point of every worker process (runs in the child). payload = [fn, args, kwargs],
     unpickled here, inside the error handling, into a list that is emptied while the process is
-    whole (see the `finally`)."""
+    whole (see the `finally`). cuda_device: the worker's GPU, made current before the payload is
+    unpickled, so that opening the trainer's CUDA IPC handles (the weight store) creates no
+    context on another GPU, outside that GPU's memory caps."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _die_with_parent()
     # Thread cap applies to every worker's CPU-side ops; a GPU worker's kernels are unaffected.
@@ -135,6 +137,8 @@ def _worker_main(name, payload: Payload, stop_event, error_queue) -> None:
     _cap_threads()
     call: list = []
     try:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
         call += payload.load()  # [fn, args, kwargs]: a failure here is reported like fn's own
         fn, args, kwargs = call
         fn(*args, stop_event=stop_event, **kwargs)
@@ -193,15 +197,18 @@ class Workers:
         self._queues.append(q)
         return q
 
-    def start(self, name: str, fn, *args, **kwargs) -> None:
+    def start(self, name: str, fn, *args, cuda_device: str | None = None, **kwargs) -> None:
         """Spawn worker `name` running fn(*args, stop_event=..., **kwargs). An argument that
-        cannot be pickled raises `NotSendable` here, naming it, and no process is left."""
+        cannot be pickled raises `NotSendable` here, naming it, and no process is left.
+        cuda_device ("cuda:N"): the GPU the worker runs on, current before its arguments are
+        unpickled (`_worker_main`)."""
         if self._closed:
             raise RuntimeError("Workers already shut down")
         if name in self.procs:
             raise ValueError(f"duplicate worker name {name!r}")
         p = self.ctx.Process(target=_worker_main, name=name, daemon=True,
-                             args=(name, Payload(name, [fn, args, kwargs]), self.stop_event, self.error_queue))
+                             args=(name, Payload(name, [fn, args, kwargs]), self.stop_event, self.error_queue,
+                                   cuda_device))
         p.start()
         self.procs[name] = p
 

@@ -232,9 +232,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             for r in range(tc.reward_workers):
                 workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn, beat=hb.beat_for(f"reward{r}"))
         for r in range(tc.n_generators):
+            dev = _gen_device(tc.device, r, tc.trainer_devices)
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
-                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids),
-                          _gen_device(tc.device, r, tc.trainer_devices), prec, beat=hb.beat_for(f"generator{r}"))
+                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
+                          beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
         # who is who, for a debugger or py-spy (`py-spy dump --pid N`): every worker's pid
         (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **workers.pids()}) + "\n")
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")

@@ -106,7 +106,9 @@ class TrainerGroup:
         self.workers.watch(hb, tc.stall_timeout, tc.stall_action)
         for r, name in enumerate(names, 1):
             self.queues.append(self.workers.queue())
-            self.workers.start(name, rank_main, r, setup, algo_bytes, self.store, self.queues[-1], hb.beat_for(name))
+            dev = rank_device(tc.device, r)
+            self.workers.start(name, rank_main, r, setup, algo_bytes, self.store, self.queues[-1], hb.beat_for(name),
+                               cuda_device=dev if dev.startswith("cuda") else None)
         try:  # a rank that fails while loading is reported here, not after a rendezvous timeout
             self.workers.wait_event(lambda: self._tcp.check([f"ready{r}" for r in range(1, self.world)]), float("inf"))
         except (WorkerError, WorkerStalled) as e:
