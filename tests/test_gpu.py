@@ -100,3 +100,17 @@ def test_head_backward_on_cuda_equals_cpu():
         grads.append((hd.grad.cpu(), wd.grad.cpu()))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_graphs_dropped_when_the_rope_table_is_rebuilt(tmp_path):
+    """A graph reads the model's RoPE table by address: a rebuilt (longer) table drops every graph,
+    and the recaptured ones give the same samples."""
+    save_hf("qwen3_qknorm", tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
+    s = Sampler(model, max_batch=4, max_seq_len=48, cuda_graphs=True)
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, n=2, seed=3)
+    first = s.generate([[5, 6, 7], [9] * 10], params)
+    model.rope(torch.zeros(1, 1, dtype=torch.long, device="cuda"), bound=model._rope_cache[0].shape[0] + 1)
+    again = s.generate([[5, 6, 7], [9] * 10], params)
+    assert s.graphed.stats["invalidations"] == 1
+    assert [c.tokens for c in again] == [c.tokens for c in first]
