@@ -109,8 +109,10 @@ def test_graphs_dropped_when_the_rope_table_is_rebuilt(tmp_path):
     model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
     s = Sampler(model, max_batch=4, max_seq_len=48, cuda_graphs=True)
     params = SamplingParams(max_new_tokens=10, temperature=0.9, n=2, seed=3)
-    first = s.generate([[5, 6, 7], [9] * 10], params)
+    eager = Sampler(model, max_batch=4, max_seq_len=48, static_shapes=True)
+    for x in (s, eager):
+        x.generate([[5, 6, 7], [9] * 10], params)  # request ids 0, 1
     model.rope(torch.zeros(1, 1, dtype=torch.long, device="cuda"), bound=model._rope_cache[0].shape[0] + 1)
-    again = s.generate([[5, 6, 7], [9] * 10], params)
+    again, want = (x.generate([[5, 6, 7], [9] * 10], params) for x in (s, eager))  # ids 2, 3
     assert s.graphed.stats["invalidations"] == 1
-    assert [c.tokens for c in again] == [c.tokens for c in first]
+    assert [c.tokens for c in again] == [c.tokens for c in want]
