@@ -8,22 +8,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `common`, `tba` and `tests`
 
-from common.config import cli  # noqa: E402 - after the path
 from common.engine.precision import PrecisionConfig  # noqa: E402
 from common.runtime.generator import GenConfig  # noqa: E402
 from common.runtime.trainer import TrainConfig, train  # noqa: E402
-from common.task import RunConfig, make_algo, setup  # noqa: E402
+from common.task import RunConfig, make_algo, make_config, setup  # noqa: E402 - after the path
 from tests.test_e2e import _prompts, toy_reward  # noqa: E402
 
 
 def config(argv: list[str]) -> RunConfig:
-    """test_e2e's toy settings (fp32, tiny batches), then the command line."""
+    """test_e2e's toy settings (fp32, tiny batches), then the command line (`--algo=areal`: AReaL's defaults)."""
     base = RunConfig(name="toy", gen=GenConfig(max_batch=16, max_new_tokens=6, n=4, temperature=1.0),
                      train=TrainConfig(steps=6, lr=3e-3, warmup_steps=1, prompts_per_step=4, sync_every=2,
                                        min_buffer=16, buffer_capacity=512, micro_batch_tokens=256, stall_timeout=60),
                      precision=PrecisionConfig(dtype="fp32"))
     base.tba.beta_init = base.tba.beta_final = 0.1
-    return cli(base, argv)
+    return make_config(base, argv)
 
 
 def main(argv: list[str]) -> dict:

@@ -78,7 +78,7 @@ class RemoteControl:
         """The global index of the next prompt to start, or None if over the trainer's quota."""
         if self._store is None:
             self._store = dist.TCPStore(*self.addr, is_master=False, timeout=self.timeout)
-            self._me = f"{socket.gethostname()}:{os.getpid()}"
+            self._me = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"  # this claimer's own, whoever copies it
         st = self._store
         if not st.check(["quota"]):  # the trainer has not opened the first version yet
             return None
