@@ -58,6 +58,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -
                               tuple(stop_token_ids), "cpu", setup["precision"], beat=hb.beat_for(name))
             print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}", flush=True)
             while not node.has("stop"):
+                node.store.add(f"beat/{node.rank}", 1)  # alive: the trainer names a node that goes quiet
                 workers.check()
                 for t in threads:
                     t.check()

@@ -30,8 +30,9 @@ _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the o
 class TrainerLink:
     """Module docstring. `setup`: what a generator node cannot work out itself (picklable)."""
 
-    def __init__(self, node: Node | None, store: WeightStore, setup: dict):
+    def __init__(self, node: Node | None, store: WeightStore, setup: dict, stall_timeout: float = 0.0):
         self.node, self.store, self.ingest, self._stopped = node, store, None, False
+        self.stall_timeout = stall_timeout  # a generator node silent this long fails the run (0 = off)
         if node is not None:
             node.put("setup", {**setup, "shapes": store.shapes()})
 
@@ -48,7 +49,7 @@ class TrainerLink:
         if self.node is None:
             return Control(ctx, prompts_per_version, max_staleness, n_generators)
         c = StoreControl(self.node, ctx, prompts_per_version, max_staleness, n_generators * len(self.node.gen_ranks))
-        self.ingest = Ingest(self.node, buffer, c, n_generators)
+        self.ingest = Ingest(self.node, buffer, c, n_generators, self.stall_timeout)
         self.ingest.start()
         return c
 

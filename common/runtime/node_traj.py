@@ -20,7 +20,8 @@ Who runs what:
   changes, so staleness filters and AReaL's eta see the versions the generators recorded),
   copies the node's stats into the trainer's `Control` table and the store's started counter
   into `Control.t` (the metrics read both as on one node); it also watches for a node that
-  reported a failure.
+  reported a failure, or whose beat counter (beat/<rank>, moved by its main loop every 50 ms)
+  stood still for `train.stall_timeout` s (a node that died without a word, or hangs).
 Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads;
 each thread owns its process group (weights and trajectories never share sockets).
 """
@@ -157,9 +158,12 @@ class TrajSender(threading.Thread):
 class Ingest(threading.Thread):
     """The trainer's ingest thread (module docstring). `error`: a failure it saw or met."""
 
-    def __init__(self, node: Node, buffer: ReplayBuffer, control: Control, gens_per_node: int):
+    def __init__(self, node: Node, buffer: ReplayBuffer, control: Control, gens_per_node: int,
+                 stall_timeout: float = 0.0):
         super().__init__(name="traj-ingest", daemon=True)  # daemon: never holds the process at exit
         self.node, self.buffer, self.control, self.G = node, buffer, control, gens_per_node
+        self.stall_timeout = stall_timeout  # 0 = off
+        self._beats = {r: (-1, time.monotonic()) for r in node.gen_ranks}  # rank -> (count, when it last moved)
         self.halt = threading.Event()
         self.error: BaseException | None = None
         self.rows = 0
@@ -193,10 +197,20 @@ class Ingest(threading.Thread):
                     msg = node.failure()
                     if msg is not None:
                         raise NodeFailed(msg)
+                    self._check_beats()
                 if not got:
                     time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - raised in the trainer's loop (TrainerLink.check)
             self.error = e
+
+    def _check_beats(self) -> None:
+        for r, (n, since) in self._beats.items():
+            now, got = time.monotonic(), self.node.store.add(f"beat/{r}", 0)  # add 0: read a counter that may not exist yet
+            if got != n:
+                self._beats[r] = (got, now)
+            elif self.stall_timeout > 0 and now - since > self.stall_timeout:
+                raise NodeFailed(f"{self.node.name(r)} has been silent for {now - since:.0f} s "
+                                 f"(train.stall_timeout): dead or hung", self.node.name(r))
 
     def stop(self) -> None:
         self.halt.set()

@@ -185,7 +185,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
     pad_id = (tok.pad_token_id or 0) if tok else 0
     # other nodes (None: one node, every call a no-op): what they need to build their store and buffer first
-    link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id))
+    link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id), tc.stall_timeout)
     with link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, Workers() as workers:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
