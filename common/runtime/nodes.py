@@ -119,6 +119,8 @@ class Node:
                                      "node with the same command line")
             if self.store is None:
                 self.store = dist.TCPStore(self.host, table[0]["port"], is_master=False, timeout=self.timeout)
+            if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
+                print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)
         except BaseException:
             self.close()
             raise
