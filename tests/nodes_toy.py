@@ -3,6 +3,7 @@ node) or under torchrun (each node runs this same command line).
 
     python tests/nodes_toy.py --model=DIR --run_root=DIR [--train.mode=sync ...]
 """
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,17 @@ from common.runtime.generator import GenConfig  # noqa: E402
 from common.runtime.trainer import TrainConfig, train  # noqa: E402
 from common.task import RunConfig, make_algo, make_config, setup  # noqa: E402 - after the path
 from tests.test_e2e import _prompts, toy_reward  # noqa: E402
+
+
+_calls = [0]
+
+
+def dying_reward(tokens, meta) -> float:
+    """toy_reward, but the generator process exits abruptly after $NODES_TOY_DIE_AFTER samples (a fault)."""
+    _calls[0] += 1
+    if _calls[0] > int(os.environ["NODES_TOY_DIE_AFTER"]):
+        os._exit(3)
+    return toy_reward(tokens, meta)
 
 
 def config(argv: list[str]) -> RunConfig:
@@ -28,7 +40,8 @@ def config(argv: list[str]) -> RunConfig:
 def main(argv: list[str]) -> dict:
     cfg = config(argv)
     setup(cfg)
-    return train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=())
+    reward = dying_reward if os.environ.get("NODES_TOY_DIE_AFTER") else toy_reward
+    return train(cfg, make_algo(cfg), _prompts(), reward, stop_token_ids=(), resume=cfg.resume)
 
 
 if __name__ == "__main__":

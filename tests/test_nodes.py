@@ -53,10 +53,11 @@ def _gone(pgid: int) -> bool:
         return True
 
 
-def _run(cmds: list[list[str]], logs: Path) -> list[str]:
+def _run(cmds: list[list[str]], logs: Path, ok: bool = True, **env) -> list[str]:
     """Run the commands side by side, each in its own session; their output. Every process they
-    started is killed at the end (SIGKILL to the session), and a run that left one fails."""
-    procs = [subprocess.Popen(c, cwd=ROOT, env=_env(), stdout=open(logs / f"out{i}.txt", "w"),
+    started is killed at the end (SIGKILL to the session), and a run that left one fails.
+    ok: every command must exit 0 (else: none may)."""
+    procs = [subprocess.Popen(c, cwd=ROOT, env={**_env(), **env}, stdout=open(logs / f"out{i}.txt", "w"),
                               stderr=subprocess.STDOUT, start_new_session=True) for i, c in enumerate(cmds)]
     deadline = time.monotonic() + RUN_S
     try:
@@ -64,7 +65,7 @@ def _run(cmds: list[list[str]], logs: Path) -> list[str]:
             p.wait(max(1.0, deadline - time.monotonic()))
         out = [(logs / f"out{i}.txt").read_text() for i in range(len(cmds))]
         for p, o in zip(procs, out):
-            assert p.returncode == 0, o[-4000:]
+            assert (p.returncode == 0) == ok, o[-4000:]
         t = time.monotonic() + 10
         while not all(_gone(p.pid) for p in procs) and time.monotonic() < t:
             time.sleep(0.1)
@@ -77,12 +78,14 @@ def _run(cmds: list[list[str]], logs: Path) -> list[str]:
             p.wait(10)
 
 
-def _two_nodes(tmp_path, *args) -> list[str]:
+def _two_nodes(tmp_path, *args, ok: bool = True, **env) -> list[str]:
     port = _free_port()
     agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
              f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1", str(SCRIPT), "--dist.trainer_nodes=1",
              *args]
-    return _run([agent, agent], tmp_path)
+    logs = tmp_path / f"agents{len(list(tmp_path.glob('agents*')))}"  # one folder per run
+    logs.mkdir()
+    return _run([agent, agent], logs, ok, **env)
 
 
 def _weights(run_root: Path) -> dict:
@@ -137,6 +140,22 @@ def test_two_node_async_areal_keeps_eta(model, tmp_path):
     assert max(int(s) for r in rows for s in r["staleness_hist"]) <= 2  # eta holds across nodes
     cfg = json.loads((tmp_path / "toy" / "config.json").read_text())
     assert cfg["dist"]["trainer_nodes"] == 1 and cfg["algo"] == "areal" and cfg["gen"]["update_mode"] == "interrupt"
+
+
+def test_a_failing_generator_node_stops_the_trainer_naming_it_and_the_run_resumes(model, tmp_path):
+    """A generator process dies on the generator node: that node reports it and leaves, the trainer
+    stops with NodeFailed naming the node, after a checkpoint of its last step; nothing is left
+    running; the same command with --resume finishes the run from that checkpoint."""
+    args = [f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
+    out = _two_nodes(tmp_path, *args, ok=False, NODES_TOY_DIE_AFTER="40")  # 10 groups: during step 3
+    trainer = next(o for o in out if "[asyncrl] 2 nodes" in o)
+    assert "NodeFailed" in trainer and "generator node 0 (rank 1" in trainer and "generator0" in trainer, trainer[-3000:]
+    assert "a worker failed; checkpoint" in trainer
+    assert [c.name for c in (tmp_path / "toy" / "checkpoints").glob("step_*")] == ["step_000002"]
+    _two_nodes(tmp_path, *args, "--resume")
+    rows = _steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
+    assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart too
 
 
 # ---------------------------------------------------------------- pieces, no world

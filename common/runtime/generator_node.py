@@ -13,8 +13,10 @@ its row of the statistics), so generator node 0 with one generator samples exact
 single-node run's generator 0 samples (same seed, same prompt order, same weights).
 
 Faults: a generator that dies or hangs, a broken transfer or the lost store stops this node:
-it reports the failure under failed/<rank> (the trainer raises `NodeFailed` naming the node),
-shuts its generators down (no process, no /dev/shm entry left) and leaves the world.
+it shuts its generators down (no process, no /dev/shm entry left), reports the failure under
+failed/<rank> (the trainer raises `NodeFailed` naming the node and checkpoints), waits for the
+trainer's "stop" (torchrun's agents end every node's process once one exits with an error, so
+leaving first would kill the trainer before its checkpoint), then leaves the world.
 """
 from __future__ import annotations
 
@@ -33,6 +35,18 @@ from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 
 _POLL_S = 0.05  # how often the node looks at its workers, its threads and the key "stop"
+
+
+def _wait_for_stop(node: Node) -> None:
+    """A failed node stays (its generators already stopped) until the trainer has read its report
+    and checkpointed, i.e. until "stop" (bounded by dist.timeout): once this process exits, torchrun's
+    agents take the whole job down, the trainer with it."""
+    deadline = time.monotonic() + node.timeout.total_seconds()
+    try:
+        while time.monotonic() < deadline and not node.has("stop"):
+            time.sleep(_POLL_S)
+    except Exception:  # noqa: BLE001 - the trainer (and its store) is gone: nothing to wait for
+        pass
 
 
 def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -> dict:
@@ -76,6 +90,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -
         for t in threads:
             t.halt.set()
         print(f"[asyncrl] {node.name(node.rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _wait_for_stop(node)
         raise
     finally:
         node.close()

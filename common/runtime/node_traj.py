@@ -182,7 +182,7 @@ class Ingest(threading.Thread):
                     try:
                         dist.irecv(buf, src=r, group=node.traj, tag=seq[r]).wait()
                     except Exception as e:
-                        raise NodeFailed(f"trajectories from {node.name(r)}: {type(e).__name__}: {e}") from e
+                        raise node.blame(r, "trajectories from", e) from e
                     self.buffer.add_rows(unpack(buf, header, self.buffer))
                     node.store.delete_key(key)
                     i = (r - node.gen_ranks[0]) * self.G

@@ -42,7 +42,7 @@ def send_weights(node: Node, store: WeightStore, version: int) -> None:
         try:
             w.wait()
         except Exception as e:  # a dead node breaks its connection; a hung one times out
-            raise NodeFailed(f"weights v{version} to {node.name(r)}: {type(e).__name__}: {e}") from e
+            raise node.blame(r, f"weights v{version} to", e) from e
     keys = [f"weights/ack/{r}/{version}" for r in node.gen_ranks]
     try:
         node.store.wait(keys, node.timeout)

@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -40,6 +41,8 @@ import torch.distributed as dist
 
 from common.config import to_dict
 from common.runtime.launch import WorkerError
+
+_BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
 
 
 @dataclass
@@ -149,6 +152,20 @@ class Node:
             self.store.set(f"failed/{self.rank}", f"{self.name(self.rank)}: {message}")
         except Exception:  # noqa: BLE001 - the store may be what failed
             pass
+
+    def blame(self, rank: int, what: str, e: BaseException) -> "NodeFailed":
+        """The error for a transfer with `rank` that broke: that node's own report when it sends one
+        within a few seconds (a node that fails reports, then leaves, which breaks the transfer),
+        else what broke."""
+        deadline = time.monotonic() + _BLAME_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([f"failed/{rank}"]):
+                    return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank))
+            except Exception:  # noqa: BLE001 - the store is ours (rank 0); on another node it may be gone
+                break
+            time.sleep(0.1)
+        return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank))
 
     def failure(self) -> str | None:
         """The first failure another node reported, or None."""
