@@ -33,6 +33,7 @@ import json
 import os
 import pickle
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,11 +101,12 @@ class Node:
         self.gen_ranks = list(range(dc.trainer_nodes, self.world))
         self.index = self.rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
         self.host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self.store = None
+        self._server, self._local, self.port = None, threading.local(), None
         try:
             if self.rank == 0:  # hosts the run's keys; its port reaches the others in the table
-                self.store = dist.TCPStore(self.host, dc.store_port, is_master=True, wait_for_workers=False,
-                                           timeout=self.timeout)
+                self._server = dist.TCPStore(self.host, dc.store_port, is_master=True, wait_for_workers=False,
+                                             timeout=self.timeout)
+                self._local.store, self.port = self._server, self._server.port
             # one fixed order on every rank, each group with the timeout
             ranks = [0] + self.gen_ranks
             self.control = dist.new_group(list(range(self.world)), timeout=self.timeout, backend="gloo")
@@ -112,7 +114,7 @@ class Node:
             self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
             dist.monitored_barrier(self.control, timeout=self.timeout, wait_all_ranks=True)  # names a missing node
             me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
-                  "config": config_hash(cfg), "port": self.store.port if self.store is not None else None}
+                  "config": config_hash(cfg), "port": self.port}
             table: list = [None] * self.world
             dist.all_gather_object(table, me, group=self.control)
             self.table = table
@@ -120,13 +122,21 @@ class Node:
                 if t["config"] != table[0]["config"]:
                     raise ValueError(f"{self.name(t['rank'])} runs another config than {self.name(0)}: start every "
                                      "node with the same command line")
-            if self.store is None:
-                self.store = dist.TCPStore(self.host, table[0]["port"], is_master=False, timeout=self.timeout)
+            self.port = table[0]["port"]
             if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
                 print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)
         except BaseException:
             self.close()
             raise
+
+    @property
+    def store(self) -> dist.TCPStore:
+        """This thread's connection to the run's store. One per thread: a client sends one request at a
+        time, so a thread blocked in `wait` would hold up every other thread's requests on a shared one."""
+        s = getattr(self._local, "store", None)
+        if s is None:
+            s = self._local.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        return s
 
     def name(self, rank: int) -> str:
         """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
@@ -179,7 +189,7 @@ class Node:
         with its store, which it hosts."""
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.store = None
+        self._server, self._local = None, threading.local()
 
 
 def join(cfg, tc) -> Node | None:
