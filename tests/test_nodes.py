@@ -128,7 +128,8 @@ def test_two_node_async_tba(model, tmp_path):
     _two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--train.steps=8")
     rows = _steps(tmp_path)
     assert len(rows) == 8 and rows[-1]["version"] == 4 and all(r["buffer_fill"] >= 16 for r in rows)
-    assert rows[-1]["gen_tok_s"] > 0 and rows[-1]["prompts_started"] >= 8
+    # the generator node's statistics reach the trainer's metrics (they ride with each batch, so not every step)
+    assert any(r["gen_tok_s"] > 0 for r in rows) and rows[-1]["prompts_started"] >= 8
 
 
 def test_two_node_async_areal_keeps_eta(model, tmp_path):

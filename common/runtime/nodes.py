@@ -20,7 +20,7 @@ with `dist.timeout`: `control` (every node: the start barrier, the table), `weig
 trainer + one receiver per generator node: common/runtime/node_weights.py), `traj` (the same
 ranks: trajectories to the trainer, common/runtime/node_traj.py). Weights and trajectories
 move in different threads, so each has its own group (its own sockets and tags).
-`monitored_barrier` on `control` at start names a node that never arrived.
+`monitored_barrier` on the world, before any group, names a node that never arrived.
 
 The store: a `TCPStore` the trainer (rank 0, on torchrun's MASTER_ADDR) hosts for the run's
 small keys (the published version, the staleness quota, trajectory headers, stop, failures).
@@ -107,12 +107,12 @@ class Node:
                 self._server = dist.TCPStore(self.host, dc.store_port, is_master=True, wait_for_workers=False,
                                              timeout=self.timeout)
                 self._local.store, self.port = self._server, self._server.port
+            dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)  # names every node that is not there
             # one fixed order on every rank, each group with the timeout
             ranks = [0] + self.gen_ranks
             self.control = dist.new_group(list(range(self.world)), timeout=self.timeout, backend="gloo")
             self.weights = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
             self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
-            dist.monitored_barrier(self.control, timeout=self.timeout, wait_all_ranks=True)  # names a missing node
             me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
                   "config": config_hash(cfg), "port": self.port}
             table: list = [None] * self.world

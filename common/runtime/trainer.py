@@ -12,6 +12,10 @@ reading side. With `train.trainer_devices` = N > 1 the model and optimizer are s
 ranks (`common/runtime/trainer_group.py`, `ranks.py`): this process is rank 0 and the
 coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
 evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
+Several nodes (under torchrun, `common/runtime/nodes.py`): a generator node hands over to
+`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/node_link.py) sends
+each publish to the generator nodes, mirrors the quota to them and fills the buffer from them;
+without torchrun every call on it does nothing.
 Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and k = 1:
 generators may start exactly one batch of prompts per published version, and the trainer
 consumes exactly that batch, so sync and async runs do equal work per step.
@@ -185,7 +189,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
     pad_id = (tok.pad_token_id or 0) if tok else 0
     # other nodes (None: one node, every call a no-op): what they need to build their store and buffer first
-    link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id), tc.stall_timeout)
+    link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id),
+                       tc.stall_timeout if tc.stall_action == "stop" else 0.0)  # a silent node stops the run
     with link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, Workers() as workers:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
