@@ -26,8 +26,9 @@ from common.log import read_metrics
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.node_traj import RemoteControl, pack, unpack
-from common.runtime.nodes import DistConfig, check, join
+from common.runtime.nodes import DistConfig, check, is_generator_node, join
 from common.runtime.trainer import TrainConfig
+from common.task import RunConfig
 from tests.tiny import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,3 +240,9 @@ def test_config_checks_and_single_node_path(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert join(None, tc) is None and not dist.is_initialized()  # a world of one is one node too
+    cfg = RunConfig()
+    assert not is_generator_node(cfg)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not is_generator_node(cfg)  # rank 0: the trainer (it plots)
+    monkeypatch.setenv("RANK", "1")
+    assert is_generator_node(cfg)  # rank 1 of 2 with one trainer node: it neither logs nor plots

@@ -64,6 +64,16 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
+def role_of(rank: int, dc: DistConfig) -> str:
+    """The role of world rank `rank`: the first `trainer_nodes` ranks train, the others generate."""
+    return "trainer" if rank < dc.trainer_nodes else "generator"
+
+
+def is_generator_node(cfg) -> bool:
+    """Whether this process is a generator node of a torchrun world (it trains nothing, logs nothing)."""
+    return under_torchrun() and role_of(int(os.environ["RANK"]), getattr(cfg, "dist", None) or DistConfig()) == "generator"
+
+
 def check(dc: DistConfig, tc, world: int) -> None:
     """Configs this slice of the multi-node runtime refuses (clear errors before any group exists)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) != 1:
@@ -97,7 +107,7 @@ class Node:
         self.cfg, self.timeout = dc, timedelta(seconds=dc.timeout)
         dist.init_process_group("gloo", timeout=self.timeout)  # torchrun's env:// rendezvous (MASTER_ADDR/PORT)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.role = "trainer" if self.rank < dc.trainer_nodes else "generator"
+        self.role = role_of(self.rank, dc)
         self.gen_ranks = list(range(dc.trainer_nodes, self.world))
         self.index = self.rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
         self.host = os.environ.get("MASTER_ADDR", "127.0.0.1")
