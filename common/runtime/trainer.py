@@ -257,8 +257,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         try:
             if tc.mode == "async":
-                workers.wait_event(lambda: group.check() or link.check() or bar.waiting(lambda: f"first batch: buffer {len(buffer)}/"
-                                   f"{tc.min_buffer}") or len(buffer) >= tc.min_buffer, timeout=math.inf)
+                workers.wait_event(lambda: group.check() or link.check() or bar.waiting(
+                    lambda: f"first batch: buffer {len(buffer)}/{tc.min_buffer}") or len(buffer) >= tc.min_buffer,
+                    timeout=math.inf)
             gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
             while step < tc.steps:
                 t0 = time.perf_counter()
