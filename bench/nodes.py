@@ -15,10 +15,13 @@ Two nodes (a trainer node, a generator node), one process each, in a torchrun wo
            trainer's buffer. rows/s from the first add to the last row in; per group, the
            latency from its add to its rows landing in the trainer's buffer (p50, p99; both
            nodes' clocks are compared, so latencies are meaningful on one machine only).
-Not measured here: mean staleness with two nodes vs one (it needs full runs on the same config).
+  staleness  (--staleness) the toy async AReaL run of tests/nodes_toy.py (tiny random model, eta = 4,
+           one generator), the same config on one node and on two (two agents on 127.0.0.1):
+           the mean over steps of each run's `staleness_mean`, and the difference.
 
 Usage (prints one JSON line, from the trainer node):
   python bench/nodes.py [--dtype bf16] [--reps 5] [--groups 500]   # two agents on 127.0.0.1, one machine
+  python bench/nodes.py --staleness [--steps 30]                    # one node vs two, same toy config
   torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT bench/nodes.py --worker ...
 """
 from __future__ import annotations
@@ -26,14 +29,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -167,23 +173,14 @@ def worker(args) -> None:
         node.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--worker", action="store_true", help="run as one node (under torchrun)")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the weight store's dtype")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--groups", type=int, default=500, help="trajectory groups of 4 to ship")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    if args.worker:
-        return worker(args)
-    with socket.socket() as s:  # one machine: two agents on the loopback
+def _agents(argv: list[str], env: dict) -> list[str]:
+    """Two torchrun agents on 127.0.0.1 running argv; their stdouts (exits if one failed)."""
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1", os.path.abspath(__file__), "--worker",
-           f"--dtype={args.dtype}", f"--reps={args.reps}", f"--groups={args.groups}"]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+           f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1", *argv]
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **env}
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         outs = [p.communicate(timeout=900)[0] for p in procs]
@@ -191,9 +188,54 @@ def main() -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    line = [ln for o in outs for ln in o.splitlines() if ln.startswith('{"bench"')]
-    if not line or any(p.returncode for p in procs):
+    if any(p.returncode for p in procs):
         sys.exit("bench/nodes.py: a node failed (its output is above)")
+    return outs
+
+
+def staleness(args) -> None:
+    """One node vs two on the toy async AReaL config (module docstring)."""
+    import tempfile  # only this mode writes runs
+    from common.log import read_metrics
+    from tests.tiny import save_hf
+    root = Path(tempfile.mkdtemp(prefix="bench_nodes_"))
+    save_hf("llama_tied", root / "model")
+    toy = os.path.join(ROOT, "tests", "nodes_toy.py")
+    argv = [f"--model={root / 'model'}", "--algo=areal", f"--train.steps={args.steps}"]
+    env = {"PYTHONPATH": ROOT}
+    subprocess.run([sys.executable, toy, f"--run_root={root / 'one'}", *argv], env={**os.environ, **env}, check=True,
+                   stdout=subprocess.DEVNULL)
+    _agents([toy, "--dist.trainer_nodes=1", f"--run_root={root / 'two'}", *argv], env)
+    mean = {}
+    for k in ("one", "two"):
+        rows = [r for r in read_metrics(root / k / "toy" / "metrics.jsonl") if "staleness_mean" in r]
+        mean[k] = sum(r["staleness_mean"] for r in rows) / len(rows)
+    print(json.dumps({"bench": "nodes_staleness", "config": "tests/nodes_toy.py --algo=areal (eta 4, 1 generator)",
+                      "steps": args.steps, "staleness_mean_one_node": round(mean["one"], 3),
+                      "staleness_mean_two_nodes": round(mean["two"], 3),
+                      "difference": round(mean["two"] - mean["one"], 3)}))
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help="run as one node (under torchrun)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="the weight store's dtype")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--groups", type=int, default=500, help="trajectory groups of 4 to ship")
+    ap.add_argument("--staleness", action="store_true", help="one node vs two: mean staleness of the toy AReaL run")
+    ap.add_argument("--steps", type=int, default=30, help="--staleness: trainer steps of each run")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if args.worker:
+        return worker(args)
+    if args.staleness:
+        return staleness(args)
+    outs = _agents([os.path.abspath(__file__), "--worker", f"--dtype={args.dtype}", f"--reps={args.reps}",
+                    f"--groups={args.groups}"], {})  # one machine: two agents on the loopback
+    line = [ln for o in outs for ln in o.splitlines() if ln.startswith('{"bench"')]
+    if not line:
+        sys.exit("bench/nodes.py: no result line (the nodes' output is above)")
     print(line[0])
 
 
