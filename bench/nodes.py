@@ -34,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,12 +47,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common.batch import Trajectory  # noqa: E402
+from common.log import read_metrics  # noqa: E402
 from common.runtime.buffer import ReplayBuffer  # noqa: E402
 from common.runtime.generator import Control  # noqa: E402
 from common.runtime.node_traj import Ingest, StoreControl, TrajSender  # noqa: E402
 from common.runtime.node_weights import WeightReceiver, send_weights  # noqa: E402
 from common.runtime.nodes import DistConfig, Node  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
+from tests.tiny import save_hf  # noqa: E402 - the tiny random model of the tests (--staleness)
 
 P_LEN, C_LEN, N = 100, 200, 4  # a GSM8K-shaped group: prompt, completion tokens, samples
 
@@ -195,9 +198,6 @@ def _agents(argv: list[str], env: dict) -> list[str]:
 
 def staleness(args) -> None:
     """One node vs two on the toy async AReaL config (module docstring)."""
-    import tempfile  # only this mode writes runs
-    from common.log import read_metrics
-    from tests.tiny import save_hf
     root = Path(tempfile.mkdtemp(prefix="bench_nodes_"))
     save_hf("llama_tied", root / "model")
     toy = os.path.join(ROOT, "tests", "nodes_toy.py")
