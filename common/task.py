@@ -35,6 +35,7 @@ from common.engine.precision import PrecisionConfig
 from common.log import plot_metrics
 from common.runtime.generator import GenConfig, PromptSet
 from common.runtime.launch import set_process_defaults
+from common.runtime.nodes import DistConfig, is_generator_node
 from common.runtime.trainer import LogConfig, TrainConfig, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 
@@ -60,6 +61,7 @@ class RunConfig:
     areal: AReaLConfig = field(default_factory=AReaLConfig)
     log: LogConfig = field(default_factory=LogConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # auto: bf16 / GEMM backend measured per machine
+    dist: DistConfig = field(default_factory=DistConfig)  # several nodes under torchrun (ignored without it)
 
 
 def areal_defaults(cfg: RunConfig) -> RunConfig:
@@ -155,6 +157,8 @@ def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, ev
         raise ValueError("resume and overwrite both set: continue the run, or replace it, not both")
     last = train(cfg, make_algo(cfg, loss), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
                  reward_factory=reward_factory)
+    if is_generator_node(cfg):  # common/runtime/generator_node.py: the trainer's node logs and plots
+        return last
     run_dir = Path(cfg.run_root) / cfg.name
     kw = {"panels": panels} if panels else {}
     png = plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png",

@@ -145,6 +145,40 @@ class ReplayBuffer:
             self.cols["insert_idx"][rows] = idx
             self._n_added[0] = start + n
 
+    def add_rows(self, cols: dict[str, torch.Tensor]) -> None:
+        """Append whole rows another buffer gave out with `take_rows` (a generator node's groups,
+        common/runtime/node_traj.py), in their order, as `add` would have (all or nothing)."""
+        n = len(cols["reward"])
+        T = cols["tokens"].shape[1]
+        if T > self.max_seq_len or set(cols) != set(_COLUMNS) - {"insert_idx", "consumed"}:
+            raise ValueError(f"ReplayBuffer.add_rows: columns {sorted(cols)} of {T} tokens do not fit this buffer")
+        st = _empty_columns(n, self.max_seq_len, self.pad_id)
+        for k, v in cols.items():
+            (st[k][:, :T] if v.dim() == 2 else st[k]).copy_(v)
+        with self._lock:
+            start = int(self._n_added[0])
+            idx = torch.arange(start, start + n)[-self.capacity:]
+            rows = idx % self.capacity
+            for k in cols:
+                self.cols[k][rows] = st[k][-len(rows):]
+            self.cols["insert_idx"][rows] = idx
+            self.cols["consumed"][rows] = False
+            self._n_added[0] = start + n
+
+    def take_rows(self, start: int) -> tuple[dict[str, torch.Tensor], int]:
+        """The rows added since insertion counter `start`, oldest first, trimmed to the longest
+        (every column but insert_idx and consumed), and the counter after them."""
+        with self._lock:
+            end = int(self._n_added[0])
+            if end - start > self.capacity:
+                raise RuntimeError(f"ReplayBuffer.take_rows: {end - start} rows since {start} but the ring holds "
+                                   f"{self.capacity}: they were overwritten before they were taken")
+            rows = torch.arange(start, end) % self.capacity
+            T = int((self.cols["prompt_len"][rows] + self.cols["comp_len"][rows]).max()) if end > start else 0
+            out = {k: (v[rows, :T] if v.dim() == 2 else v[rows]) for k, v in self.cols.items()
+                   if k not in ("insert_idx", "consumed")}
+        return out, end
+
     # ---------------------------------------------------------------- reader
     @property
     def n_added(self) -> int:

@@ -47,9 +47,9 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from common.config import save_config
 from common.engine.hf_save import save_pretrained
@@ -157,6 +157,13 @@ def _one_process_ok():
         yield
 
 
+def _sharded(model) -> bool:
+    """Whether DCP must meet the trainer's other ranks: only a sharded model (its group is the default
+    one). A process group may exist for other reasons (several nodes: common/runtime/nodes.py) while
+    this trainer is one rank that writes alone."""
+    return isinstance(model, FSDPModule)
+
+
 def write_state(d: Path, model, optimizer):
     """Model and optimizer state into directory `d` (DCP, one file per rank), then the whole
     model as a plain module for the export (`common/runtime/ranks.py: full_model`: rank 0 gets
@@ -164,7 +171,7 @@ def write_state(d: Path, model, optimizer):
     fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
     msd, osd = get_state_dict(model, optimizer)
     with _one_process_ok():
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=not dist.is_initialized())
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=not _sharded(model))
     if fresh:
         optimizer.state.clear()  # ... which would change its first update's bias correction
     return full_model(model)
@@ -176,7 +183,7 @@ def read_state(d: Path, model, optimizer, stepped: bool) -> None:
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optimizer": osd}
     with _one_process_ok():
-        dcp.load(state, checkpoint_id=d, no_dist=not dist.is_initialized())
+        dcp.load(state, checkpoint_id=d, no_dist=not _sharded(model))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if not stepped:  # saved before the first update: keep the optimizer fresh (see write_state)
         optimizer.state.clear()

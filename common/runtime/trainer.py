@@ -12,6 +12,10 @@ reading side. With `train.trainer_devices` = N > 1 the model and optimizer are s
 ranks (`common/runtime/trainer_group.py`, `ranks.py`): this process is rank 0 and the
 coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
 evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
+Several nodes (under torchrun, `common/runtime/nodes.py`): a generator node hands over to
+`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/node_link.py) sends
+each publish to the generator nodes, mirrors the quota to them and fills the buffer from them;
+without torchrun every call on it does nothing.
 Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and k = 1:
 generators may start exactly one batch of prompts per published version, and the trainer
 consumes exactly that batch, so sync and async runs do equal work per step.
@@ -46,7 +50,10 @@ from common.log import MetricsLogger, Progress
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
+from common.runtime.generator_node import generator_node
 from common.runtime.launch import WorkerError, Workers
+from common.runtime.node_link import TrainerLink
+from common.runtime.nodes import join
 from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import RewardClient, reward_worker_main
@@ -144,6 +151,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     train.reward_workers > 0 and pass `reward_factory`, a function (sent by value, may be a notebook's) that builds
     fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
     tc = check_config(cfg.train)
+    node = join(cfg, tc)  # under torchrun: this node's role and the world's groups (common/runtime/nodes.py); else None
+    if node is not None and node.role == "generator":
+        return generator_node(node, cfg, prompts, reward_fn, stop_token_ids)
     if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
         raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     if tc.reward_workers > 0 and reward_factory is None:
@@ -177,7 +187,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         print(f"[asyncrl] --resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh")
     # N > 1: spawns trainer ranks 1..N-1 and shards `model` in place (the optimizer holds shards);
     # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
-    with TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, Workers() as workers:
+    pad_id = (tok.pad_token_id or 0) if tok else 0
+    # other nodes (None: one node, every call a no-op): what they need to build their store and buffer first
+    link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id),
+                       tc.stall_timeout if tc.stall_action == "stop" else 0.0)  # a silent node stops the run
+    with link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, Workers() as workers:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
         buffer = None
@@ -186,7 +200,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             step, version, buffer = st.step, st.version, st.buffer
             print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
         if buffer is None:
-            buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=(tok.pad_token_id or 0) if tok else 0)
+            buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=pad_id)
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project,
                                config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
@@ -215,8 +229,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             return out
 
         group.publish(version)
+        link.publish(version)
         per_version = tc.prompts_per_step * tc.sync_every
-        control = Control(workers.ctx, per_version, tc.max_staleness, tc.n_generators)
+        control = link.control(workers.ctx, buffer, per_version, tc.max_staleness, tc.n_generators)
         # AReaL on resume: accepted = v x B, plus the groups the restored buffer holds untrained
         # (they were admitted too; counting them keeps the bound; TBA never consumes, is unbounded)
         pending = buffer.stats()["n_unconsumed"] // cfg.gen.n if tc.max_staleness is not None else 0
@@ -224,14 +239,15 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         if step == 0:
             run_eval("before")
         ref = cfg.ref_model or cfg.model
-        names = [f"reward{r}" for r in range(tc.reward_workers)] + [f"generator{r}" for r in range(tc.n_generators)]
+        n_gens = link.local_generators(tc.n_generators)  # a trainer node of several runs none
+        names = [f"reward{r}" for r in range(tc.reward_workers)] + [f"generator{r}" for r in range(n_gens)]
         hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/runtime/watchdog.py
         workers.watch(hb, tc.stall_timeout, tc.stall_action)
         if tc.reward_workers > 0:
             reward_fn = RewardClient(workers.ctx, tc.n_generators, error_reward=cfg.gen.error_reward)
             for r in range(tc.reward_workers):
                 workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn, beat=hb.beat_for(f"reward{r}"))
-        for r in range(tc.n_generators):
+        for r in range(n_gens):
             dev = _gen_device(tc.device, r, tc.trainer_devices)
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
@@ -241,8 +257,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         try:
             if tc.mode == "async":
-                workers.wait_event(lambda: group.check() or bar.waiting(lambda: f"first batch: buffer {len(buffer)}/"
-                                   f"{tc.min_buffer}") or len(buffer) >= tc.min_buffer, timeout=math.inf)
+                workers.wait_event(lambda: group.check() or link.check() or bar.waiting(
+                    lambda: f"first batch: buffer {len(buffer)}/{tc.min_buffer}") or len(buffer) >= tc.min_buffer,
+                    timeout=math.inf)
             gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
             while step < tc.steps:
                 t0 = time.perf_counter()
@@ -255,6 +272,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                                                 f"{buffer.stats()['n_unconsumed']} unconsumed")
                         workers.check()
                         group.check()
+                        link.check()
                         time.sleep(0.01)
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
@@ -267,10 +285,12 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 if step % tc.sync_every == 0:
                     version += 1
                     group.publish(version)
+                    link.publish(version)  # other nodes have it before the quota moves
                     control.set_version(version)
                     publish_s = time.perf_counter() - t2
                 workers.check()
                 group.check()
+                link.check()
                 gen_tok, now = control.stats[:, Control.TOKENS].sum().item(), time.perf_counter()
                 last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=gnorm,
                             lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
@@ -309,6 +329,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             raise
         bar.close()
         workers.shutdown()  # generators stop; the trainer ranks stay for the last evaluation and checkpoint
+        link.stop()  # and those of other nodes
         if store.device.type == "cuda":
             torch.cuda.ipc_collect()  # the generators have released the store: free what they held
         last.update(run_eval("after"))

@@ -106,6 +106,15 @@ class WeightStore:
     def names(self) -> list[str]:
         return [s[0] for s in self._specs]
 
+    def shapes(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """What the constructor took: another node builds a store of the same layout from it."""
+        return {n: (shape, dt) for n, shape, dt, _ in self._specs}
+
+    def slot_bytes(self, slot: int | None = None) -> torch.Tensor:
+        """The flat bytes of `slot` (None: the active one, what readers copy). A node's weight
+        receiver fills its writing slot with one receive (common/runtime/node_weights.py)."""
+        return self._buf[int(self._c[ACTIVE]) if slot is None else slot]
+
     def check(self, tensors: dict[str, torch.Tensor], where: str, exact: bool):
         """Raise naming the first missing/unexpected/misshaped parameter."""
         names = self.names

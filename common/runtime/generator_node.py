@@ -1,0 +1,96 @@
+"""A generator node: its generators, a weight receiver and a trajectory sender.
+
+Runs in the one process torchrun starts on a node whose role is "generator"
+(common/runtime/nodes.py); `train` hands over to `generator_node` right after the world is
+joined, with the same arguments every node got from the same command line. This process
+loads no model: it builds the node's `WeightStore` (the trainer's layout, from the "setup" key)
+and a local `ReplayBuffer` as the outbox, starts `train.n_generators` generator processes
+(`generator_main`, unchanged: a store, a buffer and a control, as on one node), a
+`WeightReceiver` and a `TrajSender` thread, then watches all of them and the key "stop".
+
+Generator r of node j is generator number j * n_generators + r everywhere (its sampler seed,
+its row of the statistics), so generator node 0 with one generator samples exactly what the
+single-node run's generator 0 samples (same seed, same prompt order, same weights).
+
+Faults: a generator that dies or hangs, a broken transfer or the lost store stops this node:
+it shuts its generators down (no process, no /dev/shm entry left), reports the failure under
+failed/<rank> (the trainer raises `NodeFailed` naming the node and checkpoints), waits for the
+trainer's "stop" (torchrun's agents end every node's process once one exits with an error, so
+leaving first would kill the trainer before its checkpoint), then leaves the world.
+"""
+from __future__ import annotations
+
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.generator import generator_main
+from common.runtime.launch import Workers
+from common.runtime.node_traj import RemoteControl, TrajSender
+from common.runtime.node_weights import WeightReceiver
+from common.runtime.nodes import Node
+from common.runtime.watchdog import Heartbeats
+from common.runtime.weights import WeightStore
+
+_POLL_S = 0.05  # how often the node looks at its workers, its threads and the key "stop"
+
+
+def _wait_for_stop(node: Node) -> None:
+    """A failed node stays (its generators already stopped) until the trainer has read its report
+    and checkpointed, i.e. until "stop" (bounded by dist.timeout): once this process exits, torchrun's
+    agents take the whole job down, the trainer with it."""
+    deadline = time.monotonic() + node.timeout.total_seconds()
+    try:
+        while time.monotonic() < deadline and not node.has("stop"):
+            time.sleep(_POLL_S)
+    except Exception:  # noqa: BLE001 - the trainer (and its store) is gone: nothing to wait for
+        pass
+
+
+def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -> dict:
+    """Run this generator node until the trainer says stop; returns {} (the trainer logs)."""
+    tc, threads = cfg.train, []
+    try:
+        setup = node.get("setup")  # waits for the trainer's model load (at most dist.timeout)
+        store = WeightStore(setup["shapes"], device="cpu")
+        outbox = ReplayBuffer(tc.buffer_capacity, setup["max_seq_len"], setup["pad_id"])
+        G = tc.n_generators
+        control = RemoteControl(node.host, node.table[0]["port"], G * len(node.gen_ranks), node.timeout)
+        threads = [WeightReceiver(node, store), TrajSender(node, outbox, control.stats, node.cfg.ship_every)]
+        for t in threads:
+            t.start()
+        ranks = [node.index * G + r for r in range(G)]
+        names = [f"generator{g}" for g in ranks]
+        with Workers() as workers:
+            hb = Heartbeats(names, Path(cfg.run_root) / cfg.name / f"node{node.rank}" / "stacks")
+            workers.watch(hb, tc.stall_timeout, tc.stall_action)
+            for g, name in zip(ranks, names):
+                workers.start(name, generator_main, g, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store,
+                              outbox, control, prompts, reward_fn, cfg.seed, setup["max_seq_len"],
+                              tuple(stop_token_ids), "cpu", setup["precision"], beat=hb.beat_for(name))
+            print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}", flush=True)
+            while not node.has("stop"):
+                node.store.add(f"beat/{node.rank}", 1)  # alive: the trainer names a node that goes quiet
+                workers.check()
+                for t in threads:
+                    t.check()
+                time.sleep(_POLL_S)
+            workers.shutdown()  # no more groups: the sender's last batch flushes what is in the outbox
+        for t in reversed(threads):
+            t.stop()
+            t.check()
+        node.store.set(f"done/{node.rank}", "1")
+        print(f"[asyncrl] {node.name(node.rank)}: stopped; {threads[0].received} weight versions in, "
+              f"{threads[1].rows} trajectories out", flush=True)
+        return {}
+    except BaseException as e:
+        node.fail(f"{type(e).__name__}: {e}")
+        for t in threads:
+            t.halt.set()
+        print(f"[asyncrl] {node.name(node.rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        _wait_for_stop(node)
+        raise
+    finally:
+        node.close()

@@ -1,0 +1,217 @@
+"""Trajectories across nodes: generators on other nodes claim prompts from the trainer's
+staleness quota, their finished groups travel in batches to the trainer's replay buffer.
+
+Who runs what:
+* `StoreControl`: the trainer's `Control` (rank 0) when its generators are on other nodes: each
+  `set_version` also writes the quota (and, on start or resume, the started counter) to the
+  run's store, in that order, so a claim never sees a quota without its counter.
+* `RemoteControl`: what a generator process on a generator node holds as its `Control`.
+  `claim` is AReaL's admission rule, started < quota, made atomic on the store with
+  compare-and-set (the value carries the claimer's own token, so a claimer knows the swap was
+  its own); `stats` is the node's local shared table, as on one node.
+* `TrajSender`: a thread in each generator node's main process. The node's generators add
+  groups to a local `ReplayBuffer` (the outbox, exactly as they add to the trainer's on one
+  node); every `dist.ship_every` s the sender takes the rows added since the last batch (whole
+  groups, in order), writes a header (rows, width, the node's generator stats) under the key
+  traj/<rank>/<seq>, then sends the columns packed into one byte tensor (gloo, `traj` group).
+* `Ingest`: a thread in the trainer (rank 0): polls each generator node's next header key,
+  only then receives the batch it announces (never waits in a transfer blindly), appends the
+  rows to the trainer's buffer (`ReplayBuffer.add_rows`: new insertion counters, nothing else
+  changes, so staleness filters and AReaL's eta see the versions the generators recorded),
+  copies the node's stats into the trainer's `Control` table and the store's started counter
+  into `Control.t` (the metrics read both as on one node); it also watches for a node that
+  reported a failure, or whose beat counter (beat/<rank>, moved by its main loop every 50 ms)
+  stood still for `train.stall_timeout` s (a node that died without a word, or hangs).
+Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads;
+each thread owns its process group (weights and trajectories never share sockets).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.generator import Control
+from common.runtime.nodes import Node, NodeFailed
+
+_POLL_S = 0.005  # the ingest thread's idle poll of the header keys
+_FAILURE_POLL_S = 0.5  # how often it looks for a failure another node reported
+
+
+class StoreControl(Control):
+    """The trainer's Control, mirrored to the run's store (module docstring)."""
+
+    def __init__(self, node: Node, ctx, prompts_per_version: int, max_staleness, n_generators: int):
+        self.node, self._mirror = node, False  # the constructor's set_version(0) stays local
+        super().__init__(ctx, prompts_per_version, max_staleness, n_generators)
+        self._mirror = True
+
+    def set_version(self, v: int, started: int | None = None) -> None:
+        super().set_version(v, started)
+        if self._mirror:
+            if started is not None:
+                self.node.store.set("started", f"{started} trainer")
+            self.node.store.set("quota", str(int(self.t[self.QUOTA])))  # last: it admits claims
+
+
+class RemoteControl:
+    """A generator node's `Control` for its generator processes (module docstring); picklable,
+    each process opens its own connection to the store."""
+
+    def __init__(self, host: str, port: int, n_generators: int, timeout):
+        self.addr, self.timeout = (host, port), timeout
+        self.stats = torch.zeros(n_generators, len(Control.STAT_FIELDS), dtype=torch.float64).share_memory_()
+        self._store, self._n = None, 0
+
+    def __getstate__(self):
+        return {"addr": self.addr, "timeout": self.timeout, "stats": self.stats}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _store=None, _n=0)
+
+    def claim(self) -> int | None:
+        """The global index of the next prompt to start, or None if over the trainer's quota."""
+        if self._store is None:
+            self._store = dist.TCPStore(*self.addr, is_master=False, timeout=self.timeout)
+            self._me = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"  # this claimer's own, whoever copies it
+        st = self._store
+        if not st.check(["quota"]):  # the trainer has not opened the first version yet
+            return None
+        for _ in range(100):  # contention only: another claimer moved the counter meanwhile
+            raw, quota = st.multi_get(["started", "quota"])
+            s = int(raw.split()[0])
+            if s >= int(quota):
+                return None
+            self._n += 1
+            want = f"{s + 1} {self._me}:{self._n}".encode()
+            if st.compare_set("started", raw, want) == want:
+                return s
+        return None
+
+
+def pack(cols: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    """Columns of `ReplayBuffer.take_rows` -> one byte tensor and the header that unpacks it."""
+    parts = [cols[k].contiguous().reshape(-1).view(torch.uint8) for k in cols]
+    header = {"names": list(cols), "n": len(cols["reward"]), "T": cols["tokens"].shape[1],
+              "nbytes": sum(p.numel() for p in parts)}
+    return torch.cat(parts), header
+
+
+def unpack(buf: torch.Tensor, header: dict, like: ReplayBuffer) -> dict[str, torch.Tensor]:
+    """The inverse of `pack`, with the dtypes of `like`'s columns (both ends hold one layout)."""
+    out, off, n, T = {}, 0, header["n"], header["T"]
+    for k in header["names"]:
+        col = like.cols[k]
+        shape = (n, T) if col.dim() == 2 else (n,)
+        nb = n * (T if col.dim() == 2 else 1) * col.dtype.itemsize
+        out[k] = buf[off:off + nb].clone().view(col.dtype).reshape(shape)  # clone: aligned for the dtype
+        off += nb
+    return out
+
+
+class TrajSender(threading.Thread):
+    """A generator node's sender (module docstring). `error`: what stopped it, if anything."""
+
+    def __init__(self, node: Node, outbox: ReplayBuffer, stats: torch.Tensor, every: float):
+        super().__init__(name="traj-sender", daemon=True)  # daemon: never holds the process at exit
+        self.node, self.outbox, self.stats, self.every = node, outbox, stats, every
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+        self.rows = 0
+
+    def run(self) -> None:
+        node, shipped, seq = self.node, 0, 0
+        try:
+            while True:
+                last = self.halt.is_set()  # set after the generators stopped: one more batch flushes
+                cols, end = self.outbox.take_rows(shipped)
+                if end > shipped:
+                    seq += 1
+                    buf, header = pack(cols)
+                    header["stats"] = self.stats.clone()
+                    node.put(f"traj/{node.rank}/{seq}", header)  # first the header ...
+                    dist.isend(buf, dst=0, group=node.traj, tag=seq).wait()  # ... then the rows
+                    self.rows += end - shipped
+                    shipped = end
+                elif last:
+                    return
+                else:
+                    time.sleep(self.every)
+        except BaseException as e:  # noqa: BLE001 - reported by the node's main loop (check)
+            self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise NodeFailed(f"trajectory sender: {type(self.error).__name__}: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=self.node.timeout.total_seconds())
+
+
+class Ingest(threading.Thread):
+    """The trainer's ingest thread (module docstring). `error`: a failure it saw or met."""
+
+    def __init__(self, node: Node, buffer: ReplayBuffer, control: Control, gens_per_node: int,
+                 stall_timeout: float = 0.0):
+        super().__init__(name="traj-ingest", daemon=True)  # daemon: never holds the process at exit
+        self.node, self.buffer, self.control, self.G = node, buffer, control, gens_per_node
+        self.stall_timeout = stall_timeout  # 0 = off
+        self._beats = {r: (-1, time.monotonic()) for r in node.gen_ranks}  # rank -> (count, when it last moved)
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+        self.rows = 0
+
+    def run(self) -> None:
+        node, seq, looked = self.node, {r: 1 for r in self.node.gen_ranks}, 0.0
+        try:
+            while not self.halt.is_set():
+                got = False
+                for r in node.gen_ranks:
+                    key = f"traj/{r}/{seq[r]}"
+                    if not node.store.check([key]):
+                        continue
+                    header = pickle.loads(node.store.get(key))
+                    buf = torch.empty(header["nbytes"], dtype=torch.uint8)
+                    try:
+                        dist.irecv(buf, src=r, group=node.traj, tag=seq[r]).wait()
+                    except Exception as e:
+                        raise node.blame(r, "trajectories from", e) from e
+                    self.buffer.add_rows(unpack(buf, header, self.buffer))
+                    node.store.delete_key(key)
+                    i = (r - node.gen_ranks[0]) * self.G
+                    self.control.stats[i:i + self.G] = header["stats"][i:i + self.G]
+                    seq[r] += 1
+                    self.rows += header["n"]
+                    got = True
+                if node.store.check(["started"]):
+                    self.control.t[Control.STARTED] = int(node.store.get("started").split()[0])
+                if time.monotonic() - looked > _FAILURE_POLL_S:
+                    looked = time.monotonic()
+                    msg = node.failure()
+                    if msg is not None:
+                        raise NodeFailed(msg)
+                    self._check_beats()
+                if not got:
+                    time.sleep(_POLL_S)
+        except BaseException as e:  # noqa: BLE001 - raised in the trainer's loop (TrainerLink.check)
+            self.error = e
+
+    def _check_beats(self) -> None:
+        for r, (n, since) in self._beats.items():
+            now, got = time.monotonic(), self.node.store.add(f"beat/{r}", 0)  # add 0: read a counter that may not exist yet
+            if got != n:
+                self._beats[r] = (got, now)
+            elif self.stall_timeout > 0 and now - since > self.stall_timeout:
+                raise NodeFailed(f"{self.node.name(r)} has been silent for {now - since:.0f} s "
+                                 f"(train.stall_timeout): dead or hung", self.node.name(r))
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=self.node.timeout.total_seconds())

@@ -1,0 +1,92 @@
+"""Weights to generator nodes: the trainer sends its published slot, each generator node's
+receiver writes it into that node's own `WeightStore` through the seqlock.
+
+Processes: `send_weights` runs in the trainer's main thread (rank 0), right after the local
+`WeightStore` publish; `WeightReceiver` is a thread in each generator node's main process. Its
+generators (spawned processes) read the node's store exactly as they read the trainer's on one
+node: they see no difference.
+
+Protocol for version v (gloo point-to-point on CPU, the `weights` group of common/runtime/nodes.py):
+  trainer   store key weights/version = v  ->  send the active slot's bytes to every receiver
+            ->  wait for every receiver's key weights/ack/<rank>/<v>  ->  raise the quota
+  receiver  polls weights/version (never waits inside a transfer it was not told of)
+            ->  begin_write(v) (slot odd)  ->  receive straight into the writing slot
+            ->  end_write(slot, v)  ->  set its ack key
+Waiting for the acks before the quota moves keeps the single-node rule: a generator that
+claims a prompt admitted under version v already finds v (or newer) in its store, so the
+version it samples with is the one the trainer published. Both stores have one layout (the
+receiver's is built from the trainer's `shapes()`), so a slot is one flat byte tensor and
+the transfer is one send per node, no packing.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch.distributed as dist
+
+from common.runtime.nodes import Node, NodeFailed
+from common.runtime.weights import WeightStore
+
+_POLL_S = 0.005  # how often a receiver reads the published version (a store round trip)
+_TAG = 1  # the weights group carries nothing else; a fixed tag
+
+
+def send_weights(node: Node, store: WeightStore, version: int) -> None:
+    """Trainer: send `store`'s active slot (just published as `version`) to every generator node
+    and wait until each has it in its own store (see the module docstring)."""
+    node.store.set("weights/version", str(version))
+    buf = store.slot_bytes()
+    works = [dist.isend(buf, dst=r, group=node.weights, tag=_TAG) for r in node.gen_ranks]
+    for r, w in zip(node.gen_ranks, works):
+        try:
+            w.wait()
+        except Exception as e:  # a dead node breaks its connection; a hung one times out
+            raise node.blame(r, f"weights v{version} to", e) from e
+    keys = [f"weights/ack/{r}/{version}" for r in node.gen_ranks]
+    try:
+        node.store.wait(keys, node.timeout)
+    except Exception as e:
+        late = [node.name(r) for r, k in zip(node.gen_ranks, keys) if not node.store.check([k])]
+        raise NodeFailed(f"weights v{version}: no acknowledgement from {', '.join(late)} within "
+                         f"{node.timeout.total_seconds():.0f} s") from e
+    for k in keys:
+        node.store.delete_key(k)
+
+
+class WeightReceiver(threading.Thread):
+    """A generator node's receiver (module docstring). `error`: what stopped it, if anything."""
+
+    def __init__(self, node: Node, store: WeightStore):
+        super().__init__(name="weight-receiver", daemon=True)  # daemon: never holds the process at exit
+        self.node, self.store = node, store
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+        self.received = 0  # versions received (for the tests and the log)
+
+    def run(self) -> None:
+        node, store = self.node, self.store
+        try:
+            while not self.halt.is_set():
+                if not node.store.check(["weights/version"]):
+                    time.sleep(_POLL_S)
+                    continue
+                v = int(node.store.get("weights/version"))
+                if v <= store.version:
+                    time.sleep(_POLL_S)
+                    continue
+                slot = store.begin_write(v)  # odd: this node's generators keep reading the other slot
+                dist.irecv(store.slot_bytes(slot), src=0, group=node.weights, tag=_TAG).wait()
+                store.end_write(slot, v)
+                node.store.set(f"weights/ack/{node.rank}/{v}", "1")
+                self.received += 1
+        except BaseException as e:  # noqa: BLE001 - reported by the node's main loop (check)
+            self.error = e
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise NodeFailed(f"weight receiver: {type(self.error).__name__}: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=self.node.timeout.total_seconds())

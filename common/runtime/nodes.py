@@ -1,0 +1,211 @@
+"""Several nodes in one torchrun world: the launch, each node's role, the process groups, the
+run's key-value store.
+
+Runs in the one process per node that torchrun starts (`--nproc-per-node=1`): `join` is called
+by `train` (common/runtime/trainer.py) before anything else. Without torchrun (no `RANK` /
+`WORLD_SIZE` in the environment, or a world of one) it returns None and nothing here runs:
+the single-node path is untouched.
+
+    torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
+        run_gsm8k.py --dist.trainer_nodes=1 ...
+
+Roles come from the config after the rendezvous (c10d numbers nodes by arrival, not by
+`--node-rank`): world ranks 0..trainer_nodes-1 run the trainer, the others run generators
+(`common/runtime/generator_node.py`). Every node gathers every node's view (host, pid, role,
+a hash of its config) with `all_gather_object`, so all agree on one table and a node started
+with another command line is refused, naming it.
+
+Groups, created on every rank in this one order (a different order deadlocks), each gloo
+with `dist.timeout`: `control` (every node: the start barrier, the table), `weights` (the
+trainer + one receiver per generator node: common/runtime/node_weights.py), `traj` (the same
+ranks: trajectories to the trainer, common/runtime/node_traj.py). Weights and trajectories
+move in different threads, so each has its own group (its own sockets and tags).
+`monitored_barrier` on the world, before any group, names a node that never arrived.
+
+The store: a `TCPStore` the trainer (rank 0, on torchrun's MASTER_ADDR) hosts for the run's
+small keys (the published version, the staleness quota, trajectory headers, stop, failures).
+Nobody waits inside a transfer without having learnt from a key that its peer is in it too.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from common.config import to_dict
+from common.runtime.launch import WorkerError
+
+_BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
+
+
+@dataclass
+class DistConfig:
+    trainer_nodes: int = 1          # under torchrun: nodes that run the trainer (world ranks 0..n-1); the others run generators
+    timeout: float = 300.0          # s: group creation, the start barrier, one weight or trajectory transfer, the final stop
+    ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
+    store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
+
+
+class NodeFailed(WorkerError):
+    """Another node failed or stopped answering; the message names it (rank, host, role). A
+    `WorkerError`: the trainer's own state is whole, so it checkpoints before it stops."""
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun started in a world of more than one process."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def role_of(rank: int, dc: DistConfig) -> str:
+    """The role of world rank `rank`: the first `trainer_nodes` ranks train, the others generate."""
+    return "trainer" if rank < dc.trainer_nodes else "generator"
+
+
+def is_generator_node(cfg) -> bool:
+    """Whether this process is a generator node of a torchrun world (it trains nothing, logs nothing)."""
+    return under_torchrun() and role_of(int(os.environ["RANK"]), getattr(cfg, "dist", None) or DistConfig()) == "generator"
+
+
+def check(dc: DistConfig, tc, world: int) -> None:
+    """Configs this slice of the multi-node runtime refuses (clear errors before any group exists)."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) != 1:
+        raise ValueError("several nodes: one process per node (torchrun --nproc-per-node=1); a node's "
+                         "generators and trainer ranks are its own processes")
+    if dc.trainer_nodes < 1 or dc.trainer_nodes >= world:
+        raise ValueError(f"dist.trainer_nodes={dc.trainer_nodes} with {world} nodes: need 1 <= trainer_nodes < "
+                         f"nodes (at least one generator node)")
+    if dc.trainer_nodes != 1:
+        raise ValueError(f"dist.trainer_nodes={dc.trainer_nodes}: a trainer on several nodes is not built yet (1)")
+    if tc.trainer_devices != 1:
+        raise ValueError(f"train.trainer_devices={tc.trainer_devices} with several nodes is not built yet: the "
+                         "trainer's own ranks would need the world's groups (use 1)")
+    if tc.reward_workers:
+        raise ValueError("train.reward_workers with several nodes is not built yet (use a reward_fn)")
+    if tc.device != "cpu":
+        raise ValueError(f"train.device={tc.device!r} with several nodes: only the CPU (gloo) path is built yet")
+    if dc.timeout <= 0 or dc.ship_every <= 0:
+        raise ValueError(f"dist.timeout and dist.ship_every must be > 0, got {dc}")
+
+
+def config_hash(cfg) -> str:
+    """What every node must agree on: the whole run config."""
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class Node:
+    """This process's place in the world: rank, role, the agreed table, the groups and the store."""
+
+    def __init__(self, cfg, dc: DistConfig):
+        self.cfg, self.timeout = dc, timedelta(seconds=dc.timeout)
+        dist.init_process_group("gloo", timeout=self.timeout)  # torchrun's env:// rendezvous (MASTER_ADDR/PORT)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.role = role_of(self.rank, dc)
+        self.gen_ranks = list(range(dc.trainer_nodes, self.world))
+        self.index = self.rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
+        self.host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._server, self._local, self.port = None, threading.local(), None
+        try:
+            if self.rank == 0:  # hosts the run's keys; its port reaches the others in the table
+                self._server = dist.TCPStore(self.host, dc.store_port, is_master=True, wait_for_workers=False,
+                                             timeout=self.timeout)
+                self._local.store, self.port = self._server, self._server.port
+            dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)  # names every node that is not there
+            # one fixed order on every rank, each group with the timeout
+            ranks = [0] + self.gen_ranks
+            self.control = dist.new_group(list(range(self.world)), timeout=self.timeout, backend="gloo")
+            self.weights = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+            self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+            me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
+                  "config": config_hash(cfg), "port": self.port}
+            table: list = [None] * self.world
+            dist.all_gather_object(table, me, group=self.control)
+            self.table = table
+            for t in table:
+                if t["config"] != table[0]["config"]:
+                    raise ValueError(f"{self.name(t['rank'])} runs another config than {self.name(0)}: start every "
+                                     "node with the same command line")
+            self.port = table[0]["port"]
+            if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
+                print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def store(self) -> dist.TCPStore:
+        """This thread's connection to the run's store. One per thread: a client sends one request at a
+        time, so a thread blocked in `wait` would hold up every other thread's requests on a shared one."""
+        s = getattr(self._local, "store", None)
+        if s is None:
+            s = self._local.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
+        return s
+
+    def name(self, rank: int) -> str:
+        """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
+        t = self.table[rank] if getattr(self, "table", None) else {"host": "?", "pid": "?"}
+        role = "trainer node" if rank < self.cfg.trainer_nodes else f"generator node {rank - self.cfg.trainer_nodes}"
+        return f"{role} (rank {rank}, host {t['host']}, pid {t['pid']})"
+
+    # ---- small messages through the store ------------------------------------------------
+    def put(self, key: str, obj) -> None:
+        self.store.set(key, pickle.dumps(obj))
+
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def get(self, key: str):
+        """The object under `key`, waiting for it at most `dist.timeout`."""
+        self.store.wait([key], self.timeout)
+        return pickle.loads(self.store.get(key))
+
+    def fail(self, message: str) -> None:
+        """Tell every node this one failed (the trainer raises NodeFailed naming it); best effort."""
+        try:
+            self.store.set(f"failed/{self.rank}", f"{self.name(self.rank)}: {message}")
+        except Exception:  # noqa: BLE001 - the store may be what failed
+            pass
+
+    def blame(self, rank: int, what: str, e: BaseException) -> "NodeFailed":
+        """The error for a transfer with `rank` that broke: that node's own report when it sends one
+        within a few seconds (a node that fails reports, then leaves, which breaks the transfer),
+        else what broke."""
+        deadline = time.monotonic() + _BLAME_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if self.store.check([f"failed/{rank}"]):
+                    return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank))
+            except Exception:  # noqa: BLE001 - the store is ours (rank 0); on another node it may be gone
+                break
+            time.sleep(0.1)
+        return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank))
+
+    def failure(self) -> str | None:
+        """The first failure another node reported, or None."""
+        for r in range(self.world):
+            if r != self.rank and self.store.check([f"failed/{r}"]):
+                return self.store.get(f"failed/{r}").decode()
+        return None
+
+    def close(self) -> None:
+        """Leave the world (idempotent). The trainer first waits (bounded) for the others to be done
+        with its store, which it hosts."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._server, self._local = None, threading.local()
+
+
+def join(cfg, tc) -> Node | None:
+    """This node's `Node` under torchrun, None otherwise (the single-node path)."""
+    if not under_torchrun():
+        return None
+    dc = getattr(cfg, "dist", None) or DistConfig()
+    check(dc, tc, int(os.environ["WORLD_SIZE"]))
+    return Node(cfg, dc)

@@ -1,0 +1,49 @@
+"""The toy run of tests/test_e2e.py as a script, for tests/test_nodes.py: run it plainly (one
+node) or under torchrun (each node runs this same command line).
+
+    python tests/nodes_toy.py --model=DIR --run_root=DIR [--train.mode=sync ...]
+"""
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `common`, `tba` and `tests`
+
+from common.engine.precision import PrecisionConfig  # noqa: E402
+from common.runtime.generator import GenConfig  # noqa: E402
+from common.runtime.trainer import TrainConfig, train  # noqa: E402
+from common.task import RunConfig, make_algo, make_config, setup  # noqa: E402 - after the path
+from tests.test_e2e import _prompts, toy_reward  # noqa: E402
+
+
+_calls = [0]
+
+
+def dying_reward(tokens, meta) -> float:
+    """toy_reward, but the generator process exits abruptly after $NODES_TOY_DIE_AFTER samples (a fault)."""
+    _calls[0] += 1
+    if _calls[0] > int(os.environ["NODES_TOY_DIE_AFTER"]):
+        os._exit(3)
+    return toy_reward(tokens, meta)
+
+
+def config(argv: list[str]) -> RunConfig:
+    """test_e2e's toy settings (fp32, tiny batches), then the command line (`--algo=areal`: AReaL's defaults)."""
+    base = RunConfig(name="toy", gen=GenConfig(max_batch=16, max_new_tokens=6, n=4, temperature=1.0),
+                     train=TrainConfig(steps=6, lr=3e-3, warmup_steps=1, prompts_per_step=4, sync_every=2,
+                                       min_buffer=16, buffer_capacity=512, micro_batch_tokens=256, stall_timeout=60),
+                     precision=PrecisionConfig(dtype="fp32"))
+    base.tba.beta_init = base.tba.beta_final = 0.1
+    return make_config(base, argv)
+
+
+def main(argv: list[str]) -> dict:
+    cfg = config(argv)
+    setup(cfg)
+    reward = dying_reward if os.environ.get("NODES_TOY_DIE_AFTER") else toy_reward
+    return train(cfg, make_algo(cfg), _prompts(), reward, stop_token_ids=(), resume=cfg.resume)
+
+
+if __name__ == "__main__":
+    last = main(sys.argv[1:])
+    print(f"[nodes_toy] done: version {last.get('version')}", flush=True)
