@@ -14,8 +14,9 @@ after the first: the data were sampled by the recorded run's policy, not this on
 `behav_logp` and `versions` are the behaviour policy's, for losses that correct for it).
 
 Writes runs/<name>/ like a training run: config.json (with `replay_of`), precision.json,
-metrics.jsonl (the trainer's per-step keys, staleness from the recorded versions; waits and
-generator rates are absent, there are none), checkpoints and, through the caller, curves.
+metrics.jsonl (the trainer's per-step keys, staleness from the recorded versions, `read_s` =
+reading the step from disk, `step_s` = read + update; waits and generator rates are absent,
+there are none), checkpoints and, through the caller, curves.
 """
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
 
         run_eval("before")
         bar = Progress(n, desc=f"{cfg.name} (replay)")
+        t_read = time.perf_counter()
         for rs in read_steps(stream, n):
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()  # the step's file is read and decoded
             version = rs.version
             lr = rs.lr if recorded_lr else sched.get_last_lr()[0]
             for g in group.opt.param_groups:
@@ -106,9 +108,10 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
             stats, gnorm = group.update(rs.batch, step, lr, tc.grad_clip)
             sched.step()
             step += 1
-            dt = time.perf_counter() - t0
+            t1 = time.perf_counter()
             last = dict(version=version, **{**stats, "reward_mean": rs.batch.reward.mean().item()}, grad_norm=gnorm,
-                        lr=lr, train_s=dt, step_s=dt, trainer_tok_s=int(rs.batch.loss_mask.sum()) / dt,
+                        lr=lr, read_s=t0 - t_read, train_s=t1 - t0, step_s=t1 - t_read,
+                        trainer_tok_s=int(rs.batch.loss_mask.sum()) / (t1 - t0),
                         staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
                         staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
                         recorded_loss=rs.stats.get("loss", float("nan")))
@@ -118,6 +121,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
                 last.update(run_eval("periodic"))
             if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < n:
                 checkpoint()
+            t_read = time.perf_counter()
         bar.close()
         last.update(run_eval("after"))
         ck = checkpoint()

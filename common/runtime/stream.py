@@ -134,12 +134,20 @@ def _header(data: bytes) -> dict:
 
 
 class StreamWriter:
-    """The recording side (trainer rank 0): `open`, then `write` after every step, `sync` before
-    every checkpoint."""
+    """The recording side (trainer rank 0): `open`, then `capture` before and `write` after every
+    step, `sync` before every checkpoint."""
 
     def __init__(self, d: Path):
         self.dir, self._unsynced, self.steps = Path(d), [], 0
         self.bytes = self.written = 0  # by this process (since the start or resume)
+        self._capture_s = 0.0
+
+    def capture(self, batch: Batch):
+        """The batch as drawn (`encode`), taken before the update can touch it."""
+        t = time.perf_counter()
+        out = encode(batch)
+        self._capture_s = time.perf_counter() - t
+        return out
 
     @classmethod
     def open(cls, d, cfg, precision: dict, model, checkpoint, generation: dict) -> "StreamWriter":
@@ -178,8 +186,10 @@ class StreamWriter:
         w.steps = start
         return w
 
-    def write(self, step: int, version: int, lr: float, encoded, stats: dict) -> int:
-        """Write trainer step `step` (1-based) from `encode(batch)`; returns the file's bytes."""
+    def write(self, step: int, version: int, lr: float, encoded, stats: dict) -> dict:
+        """Write trainer step `step` (1-based) from `capture(batch)`; returns the metrics
+        record_bytes (the file's size) and record_s (seconds spent capturing and writing)."""
+        t = time.perf_counter()
         if step != self.steps + 1:
             raise StreamError(f"record: step {step} after step {self.steps}")
         tensors, dtypes = encoded
@@ -193,7 +203,7 @@ class StreamWriter:
         os.replace(tmp, final)
         self._unsynced.append(final)
         self.steps, self.bytes, self.written = step, self.bytes + len(data), self.written + 1
-        return len(data)
+        return {"record_bytes": len(data), "record_s": self._capture_s + time.perf_counter() - t}
 
     def bytes_per_step(self) -> float:
         return self.bytes / max(1, self.written)

@@ -48,7 +48,7 @@ from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import RewardClient, reward_worker_main
-from common.runtime.stream import StreamWriter, encode
+from common.runtime.stream import StreamWriter
 from common.runtime.trainer_group import RankFailed, TrainerGroup
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
@@ -254,11 +254,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
                 stale, multi_version = _staleness(batch, version)
-                rec = encode(batch) if stream is not None else None  # before the update: as drawn
+                rec = stream.capture(batch) if stream is not None else None  # before the update: as drawn
                 stats, gnorm = group.update(batch, step, sched.get_last_lr()[0], tc.grad_clip)
-                if stream is not None:
-                    stats["record_bytes"] = stream.write(step + 1, version, sched.get_last_lr()[0], rec,
-                                                         {**stats, "grad_norm": gnorm})
+                if stream is not None:  # record_bytes, record_s into the metrics
+                    stats.update(stream.write(step + 1, version, sched.get_last_lr()[0], rec,
+                                              {**stats, "grad_norm": gnorm}))
                 sched.step()  # once per trainer step, however many minibatch updates it made
                 step += 1
                 t2 = time.perf_counter()
