@@ -55,7 +55,7 @@ class Batch:
     prompt_lens: torch.Tensor   # (B,) int64
     comp_lens: torch.Tensor     # (B,) int64
     ref_seq_logp: torch.Tensor  # (B,) float32, NaN where not computed
-    extra: dict = field(default_factory=dict)  # more (B, ...) tensors: "finish" (index into FINISH_REASONS), algorithm-private ones (prox_logp)
+    extra: dict = field(default_factory=dict)  # (B, ...) tensors: "finish" (FINISH_REASONS index), the algorithm's own
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
