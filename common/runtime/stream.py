@@ -53,6 +53,7 @@ class StreamError(ValueError):
 
 
 def step_file(d: Path, step: int) -> Path:
+    """Where step `step` (1-based) of stream directory `d` lives."""
     return Path(d) / f"{_PREFIX}{step:06d}{_SUFFIX}"
 
 
@@ -116,6 +117,7 @@ class StreamStep:
 
 
 def decode(data: bytes, where: str) -> StreamStep:
+    """A step file's bytes back into a `StreamStep` (original dtypes); `where` names it in errors."""
     try:
         tensors = st_load(data)
         meta = json.loads(_header(data)["__metadata__"]["asyncrl"])
@@ -129,6 +131,7 @@ def decode(data: bytes, where: str) -> StreamStep:
 
 
 def _header(data: bytes) -> dict:
+    """The safetensors JSON header (an 8-byte little-endian length, then the JSON)."""
     n = int.from_bytes(data[:8], "little")
     return json.loads(data[8:8 + n])
 
