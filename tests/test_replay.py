@@ -157,3 +157,12 @@ def test_record_needs_the_stream_from_step_1(tmp_path):
     cfg.train.steps, cfg.train.record = 4, True
     with pytest.raises(StreamError, match="must start at step 1"):
         train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=(), resume=True)
+
+
+def test_replay_on_two_trainer_ranks(tmp_path):
+    cfg = _record_cfg(tmp_path, steps=3)
+    train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=())
+    run = Path(cfg.run_root) / cfg.name
+    replay(run, argv=["--train.trainer_devices=2"], name="two_ranks")
+    # sharded sums run in another order: equal to one rank within float noise (as tests/test_ranks.py)
+    _assert_same_weights(_final_weights(Path(cfg.run_root) / "two_ranks"), _final_weights(run), atol=1e-5)
