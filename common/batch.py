@@ -55,7 +55,7 @@ class Batch:
     prompt_lens: torch.Tensor   # (B,) int64
     comp_lens: torch.Tensor     # (B,) int64
     ref_seq_logp: torch.Tensor  # (B,) float32, NaN where not computed
-    extra: dict = field(default_factory=dict)  # algorithm-private tensors (e.g. prox_logp)
+    extra: dict = field(default_factory=dict)  # (B, ...) tensors: "finish" (FINISH_REASONS index), the algorithm's own
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -97,4 +97,5 @@ def collate(trajs: list[Trajectory], pad_id: int = 0) -> Batch:
         prompt_lens=torch.tensor([t.prompt.numel() for t in trajs], dtype=torch.long),
         comp_lens=torch.tensor([t.completion.numel() for t in trajs], dtype=torch.long),
         ref_seq_logp=torch.tensor([t.ref_seq_logp for t in trajs], dtype=torch.float32),
+        extra={"finish": torch.tensor([FINISH_REASONS.index(t.finish_reason) for t in trajs], dtype=torch.long)},
     )

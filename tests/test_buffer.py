@@ -39,6 +39,7 @@ def assert_batch_equal(a, b):
         x, y = getattr(a, k), getattr(b, k)
         assert x.dtype == y.dtype and x.shape == y.shape, k
         assert torch.equal(x, y) if not x.is_floating_point() else torch.allclose(x, y, equal_nan=True), k
+    assert a.extra.keys() == b.extra.keys() == {"finish"} and torch.equal(a.extra["finish"], b.extra["finish"])
 
 
 # ------------------------------------------------------------------ round trip, ring

@@ -62,7 +62,7 @@ _COLUMNS = {
 }
 _META = ("insert_idx", "group_id", "reward", "trainer_version", "min_version", "max_version",
          "comp_hash", "consumed")
-_BATCH = ("prompt_len", "comp_len", "reward", "group_id", "ref_seq_logp", "insert_idx")
+_BATCH = ("prompt_len", "comp_len", "reward", "group_id", "ref_seq_logp", "finish", "insert_idx")
 
 
 def completion_hash(tokens: torch.Tensor) -> int:
@@ -214,7 +214,7 @@ class ReplayBuffer:
         return Batch(tokens=c["tokens"].long(), loss_mask=(t >= p) & (t < p + n),
                      behav_logp=c["behav_logp"], versions=c["versions"].long(), reward=c["reward"],
                      group_id=c["group_id"], prompt_lens=c["prompt_len"], comp_lens=c["comp_len"],
-                     ref_seq_logp=c["ref_seq_logp"])
+                     ref_seq_logp=c["ref_seq_logp"], extra={"finish": c["finish"].long()})
 
     def _rows(self, rows) -> torch.Tensor:
         r = torch.as_tensor(rows, dtype=torch.long).reshape(-1)

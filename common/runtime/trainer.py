@@ -57,6 +57,7 @@ from common.runtime.nodes import join
 from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import RewardClient, reward_worker_main
+from common.runtime.stream import StreamWriter
 from common.runtime.trainer_group import RankFailed, TrainerGroup
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
@@ -89,6 +90,7 @@ class TrainConfig:
     device: str = "cpu"               # trainer device ("cuda": rank r on cuda:r); generator r uses cuda:(N + r) % n_gpus
     stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
     stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
+    record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/stream.py)
 
 
 @dataclass
@@ -185,6 +187,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     ck = latest_checkpoint(run_dir) if resume else None
     if resume and ck is None:
         print(f"[asyncrl] --resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh")
+    # generation_config.json of every saved model: the policy's stop tokens and sampling settings
+    generation = {"stop_token_ids": tuple(stop_token_ids), "sampling": {
+        "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
+    # before sharding: a fresh stream fingerprints the whole initial model
+    stream = StreamWriter.open(run_dir / "stream", cfg, prec.to_dict(), model, ck, generation) if tc.record else None
     # N > 1: spawns trainer ranks 1..N-1 and shards `model` in place (the optimizer holds shards);
     # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
     pad_id = (tok.pad_token_id or 0) if tok else 0
@@ -206,11 +213,10 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                                config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
         logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
         last: dict = {}
-        # generation_config.json of every saved model: the policy's stop tokens and sampling settings
-        generation = {"stop_token_ids": tuple(stop_token_ids), "sampling": {
-            "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
 
         def checkpoint():  # the current step, everything needed to resume
+            if stream is not None:
+                stream.sync()  # a checkpoint never claims steps its stream lacks
             return group.save(run_dir, step, sched, counters={"version": version}, config=cfg, buffer=buffer,
                               tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
@@ -277,7 +283,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
                 stale, multi_version = _staleness(batch, version)
+                rec = stream.capture(batch) if stream is not None else None  # before the update: as drawn
                 stats, gnorm = group.update(batch, step, sched.get_last_lr()[0], tc.grad_clip)
+                if stream is not None:  # record_bytes, record_s into the metrics
+                    stats.update(stream.write(step + 1, version, sched.get_last_lr()[0], rec,
+                                              {**stats, "grad_norm": gnorm}))
                 sched.step()  # once per trainer step, however many minibatch updates it made
                 step += 1
                 t2 = time.perf_counter()
@@ -335,5 +345,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         last.update(run_eval("after"))
         ck = checkpoint()
         print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
+        if stream is not None and stream.steps:
+            print(f"[asyncrl] stream: {stream.steps} steps in {stream.dir}, {stream.bytes_per_step() / 1e6:.3g} MB per step")
         logger.close()
     return last

@@ -1,0 +1,41 @@
+"""The toy task of notebooks/loss_ablation_replay.ipynb: a tiny random Llama (built locally,
+never downloaded) and a reward on token ids. Imported by the notebook's process and, by name,
+by its generator processes (which is why the reward lives in a file, not in a notebook cell).
+
+Reward of a completion: the fraction of its tokens with an id below LOW. A random model starts
+near LOW / vocab ~ 0.2; a policy that learns the task moves towards 1.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from common.runtime.generator import PromptSet
+
+LOW = 20      # token ids below this earn reward
+VOCAB = 97    # the tiny model's vocabulary (ids 0..96; no tokenizer: rewards see ids)
+
+
+def toy_reward(tokens, meta) -> float:
+    """tokens: the completion's ids (the tiny model has no tokenizer, so a reward sees ids)."""
+    return sum(t < LOW for t in tokens) / max(1, len(tokens))
+
+
+def tiny_model(path, seed: int = 0) -> str:
+    """Write a random 2-layer Llama (hidden 32) as a Hugging Face directory at `path`; returns it."""
+    import transformers  # lazy: seconds to import, needed once per notebook
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                   tie_word_embeddings=True, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return str(Path(path))
+
+
+def prompts(n: int = 16, seed: int = 0) -> PromptSet:
+    """n random prompts of 2-5 tokens (ids 10..89)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 6, (n,), generator=g)
+    return PromptSet([torch.randint(10, 90, (int(k),), generator=g).tolist() for k in lens])
