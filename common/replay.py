@@ -56,21 +56,26 @@ def replay_config(stream, argv=(), name: Optional[str] = None) -> RunConfig:
 
 def replay(stream, algo: Union[None, str, Algorithm, Callable[[RunConfig], Algorithm]] = None,
            argv=(), cfg: Optional[RunConfig] = None, evaluate: Optional[Callable] = None,
-           name: Optional[str] = None) -> dict:
+           name: Optional[str] = None, loss: Optional[Callable] = None, overwrite: bool = False) -> dict:
     """Train from the recorded run's initial weights on exactly its recorded batches, no
     generators; returns the last logged metrics. `stream`: a stream or run directory. `algo`:
     None (the config's), a name ("tba", "areal", "grpo"), an `Algorithm`, or a function of the
-    config that builds one (e.g. `lambda cfg: TBA(cfg.tba, ..., loss_fn=my_loss)`). `cfg`
-    defaults to `replay_config(stream, argv, name)`. evaluate(model, tokenizer) -> {metric: value}
-    is called before, every train.eval_every steps and after, as in training."""
+    config that builds one (e.g. `lambda cfg: TBA(cfg.tba, ..., loss_fn=my_loss)`). `loss`: a loss
+    function for the config's (or `algo`'s named) algorithm, as `task.run(..., loss=)` takes it.
+    `cfg` defaults to `replay_config(stream, argv, name)`; `overwrite` replaces an earlier replay
+    of that name. evaluate(model, tokenizer) -> {metric: value} is called before, every
+    train.eval_every steps and after, as in training."""
     stream = stream_dir(stream)
     meta = read_meta(stream)
     if cfg is None:
         if isinstance(algo, str):
             argv = [f"--algo={algo}", *argv]
         cfg = replay_config(stream, argv, name)
+    cfg.overwrite = cfg.overwrite or overwrite
     if algo is None or isinstance(algo, str):
-        algo = make_algo(cfg)
+        algo = make_algo(cfg, loss)
+    elif loss is not None:
+        raise ValueError("replay: pass a loss with algo=None or an algorithm's name, not with an Algorithm")
     elif not isinstance(algo, Algorithm):
         algo = algo(cfg)
     rec_prec = load_config(RunConfig, {"precision": meta["config"]["precision"]}).precision

@@ -86,6 +86,14 @@ def test_replay_under_other_losses_and_cli(tmp_path, capsys):
     replay(run, algo, name="mine")
     mine = [r for r in read_metrics(Path(cfg.run_root) / "mine" / "metrics.jsonl") if "loss" in r]
     assert len(mine) == 3 and all(r["my_stat"] == 1.0 for r in mine)
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        replay(run, loss=my_loss, name="mine")
+    replay(run, loss=my_loss, name="mine", overwrite=True, argv=["--train.steps=2"])  # the loss alone, one contract
+    again = [r for r in read_metrics(Path(cfg.run_root) / "mine" / "metrics.jsonl") if "loss" in r]
+    assert len(again) == 2 and all(r["my_stat"] == 1.0 for r in again)
+    with pytest.raises(ValueError, match="mix with the recorded run"):  # overwrite never deletes the recording
+        replay(run, name=cfg.name, overwrite=True)
+    assert (run / "stream").is_dir()
     assert replay_main([str(run / "stream"), "--algo=grpo", "--name=g", "--train.steps=2"]) == 0
     grpo = [r for r in read_metrics(Path(cfg.run_root) / "g" / "metrics.jsonl") if "loss" in r]
     assert len(grpo) == 2 and "kl_seq" in grpo[0]

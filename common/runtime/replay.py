@@ -28,12 +28,12 @@ from typing import Callable, Optional
 import torch
 
 from common.algorithm import Algorithm
-from common.config import save_config, to_dict
+from common.config import to_dict
 from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
 from common.runtime.ranks import rank_device
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, stream_steps
-from common.runtime.trainer import _staleness, check_config, lr_lambda
+from common.runtime.trainer import _staleness, check_config, lr_lambda, prepare_run_dir
 from common.runtime.trainer_group import TrainerGroup
 
 _LR_KEYS = ("lr", "warmup_steps", "decay_steps")
@@ -52,12 +52,9 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
         raise StreamError(f"{stream}: no recorded steps yet")
     tc = check_config(cfg.train)
     run_dir = Path(cfg.run_root) / cfg.name
-    if run_dir.resolve() == stream.resolve().parent:
+    if run_dir.resolve() == stream.resolve().parent:  # checked first: overwrite must never delete the recording
         raise ValueError(f"replay into {run_dir} would mix with the recorded run: choose another name")
-    if (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: choose another name (or delete the directory)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.json")
+    run_dir = prepare_run_dir(cfg, resume=False)
     (run_dir / "replay_of.json").write_text(json.dumps({"stream": str(stream.resolve()), "steps": n}) + "\n")
     prec = (precision or Precision(**meta["precision"])).apply()
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")

@@ -135,6 +135,20 @@ def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:
     return f"cuda:{(trainer_devices + rank) % n}"
 
 
+def prepare_run_dir(cfg, resume: bool) -> Path:
+    """runs/<name>/ with the resolved config saved in it. An earlier run there is continued
+    (resume), replaced (cfg.overwrite) or refused, never mixed into."""
+    run_dir = Path(cfg.run_root) / cfg.name
+    if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
+        shutil.rmtree(run_dir)  # overwrite=True: replace the earlier run (e.g. re-running a notebook cell)
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: continue it (--resume, resume=True), replace it "
+                              f"(--overwrite, overwrite=True) or choose another name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    return run_dir
+
+
 def _staleness(batch: Batch, version: int) -> tuple[list[int], float]:
     """Per row, versions between its oldest token and the weights that train on it (0 =
     on-policy); and the fraction of rows whose tokens came from more than one version."""
@@ -164,14 +178,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
                    reward_factory=reward_factory if tc.reward_workers else None,
                    algorithm=algo if tc.trainer_devices > 1 else None)
-    run_dir = Path(cfg.run_root) / cfg.name
-    if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
-        shutil.rmtree(run_dir)  # overwrite=True: replace the earlier run (e.g. re-running a notebook cell)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it (--resume, resume=True), replace it "
-                              f"(--overwrite, overwrite=True) or choose another name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.json")
+    run_dir = prepare_run_dir(cfg, resume)
     if tc.memory_fraction > 0 and torch.device(tc.device).type == "cuda":
         torch.cuda.set_per_process_memory_fraction(tc.memory_fraction, torch.device(tc.device))
     prec = resolve(cfg.precision, tc.device).apply()
