@@ -1,6 +1,6 @@
 """The toy task of notebooks/loss_ablation_replay.ipynb: a tiny random Llama (built locally,
-never downloaded) and a reward on token ids. Imported by the notebook's process and, by name,
-by its generator processes (which is why the reward lives in a file, not in a notebook cell).
+never downloaded) and a reward on token ids, kept in a file so that the notebook shows only the
+losses (a reward defined in a notebook cell works as well: it reaches the generators by value).
 
 Reward of a completion: the fraction of its tokens with an id below LOW. A random model starts
 near LOW / vocab ~ 0.2; a policy that learns the task moves towards 1.
