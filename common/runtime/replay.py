@@ -33,7 +33,7 @@ from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
 from common.runtime.ranks import rank_device
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, stream_steps
-from common.runtime.trainer import _staleness, check_config, lr_lambda, prepare_run_dir
+from common.runtime.trainer import _staleness, check_config, evaluate_now, lr_lambda, prepare_run_dir
 from common.runtime.trainer_group import TrainerGroup
 
 _LR_KEYS = ("lr", "warmup_steps", "decay_steps")
@@ -81,16 +81,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
                               tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
         def run_eval(tag):
-            if evaluate is None:
-                return {}
-            t = time.perf_counter()
-            model.eval()
-            out = evaluate(prec.inference_copy(group.full_model()), tok)
-            model.train()
-            out = {**out, "eval_s": time.perf_counter() - t}
-            logger.log(step, **out)
-            print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
-            return out
+            return evaluate_now(evaluate, group, prec, tok, logger, cfg, step, tag)
 
         run_eval("before")
         bar = Progress(n, desc=f"{cfg.name} (replay)")

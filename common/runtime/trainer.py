@@ -135,6 +135,23 @@ def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:
     return f"cuda:{(trainer_devices + rank) % n}"
 
 
+def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
+    """evaluate(model, tokenizer) on the trainer's current weights, in the generators' dtype and
+    decoding as they do (`--gen.cuda_graphs`, read by common/evaluate.py's Sampler); logged at `step`."""
+    if evaluate is None:
+        return {}
+    t = time.perf_counter()
+    group.model.eval()
+    m = prec.inference_copy(group.full_model())
+    m.decode_graphs = cfg.gen.cuda_graphs
+    out = evaluate(m, tok)
+    group.model.train()
+    out = {**out, "eval_s": time.perf_counter() - t}
+    logger.log(step, **out)
+    print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
+    return out
+
+
 def prepare_run_dir(cfg, resume: bool) -> Path:
     """runs/<name>/ with the resolved config saved in it. An earlier run there is continued
     (resume), replaced (cfg.overwrite) or refused, never mixed into."""
@@ -228,18 +245,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                               tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
         def run_eval(tag):
-            if evaluate is None:
-                return {}
-            t = time.perf_counter()
-            model.eval()
-            m = prec.inference_copy(group.full_model())  # in the generators' dtype
-            m.decode_graphs = cfg.gen.cuda_graphs  # and decoding as they do (common/evaluate.py's Sampler)
-            out = evaluate(m, tok)
-            model.train()
-            out = {**out, "eval_s": time.perf_counter() - t}
-            logger.log(step, **out)
-            print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
-            return out
+            return evaluate_now(evaluate, group, prec, tok, logger, cfg, step, tag)
 
         group.publish(version)
         link.publish(version)
