@@ -85,10 +85,9 @@ def replay(stream, algo: Union[None, str, Algorithm, Callable[[RunConfig], Algor
     last = replay_stream(cfg, algo, stream, precision=precision, evaluate=evaluate, steps=cfg.train.steps)
     run_dir = Path(cfg.run_root) / cfg.name
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"{cfg.name}: replay of {meta['run']}")
-    png = plot_replays(replays_of(stream, cfg.run_root), stream.parent / "replays.png",
-                       title=f"replays of {meta['run']}'s stream")
-    if png:
-        print(f"[asyncrl] replays side by side: {png}")
+    if plot_replays(replays_of(stream, cfg.run_root), stream.parent / "replays.png",
+                    title=f"replays of {meta['run']}'s stream") is not None:
+        print(f"[asyncrl] replays side by side: {stream.parent / 'replays.png'}")
     return last
 
 

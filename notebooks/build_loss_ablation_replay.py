@@ -206,14 +206,9 @@ for label, d in {"recorded run": root / "recorded", **runs}.items():
 """)
 
 code("""
-import matplotlib.pyplot as plt
-
-png = plot_replays([(root / "recorded", "recorded run (tb)"), *[(d, label) for label, d in runs.items()]],
+fig = plot_replays([(root / "recorded", "recorded run (tb)"), *[(d, label) for label, d in runs.items()]],
                    root / "replays_side_by_side.png", title="one recorded stream, four losses")
-fig, ax = plt.subplots(figsize=(16, 4))
-ax.imshow(plt.imread(png))
-ax.axis("off")
-plt.show()
+fig  # the last expression of a cell: Jupyter shows the figure inline
 """)
 
 md("""

@@ -50,5 +50,6 @@ def test_notebook_runs(tmp_path, monkeypatch):
     assert len(summary) == 5 and all(math.isfinite(v) for s in summary.values() for v in s.values())
     losses = {k: s["final loss"] for k, s in summary.items()}
     assert len({round(v, 6) for k, v in losses.items() if k != "recorded run"}) == 4  # four different losses
-    assert Path(ns["png"]).is_file() and (tmp_path / "runs" / "recorded" / "replays.png").is_file()
+    assert ns["fig"] is not None and len(ns["fig"].axes) >= 2  # the side-by-side figure, shown inline
+    assert (tmp_path / "runs" / "replays_side_by_side.png").is_file() and (tmp_path / "runs" / "recorded" / "replays.png").is_file()
     assert ns["reinforce_group_baseline"].__module__ == "__main__"
