@@ -9,23 +9,16 @@ executes its code cells on CPU. Output is deterministic (fixed cell ids, sorted 
 """
 from __future__ import annotations
 
-import argparse
-import json
-import textwrap
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # nb_build beside this file, however it is run
+
+from nb_build import Notebook  # noqa: E402
+
 NOTEBOOK = Path(__file__).resolve().parent / "loss_ablation_replay.ipynb"
-
-# (kind, tags, source); kind is "md" or "code"
-CELLS: list[tuple[str, list[str], str]] = []
-
-
-def md(src: str) -> None:
-    CELLS.append(("md", [], src))
-
-
-def code(src: str, tags: list[str] | None = None) -> None:
-    CELLS.append(("code", list(tags or []), src))
+NB = Notebook()
+md, code = NB.md, NB.code
 
 
 # ------------------------------------------------------------------------------------ cells
@@ -225,36 +218,13 @@ md("""
 
 
 # ------------------------------------------------------------------------------------ build
-def _lines(src: str) -> list[str]:
-    text = textwrap.dedent(src).strip("\n")
-    lines = text.split("\n")
-    return [line + "\n" for line in lines[:-1]] + [lines[-1]]
-
-
 def build() -> dict:
-    """The notebook as an nbformat v4 dict (deterministic)."""
-    cells, n_code = [], 0
-    for i, (kind, tags, src) in enumerate(CELLS):
-        meta = {"tags": tags} if tags else {}
-        cell = {"cell_type": "markdown" if kind == "md" else "code", "id": f"cell-{i:02d}",
-                "metadata": meta, "source": _lines(src)}
-        if kind == "code":
-            n_code += 1
-            cell.update(outputs=[], execution_count=None)
-        cells.append(cell)
-    return {"cells": cells,
-            "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-                         "language_info": {"name": "python"}},
-            "nbformat": 4, "nbformat_minor": 5}
+    return NB.build()
 
 
 def write(path=NOTEBOOK) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(build(), indent=1, sort_keys=True, ensure_ascii=False) + "\n")
-    return path
+    return NB.write(path)
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(NOTEBOOK), help="where to write the .ipynb")
-    print(write(ap.parse_args().out))
+    NB.main(NOTEBOOK, __doc__)
