@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # nb_build beside this
 from nb_build import Notebook  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parent / "loss_ablation_replay.ipynb"
-NB = Notebook()
+NB = Notebook(NOTEBOOK)
 md, code = NB.md, NB.code
 
 
@@ -217,14 +217,7 @@ md("""
 """)
 
 
-# ------------------------------------------------------------------------------------ build
-def build() -> dict:
-    return NB.build()
-
-
-def write(path=NOTEBOOK) -> Path:
-    return NB.write(path)
-
+write = NB.write  # the tests rebuild the notebook with it
 
 if __name__ == "__main__":
-    NB.main(NOTEBOOK, __doc__)
+    NB.main(__doc__)

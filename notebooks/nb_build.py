@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 class Notebook:
-    def __init__(self):
+    def __init__(self, path: Path):
+        self.path = Path(path)  # where `write` and the command line put the .ipynb by default
         self.cells: list[tuple[str, list[str], str]] = []  # (kind "md" | "code", tags, source)
 
     def md(self, src: str) -> None:
@@ -33,15 +34,15 @@ class Notebook:
                              "language_info": {"name": "python"}},
                 "nbformat": 4, "nbformat_minor": 5}
 
-    def write(self, path) -> Path:
-        path = Path(path)
+    def write(self, path=None) -> Path:
+        path = Path(path or self.path)
         path.write_text(json.dumps(self.build(), indent=1, sort_keys=True, ensure_ascii=False) + "\n")
         return path
 
-    def main(self, default: Path, doc: str) -> None:
+    def main(self, doc: str) -> None:
         """The builder's command line: write the notebook (to --out) and print where."""
         ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-        ap.add_argument("--out", default=str(default), help="where to write the .ipynb")
+        ap.add_argument("--out", default=str(self.path), help="where to write the .ipynb")
         print(self.write(ap.parse_args().out))
 
 

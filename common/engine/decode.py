@@ -51,10 +51,11 @@ class Rows:
     top_k: torch.Tensor        # (max_batch,) long, 0 = off
     top_p: torch.Tensor        # (max_batch,) float, 1 = off
     key: torch.Tensor          # (max_batch,) long: the sample's random-number key
-    plan: torch.Tensor         # (max_prefixes * max_batch + max_batch + max_prefixes,) long: the three below
-    q_rows: torch.Tensor       # view of plan: (max_prefixes * max_batch,), first E*n used
+    plan: torch.Tensor         # (max_batch + max_prefixes + max_prefixes * max_batch,) long: the three below
     back: torch.Tensor         # view of plan: (max_batch,)
     entry_plen: torch.Tensor   # view of plan: (max_prefixes,)
+    q_rows: torch.Tensor       # view of plan: (max_prefixes * max_batch,), first E*n used (last: the used
+                               # part of the plan is one prefix, and only that prefix is copied)
     staging: torch.Tensor      # host copy of plan, pinned on CUDA: the plan is built here and copied in one go
     plan_key: tuple | None = None  # what `write_plan` last wrote (unchanged plans are not rewritten)
 
@@ -64,15 +65,15 @@ class Rows:
     def allocate(cls, max_batch: int, max_prefixes: int, device) -> "Rows":
         device = torch.device(device)
         long = dict(dtype=torch.long, device=device)
-        nq = max_prefixes * max_batch
-        plan = torch.zeros(nq + max_batch + max_prefixes, **long)
+        head = max_batch + max_prefixes
+        plan = torch.zeros(head + max_prefixes * max_batch, **long)
         staging = torch.zeros(plan.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         return cls(tok=torch.zeros(max_batch, **long), pos=torch.zeros(max_batch, **long),
                    plen=torch.zeros(max_batch, **long), active=torch.zeros(max_batch, dtype=torch.bool, device=device),
                    temp=torch.ones(max_batch, device=device), greedy=torch.zeros(max_batch, dtype=torch.bool, device=device),
                    top_k=torch.zeros(max_batch, **long), top_p=torch.ones(max_batch, device=device),
-                   key=torch.zeros(max_batch, **long), plan=plan, q_rows=plan[:nq], back=plan[nq:nq + max_batch],
-                   entry_plen=plan[nq + max_batch:], staging=staging)
+                   key=torch.zeros(max_batch, **long), plan=plan, back=plan[:max_batch],
+                   entry_plen=plan[max_batch:head], q_rows=plan[head:], staging=staging)
 
     def per_slot(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self) if f.name in self.PER_SLOT]
@@ -108,12 +109,13 @@ class Rows:
                 back[b] = e * n + seen[e]
                 q_rows[back[b]] = b
                 seen[e] += 1
-        nq, mb = self.q_rows.numel(), self.back.numel()
+        mb, head = self.back.numel(), self.back.numel() + self.entry_plen.numel()
         st = self.staging
-        st[:E * n] = torch.tensor(q_rows, dtype=torch.long)
-        st[nq:nq + B] = torch.tensor(back, dtype=torch.long)
-        st[nq + mb:nq + mb + E] = torch.tensor(prompt_len, dtype=torch.long)
-        self.plan.copy_(st, non_blocking=True)
+        st[:B] = torch.tensor(back, dtype=torch.long)
+        st[mb:mb + E] = torch.tensor(prompt_len, dtype=torch.long)
+        st[head:head + E * n] = torch.tensor(q_rows, dtype=torch.long)
+        used = head + E * n  # back, entry_plen, then q_rows[:E*n]: one prefix of the plan
+        self.plan[:used].copy_(st[:used], non_blocking=True)
         self.plan_key = key
 
 

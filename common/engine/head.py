@@ -65,7 +65,7 @@ class _HeadLogp(torch.autograd.Function):
         w = weight.to(dt)
         # dh = dz W and dW = dz^T h: cuBLAS takes the transposed views as they are; the CPU's
         # GEMM (`linear`, oneDNN or ATen) wants contiguous operands, so W^T is copied once there
-        w_t = w.t() if w.is_cuda else w.t().contiguous()  # (D, V)
+        w_t = None if w.is_cuda else w.t().contiguous()  # (D, V), CPU only
         gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         with torch.autocast(h.device.type, enabled=False):
