@@ -191,6 +191,11 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
             i = control.claim()
             if i is None:
                 break
+            if store.version > sampler.version and not sampler.update_pending:
+                # the quota that admitted i moved after the trainer published (one node: the store first;
+                # other nodes: every receiver's ack first), possibly after the check above: sample i with
+                # the weights it was admitted under, or a sync run waits forever for rows of that version
+                sampler.update_weights(load, store.version, mode=cfg.update_mode)
             p = prompt_order(seed, n_prompts, i)
             sampler.submit(prompts.tokens[p], params, request_id=i)  # request id = claim index
             groups[i] = (p, [])
