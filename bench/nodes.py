@@ -17,11 +17,13 @@ Two nodes (a trainer node, a generator node), one process each, in a torchrun wo
            nodes' clocks are compared, so latencies are meaningful on one machine only).
   staleness  (--staleness) the toy async AReaL run of tests/nodes_toy.py (tiny random model, eta = 4,
            one generator), the same config on one node and on two (two agents on 127.0.0.1):
-           the mean over steps of each run's `staleness_mean`, and the difference.
+           the mean over steps of each run's `staleness_mean`, and the difference. `--step-s` adds
+           that much to every trainer step (tests/nodes_toy.py: NODES_TOY_STEP_S), so transport
+           delays weigh as against real steps of seconds, not the toy's ~40 ms.
 
 Usage (prints one JSON line, from the trainer node):
   python bench/nodes.py [--dtype bf16] [--reps 5] [--groups 500]   # two agents on 127.0.0.1, one machine
-  python bench/nodes.py --staleness [--steps 30]                    # one node vs two, same toy config
+  python bench/nodes.py --staleness [--steps 30] [--step-s 0.5]     # one node vs two, same toy config
   torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT bench/nodes.py --worker ...
 """
 from __future__ import annotations
@@ -202,7 +204,7 @@ def staleness(args) -> None:
     save_hf("llama_tied", root / "model")
     toy = os.path.join(ROOT, "tests", "nodes_toy.py")
     argv = [f"--model={root / 'model'}", "--algo=areal", f"--train.steps={args.steps}"]
-    env = {"PYTHONPATH": ROOT}
+    env = {"PYTHONPATH": ROOT, "NODES_TOY_STEP_S": str(args.step_s)}
     subprocess.run([sys.executable, toy, f"--run_root={root / 'one'}", *argv], env={**os.environ, **env}, check=True,
                    stdout=subprocess.DEVNULL)
     _agents([toy, "--dist.trainer_nodes=1", f"--run_root={root / 'two'}", *argv], env)
@@ -211,7 +213,7 @@ def staleness(args) -> None:
         rows = [r for r in read_metrics(root / k / "toy" / "metrics.jsonl") if "staleness_mean" in r]
         mean[k] = sum(r["staleness_mean"] for r in rows) / len(rows)
     print(json.dumps({"bench": "nodes_staleness", "config": "tests/nodes_toy.py --algo=areal (eta 4, 1 generator)",
-                      "steps": args.steps, "staleness_mean_one_node": round(mean["one"], 3),
+                      "steps": args.steps, "step_s_added": args.step_s, "staleness_mean_one_node": round(mean["one"], 3),
                       "staleness_mean_two_nodes": round(mean["two"], 3),
                       "difference": round(mean["two"] - mean["one"], 3)}))
     shutil.rmtree(root, ignore_errors=True)
@@ -225,6 +227,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=500, help="trajectory groups of 4 to ship")
     ap.add_argument("--staleness", action="store_true", help="one node vs two: mean staleness of the toy AReaL run")
     ap.add_argument("--steps", type=int, default=30, help="--staleness: trainer steps of each run")
+    ap.add_argument("--step-s", type=float, default=0.0,
+                    help="--staleness: seconds added to each trainer step (the toy's are ~40 ms; real ones take seconds)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.worker:

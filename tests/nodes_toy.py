@@ -5,6 +5,7 @@ node) or under torchrun (each node runs this same command line).
 """
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `common`, `tba` and `tests`
@@ -37,11 +38,24 @@ def config(argv: list[str]) -> RunConfig:
     return make_config(base, argv)
 
 
+def paced(algo, step_s: float):
+    """`algo` whose trainer step takes at least `step_s` s more ($NODES_TOY_STEP_S): the toy step is
+    ~40 ms, real ones take seconds, so transport delays weigh as they would in a real run."""
+    inner = algo.minibatches
+
+    def minibatches(model, batch, step):
+        time.sleep(step_s)
+        return inner(model, batch, step)
+    algo.minibatches = minibatches
+    return algo
+
+
 def main(argv: list[str]) -> dict:
     cfg = config(argv)
     setup(cfg)
     reward = dying_reward if os.environ.get("NODES_TOY_DIE_AFTER") else toy_reward
-    return train(cfg, make_algo(cfg), _prompts(), reward, stop_token_ids=(), resume=cfg.resume)
+    algo = paced(make_algo(cfg), float(os.environ.get("NODES_TOY_STEP_S", "0")))
+    return train(cfg, algo, _prompts(), reward, stop_token_ids=(), resume=cfg.resume)
 
 
 if __name__ == "__main__":

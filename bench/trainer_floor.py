@@ -1,0 +1,195 @@
+"""One trainer micro-batch on CPU against its FLOP floor and against transformers, with a profile.
+
+Single process, one thread, fp32 (the precision of a CPU without bf16 units; `--dtype auto`
+takes this machine's choice for ours). The work: `--rows` x `--tokens` random tokens of the
+default model, loss on the last half of each row (completions after a prompt), forward +
+backward, no optimizer step:
+  ours          `common.ops.token_logp(model, tokens, T, mask).sum().backward()`, the trainer's call
+  transformers  its own fp32 model (SDPA attention) with `logits_to_keep` = the scored span,
+                log-softmax of logits / T, the targets' log-probs summed, backward: what a careful
+                user of transformers writes
+The two alternate `--reps` times after one warm-up each (drift on a shared machine hits both
+alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
+on this machine; `frac_of_floor` = floor / ours.
+
+`--profile`: one more pass of ours under torch.profiler, each operator's own time by kind
+(GEMM, attention kernel, elementwise, copies, allocation, other) and by model part (attention
+block, MLP, norms, head, the rest: embedding, RoPE tables, loss glue), forward and backward
+apart. Parts come from module hooks installed by this script only (the model has none).
+
+    python bench/trainer_floor.py                  # 16 x 200 tokens, 3 reps, with the profile
+    python bench/trainer_floor.py --quick          # 4 x 64 tokens, 1 rep
+Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench._floor import gemm_floor  # noqa: E402
+from common.engine.hf_io import resolve_checkpoint  # noqa: E402
+from common.engine.model import MLP, Attention, RMSNorm  # noqa: E402
+from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.ops import token_logp  # noqa: E402
+from common.runtime.launch import set_process_defaults  # noqa: E402
+
+_GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+_COPY = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::cat", "aten::contiguous", "aten::index",
+         "aten::masked_scatter_", "aten::index_put_", "aten::gather", "aten::scatter_add_", "aten::embedding_dense_backward")
+_ALLOC = ("aten::empty", "aten::empty_strided", "aten::zeros", "aten::zero_", "aten::fill_", "aten::empty_like",
+          "aten::resize_", "aten::new_zeros")
+
+
+def kind(name: str) -> str:
+    if name in _GEMM:
+        return "gemm"
+    if "flash_attention" in name or "scaled_dot_product" in name:
+        return "attention_kernel"
+    if name in _COPY:
+        return "copy"
+    if name in _ALLOC:
+        return "alloc"
+    if name.startswith("aten::"):
+        return "elementwise" if name not in ("aten::view", "aten::reshape", "aten::t", "aten::transpose",
+                                             "aten::as_strided", "aten::expand", "aten::slice", "aten::select",
+                                             "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::split",
+                                             "aten::chunk", "aten::detach", "aten::alias", "aten::_unsafe_view") else "views"
+    return "other"
+
+
+def ours_step(model, tokens, mask, T):
+    token_logp(model, tokens, T, mask).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def hf_step(model, tokens, mask, T):
+    keep = tokens.shape[1] - int(mask[0].nonzero()[0]) + 1  # logits of the position before each scored token
+    logits = model(tokens, logits_to_keep=keep).logits[:, :-1].float()  # (B, keep-1, V)
+    lp = F.log_softmax(logits / T, -1).gather(-1, tokens[:, -(keep - 1):, None]).squeeze(-1)
+    lp.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _timed(fn, *args) -> float:
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
+
+
+def profile(model, tokens, mask, T) -> dict:
+    """Own time by (direction, part, kind), in seconds (module docstring)."""
+    enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
+    handles, open_ = [], {}
+    for mod in model.modules():
+        part = {Attention: "attention", MLP: "mlp", RMSNorm: "norm"}.get(type(mod))
+        if part is None:
+            continue
+
+        def pre(m, args, part=part, direction="fwd"):
+            open_.setdefault(id(m), []).append(enter(f"part:{direction}:{part}"))
+
+        def post(m, args, out):
+            leave(open_[id(m)].pop())
+        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post),
+                    mod.register_full_backward_pre_hook(lambda m, g, part=part: pre(m, None, part, "bwd")),
+                    mod.register_full_backward_hook(lambda m, gi, go: post(m, None, None))]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.record_function("part:fwd:rest"):
+            lp = token_logp(model, tokens, T, mask).sum()
+        with torch.profiler.record_function("part:bwd:rest"):
+            lp.backward()
+    for h in handles:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+    out: dict[str, float] = defaultdict(float)
+    for e in prof.events():
+        if e.name.startswith("part:"):
+            continue
+        p, label = e.cpu_parent, None
+        while p is not None and label is None:
+            if p.name.startswith("part:") and not p.name.endswith(":rest"):
+                label = p.name[5:]
+            elif "_HeadLogp" in p.name:
+                label = None
+                break
+            p = p.cpu_parent
+        if label is None:  # head (inside _HeadLogp) or the rest: which pass from the outer range
+            q, head = e.cpu_parent, False
+            while q is not None:
+                head = head or "_HeadLogp" in q.name
+                if q.name in ("part:fwd:rest", "part:bwd:rest"):
+                    break
+                q = q.cpu_parent
+            direction = "bwd" if (q is not None and "bwd" in q.name) or "Backward" in e.name else "fwd"
+            label = f"{direction}:{'head' if head else 'rest'}"
+        out[f"{label}:{kind(e.name)}"] += e.self_cpu_time_total / 1e6
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "auto"), help="ours: fp32, or this machine's choice")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args()
+    if a.quick:
+        a.rows, a.tokens, a.reps = 4, 64, 1
+    set_process_defaults("cpu")  # one thread, freed memory kept: as the trainer runs
+    auto = resolve(PrecisionConfig())
+    prec = Precision("fp32", auto.gemm, "fp32") if a.dtype == "fp32" else auto
+    prec.apply()
+    T = 0.7
+    ours, _ = prec.load(a.model, role="trainer", tokenizer=False)
+    ours.train()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, ours.cfg.vocab_size, (a.rows, a.tokens), generator=g)
+    mask = torch.zeros_like(tokens, dtype=torch.bool)
+    mask[:, a.tokens // 2:] = True
+    runs = {"ours": (ours_step, ours)}
+    if not a.no_hf:
+        import transformers
+        hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_checkpoint(a.model), dtype=torch.float32,
+                                                               attn_implementation="sdpa").train()
+        runs["transformers"] = (hf_step, hf)
+    times = {k: [] for k in runs}
+    for fn, m in runs.values():
+        fn(m, tokens, mask, T)  # warm-up
+    for _ in range(a.reps):
+        for k, (fn, m) in runs.items():
+            times[k].append(_timed(fn, m, tokens, mask, T))
+    scored = int(mask[:, 1:].sum())  # targets: token t+1 scored at position t
+    floor = gemm_floor(ours.cfg, a.rows, a.tokens, scored)
+    res = {"bench": "trainer_floor", "model": a.model, "cpu": auto.cpu.get("model"), "flags": auto.cpu.get("flags"),
+           "threads": torch.get_num_threads(), "rows": a.rows, "tokens": a.tokens, "scored": scored, "reps": a.reps,
+           "precision": prec.summary(), "tflop": round(floor["tflop"], 3),
+           "floor_s": round(floor["floor_s"], 3), "floor_parts_s": {k: round(v, 3) for k, v in floor["parts_s"].items()},
+           "floor_backend": floor["backend"], "gemm_gflops_best": round(floor["gemm_gflops_best"], 1)}
+    for k, ts in times.items():
+        res[f"{k}_s"] = round(statistics.median(ts), 3)
+        res[f"{k}_all"] = [round(t, 3) for t in ts]
+    res["frac_of_floor"] = round(floor["floor_s"] / res["ours_s"], 3)
+    if "transformers" in times:
+        res["transformers_frac_of_floor"] = round(floor["floor_s"] / res["transformers_s"], 3)
+        res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)
+    if not a.no_profile:
+        res["profile_s"] = {k: round(v, 3) for k, v in profile(ours, tokens, mask, T).items() if v >= 0.005}
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
