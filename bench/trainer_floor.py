@@ -8,7 +8,8 @@ backward, no optimizer step:
   transformers  its own fp32 model (SDPA attention) with `logits_to_keep` = the scored span,
                 log-softmax of logits / T, the targets' log-probs summed, backward: what a careful
                 user of transformers writes
-The two alternate `--reps` times after one warm-up each (drift on a shared machine hits both
+`--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
+alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
 on this machine; `frac_of_floor` = floor / ours.
 
@@ -19,6 +20,7 @@ apart. Parts come from module hooks installed by this script only (the model has
 
     python bench/trainer_floor.py                  # 16 x 200 tokens, 3 reps, with the profile
     python bench/trainer_floor.py --quick          # 4 x 64 tokens, 1 rep
+    python bench/trainer_floor.py --compile        # also with train.compile_blocks
 Prints one JSON line.
 """
 from __future__ import annotations
@@ -59,6 +61,8 @@ def kind(name: str) -> str:
         return "copy"
     if name in _ALLOC:
         return "alloc"
+    if "cpp_fused" in name or name.startswith(("CompiledFunction", "Torch-Compiled", "## Call CompiledFxGraph")):
+        return "compiled"
     if name.startswith("aten::"):
         return "elementwise" if name not in ("aten::view", "aten::reshape", "aten::t", "aten::transpose",
                                              "aten::as_strided", "aten::expand", "aten::slice", "aten::select",
@@ -90,7 +94,7 @@ def profile(model, tokens, mask, T) -> dict:
     """Own time by (direction, part, kind), in seconds (module docstring)."""
     enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
     handles, open_ = [], {}
-    for mod in model.modules():
+    for mod in model.modules() if not model.compile_blocks else ():  # no hooks inside compiled code
         part = {Attention: "attention", MLP: "mlp", RMSNorm: "norm"}.get(type(mod))
         if part is None:
             continue
@@ -144,6 +148,7 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "auto"), help="ours: fp32, or this machine's choice")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--compile", action="store_true", help="also ours with train.compile_blocks (its warm-up compiles)")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
@@ -161,6 +166,10 @@ def main():
     mask = torch.zeros_like(tokens, dtype=torch.bool)
     mask[:, a.tokens // 2:] = True
     runs = {"ours": (ours_step, ours)}
+    if a.compile:
+        compiled, _ = prec.load(a.model, role="trainer", tokenizer=False)
+        compiled.train().compile_blocks = True
+        runs["ours_compiled"] = (ours_step, compiled)
     if not a.no_hf:
         import transformers
         hf = transformers.AutoModelForCausalLM.from_pretrained(resolve_checkpoint(a.model), dtype=torch.float32,
@@ -183,11 +192,19 @@ def main():
         res[f"{k}_s"] = round(statistics.median(ts), 3)
         res[f"{k}_all"] = [round(t, 3) for t in ts]
     res["frac_of_floor"] = round(floor["floor_s"] / res["ours_s"], 3)
+    if a.compile:
+        res["compiled_frac_of_floor"] = round(floor["floor_s"] / res["ours_compiled_s"], 3)
+        res["speedup_compiled_vs_eager"] = round(res["ours_s"] / res["ours_compiled_s"], 3)
+        if "transformers" in times:
+            res["speedup_compiled_vs_transformers"] = round(res["transformers_s"] / res["ours_compiled_s"], 3)
     if "transformers" in times:
         res["transformers_frac_of_floor"] = round(floor["floor_s"] / res["transformers_s"], 3)
         res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)
     if not a.no_profile:
         res["profile_s"] = {k: round(v, 3) for k, v in profile(ours, tokens, mask, T).items() if v >= 0.005}
+        if a.compile:  # by kind only: blocks are "rest", their fused kernels "other" (inductor's names)
+            res["profile_compiled_s"] = {k: round(v, 3) for k, v in profile(runs["ours_compiled"][1], tokens, mask, T).items()
+                                         if v >= 0.005}
     print(json.dumps(res))
 
 

@@ -3,9 +3,11 @@ today's unchunked log-probs and gradients, with and without bf16 autocast."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from common.engine.head import head_logp
 from common.engine.hf_io import load_model
+from common.engine.linear import set_onednn
 from common.ops import token_logp
 from tests.tiny import save_hf
 
@@ -18,7 +20,16 @@ def _reference(h, w, y, T):
 
 @pytest.mark.parametrize("chunk", [3, 7, 64])  # several chunks (recomputed backward), uneven, one chunk (kept softmax)
 @pytest.mark.parametrize("T", [1.0, 0.7])
-def test_head_logp_matches_unchunked_fp32(chunk, T):
+@pytest.mark.parametrize("onednn", [True, False])  # backward: contiguous copies for oneDNN, views for ATen
+def test_head_logp_matches_unchunked_fp32(chunk, T, onednn):
+    old = set_onednn(onednn)
+    try:
+        _check_fp32(chunk, T)
+    finally:
+        set_onednn(old)
+
+
+def _check_fp32(chunk, T):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(20, 16, generator=g, requires_grad=True)
     w = torch.randn(50, 16, generator=g, requires_grad=True)
@@ -114,3 +125,36 @@ def test_activation_checkpointing_same_loss_and_grads(tmp_path):
     assert l1 == l0
     for a, b in zip(g1, g0):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_compiled_blocks_same_loss_and_grads(tmp_path, onednn):
+    """train.compile_blocks: the same log-probs and gradients as eager (fp32 sums reordered by the
+    fusion: within 1e-5), with activation checkpointing too, and a new batch shape reuses the
+    compiled function (dynamic shapes) instead of failing."""
+    old = set_onednn(onednn)
+    try:
+        save_hf("qwen3_qknorm", tmp_path)  # q/k norms and biases: every part of a block
+        model = load_model(str(tmp_path), tokenizer=False)[0].train()
+
+        def loss_and_grads(rows, cols):
+            tokens = torch.randint(3, 97, (rows, cols), generator=torch.Generator().manual_seed(rows))
+            mask = torch.zeros(rows, cols, dtype=torch.bool)
+            mask[:, cols // 2:] = True
+            model.zero_grad(set_to_none=True)
+            lp = token_logp(model, tokens, 0.7, mask)
+            lp.sum().backward()
+            return lp.detach(), [p.grad.clone() for p in model.parameters()]
+        for rows, cols in [(3, 10), (5, 7)]:
+            model.compile_blocks, model.checkpoint_layers = False, False
+            want, gw = loss_and_grads(rows, cols)
+            for ckpt in (False, True):
+                model.compile_blocks, model.checkpoint_layers = True, ckpt
+                got, gg = loss_and_grads(rows, cols)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                for a, b in zip(gg, gw):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] >= 1  # it really ran compiled
+        assert not counters["graph_break"], dict(counters["graph_break"])  # and the whole block is one graph
+    finally:
+        set_onednn(old)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.linear import linear
+from common.engine.linear import linear, onednn_enabled
 
 LOGIT_BUDGET_BYTES = 512 * 2**20  # fp32 logits held at once: chunk = budget // (V * 4) positions
 
@@ -63,9 +63,11 @@ class _HeadLogp(torch.autograd.Function):
         h, weight, targets, lse = ctx.saved_tensors
         dt, T, chunk = ctx.dtype, ctx.temperature, ctx.chunk
         w = weight.to(dt)
-        # dh = dz W and dW = dz^T h: cuBLAS takes the transposed views as they are; the CPU's
-        # GEMM (`linear`, oneDNN or ATen) wants contiguous operands, so W^T is copied once there
-        w_t = None if w.is_cuda else w.t().contiguous()  # (D, V), CPU only
+        # dh = dz W and dW = dz^T h: cuBLAS and ATen's CPU fp32 GEMM (MKL) take the transposed
+        # views as they are (and dW accumulates in place); oneDNN's op (`linear`, where this CPU
+        # measured it faster) and CPU bf16 want contiguous operands, so W^T is copied once there
+        views = w.is_cuda or (dt == torch.float32 and not onednn_enabled())
+        w_t = None if views else w.t().contiguous()  # (D, V)
         gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         with torch.autocast(h.device.type, enabled=False):
@@ -85,9 +87,11 @@ class _HeadLogp(torch.autograd.Function):
                     dz = dz / T
                 dz = dz.to(dt)
                 if gh is not None:
-                    gh[i:i + chunk] = (dz @ w if dz.is_cuda else linear(dz, w_t)).to(h.dtype)  # (c, D)
-                if gw is not None:
-                    gw += (dz.t() @ hc if dz.is_cuda else linear(dz.t().contiguous(), hc.t().contiguous())).float()  # (V, D)
+                    gh[i:i + chunk] = (dz @ w if views else linear(dz, w_t)).to(h.dtype)  # (c, D)
+                if gw is not None and views and dt == torch.float32:
+                    gw.addmm_(dz.t(), hc)  # (V, D) += (V, c) @ (c, D)
+                elif gw is not None:
+                    gw += (dz.t() @ hc if views else linear(dz.t().contiguous(), hc.t().contiguous())).float()  # (V, D)
         ctx.probs = None
         return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None, None
 

@@ -15,8 +15,9 @@ Routing (`bench/sampler.py --ablate-onednn` prints the effect):
     on oneDNN (oneDNN's op has no autograd formula of its own). Its backward makes transient
     contiguous copies of W^T, dY^T and X^T (for the lm_head dY^T is tokens x V floats, as big
     as the logits' gradient);
-  - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), or under autocast
-    (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule).
+  - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), under autocast
+    (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule), or inside
+    torch.compile (`train.compile_blocks`: the custom backward does not trace; ATen's does).
 `set_onednn(False)` turns it off (for A/B benchmarks and bisecting numerical questions).
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ class _OneDNNLinear(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N)."""
     if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu")):
+            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
             return _OneDNNLinear.apply(x, weight, bias)
         return _mm(x, weight, bias)

@@ -24,6 +24,7 @@ Three ways to call `Transformer.forward` / `hidden`:
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -156,7 +157,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.Hkv != self.H)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.Hkv != self.H)
         else:  # the sampler's cache stores k/v and attends in the mode it was given (kv_cache.py)
             y = cache.attend(self.layer_idx, q, k, v)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.hd))
@@ -195,6 +196,20 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def call_block(layer: Block, x, cos, sin):
+    """One block of a full causal pass (no cache)."""
+    return layer(x, cos, sin)
+
+
+@functools.cache
+def compiled_block():
+    """`call_block` through torch.compile: one function for every block of every model (the block is
+    an argument, its parameters graph inputs), dynamic shapes (micro-batches vary), so L blocks and
+    new batch shapes reuse one compiled graph per grad mode. Inside it CPU GEMMs run on ATen
+    (`common/engine/linear.py`)."""
+    return torch.compile(call_block, dynamic=True)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, hf_config: dict | None = None):
         super().__init__()
@@ -212,6 +227,9 @@ class Transformer(nn.Module):
         # Trainer option: recompute each block's activations in backward instead of keeping them
         # (memory ~ one block's activations plus each block's input; ~1/3 more compute).
         self.checkpoint_layers = False
+        # Trainer option: full causal passes run each block through one torch.compile'd function
+        # (`compiled_block`): RMSNorm, RoPE, SiLU and the residual adds fused around the GEMMs.
+        self.compile_blocks = False
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
@@ -247,9 +265,12 @@ class Transformer(nn.Module):
         cos, sin = self.rope(pos, max_pos)
         x = self.model.embed_tokens(tokens)
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
+        run = compiled_block() if self.compile_blocks and cache is None else call_block
         for layer in self.model.layers:
             if recompute:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(run, layer, x, cos, sin, use_reentrant=False)
+            elif cache is None:
+                x = run(layer, x, cos, sin)
             else:
                 x = layer(x, cos, sin, cache=cache)
         return self.model.norm(x)

@@ -73,6 +73,7 @@ class TrainConfig:
     grad_clip: float = 1.0            # max global grad norm; 0 = off
     micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
+    compile_blocks: bool = False      # torch.compile the blocks (one rank): fused norms/RoPE/SiLU, ATen GEMMs; costs a compile at start
     memory_fraction: float = 0.0      # CUDA: cap on the trainer's share of its GPU (shared with generators); 0 = no cap
     prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
     sync_every: int = 2               # k: publish weights to generators every k steps
@@ -124,6 +125,9 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
         cfg.n_generators = max(1, gpus - cfg.trainer_devices)
     if cfg.max_staleness is not None and cfg.max_staleness < 0:
         raise ValueError(f"train.max_staleness={cfg.max_staleness}: need >= 0 or none")
+    if cfg.compile_blocks and cfg.trainer_devices > 1:
+        raise ValueError("train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
+                         "hooks are not traced here): use one of them")
     return cfg
 
 
@@ -204,7 +208,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     device = rank_device(tc.device, 0) if tc.trainer_devices > 1 else tc.device
     model, tok = prec.load(cfg.model, device=device, role="trainer")
     model.train()
-    model.checkpoint_layers = tc.activation_checkpointing
+    model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
     # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC
     store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
