@@ -45,7 +45,7 @@ from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa:
 from common.ops import token_logp  # noqa: E402
 from common.runtime.launch import set_process_defaults  # noqa: E402
 
-_GEMM = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
+_GEMM = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
 _COPY = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::cat", "aten::contiguous", "aten::index",
          "aten::masked_scatter_", "aten::index_put_", "aten::gather", "aten::scatter_add_", "aten::embedding_dense_backward")
 _ALLOC = ("aten::empty", "aten::empty_strided", "aten::zeros", "aten::zero_", "aten::fill_", "aten::empty_like",

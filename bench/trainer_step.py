@@ -9,7 +9,9 @@ precisions alternate, `--reps` times each, after one warm-up each; medians are r
 Mismatch: the sampler (generator dtype, KV dtype) samples `--mismatch-prompts` GSM8K prompts x 4
 at T = 0.7; the trainer recomputes the same tokens' log-probs with its weights; we report the
 mean and max |difference| per token and the mean exp(diff) - 1 (the importance weight's bias).
-For fp32 both sides are fp32 and the difference is kernel rounding only. Prints one JSON line.
+For fp32 both sides are fp32 and the difference is kernel rounding only. The fp32 forward +
+backward is also set against its FLOP floor on this machine (`floor_s`, `frac_of_floor`:
+bench/_floor.py; bench/trainer_floor.py has the profile). Prints one JSON line.
 
     python bench/trainer_step.py              # 16 x 200 tokens, 3 reps (~4 min on 2 cores)
     python bench/trainer_step.py --quick      # 4 x 64 tokens, 1 rep
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench._floor import gemm_floor  # noqa: E402
 from common.batch import Trajectory, collate  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
@@ -190,6 +193,10 @@ def main():
                      "tok_s": int(mask.sum()) / (fb + o), "fwd_bwd_all": times[name]["fwd_bwd_s"],
                      "mismatch": mismatch(p, a.model, models[name][0], prompts)}
     res["speedup_step"] = res["fp32"]["step_s"] / res["auto"]["step_s"]
+    # the fp32 step against its FLOP floor on this machine (bench/_floor.py; bf16 has none measured)
+    floor = gemm_floor(models["fp32"][0].cfg, a.rows, a.tokens, int(mask[:, 1:].sum()))
+    res["fp32"].update(floor_s=floor["floor_s"], tflop=floor["tflop"], gemm_gflops_best=floor["gemm_gflops_best"],
+                       frac_of_floor=floor["floor_s"] / res["fp32"]["fwd_bwd_s"])
     print(json.dumps(res))
 
 
