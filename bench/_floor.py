@@ -23,6 +23,14 @@ import torch
 from common.engine.linear import linear, onednn_available, set_onednn
 
 
+def work_args(ap) -> None:
+    """The trainer-step benchmarks' shared flags: the model and the work of one micro-batch."""
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    ap.add_argument("--rows", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3)
+
+
 def step_flops(cfg, rows: int, tokens: int, scored: int) -> dict[str, float]:
     """FLOPs of one forward + backward by part (module docstring); `cfg` a ModelConfig."""
     D, H, Hkv, hd, I, L = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,

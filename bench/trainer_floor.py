@@ -13,7 +13,10 @@ alternate `--reps` times after one warm-up each (drift on a shared machine hits 
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
 on this machine; `frac_of_floor` = floor / ours.
 
-`--profile`: one more pass of ours under torch.profiler, each operator's own time by kind
+`--beside-generator`: ours alone and with a generator process decoding on the other core (fp32
+sampler, one thread), alternating: what memory bandwidth and caches shared with a generator cost.
+
+The profile (unless `--no-profile`): one more pass of ours under torch.profiler, each operator's own time by kind
 (GEMM, attention kernel, elementwise, copies, allocation, other) and by model part (attention
 block, MLP, norms, head, the rest: embedding, RoPE tables, loss glue), forward and backward
 apart. Parts come from module hooks installed by this script only (the model has none).
@@ -21,12 +24,14 @@ apart. Parts come from module hooks installed by this script only (the model has
     python bench/trainer_floor.py                  # 16 x 200 tokens, 3 reps, with the profile
     python bench/trainer_floor.py --quick          # 4 x 64 tokens, 1 rep
     python bench/trainer_floor.py --compile        # also with train.compile_blocks
+    python bench/trainer_floor.py --beside-generator --no-hf --no-profile   # alone vs beside a generator
 Prints one JSON line.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -38,10 +43,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench._floor import gemm_floor  # noqa: E402
+from bench._floor import gemm_floor, work_args  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
 from common.engine.model import MLP, Attention, RMSNorm  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.sampler import Sampler  # noqa: E402
+from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
 from common.runtime.launch import set_process_defaults  # noqa: E402
 
@@ -82,6 +89,39 @@ def hf_step(model, tokens, mask, T):
     lp = F.log_softmax(logits / T, -1).gather(-1, tokens[:, -(keep - 1):, None]).squeeze(-1)
     lp.sum().backward()
     model.zero_grad(set_to_none=True)
+
+
+def _decode_forever(model: str, gemm: str, ready) -> None:
+    """--beside-generator: a generator's work on the other core (fp32 sampler, 16 samples of 4
+    prompts, 96 new tokens, over and over) until killed."""
+    set_process_defaults("cpu")
+    prec = Precision("fp32", gemm, "fp32").apply()
+    m, _ = prec.load(model, tokenizer=False)
+    s = Sampler(m, max_batch=16, max_seq_len=300, max_prompt_len=100)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, m.cfg.vocab_size, (100,), generator=g).tolist() for _ in range(4)]
+    ready.set()
+    while True:
+        s.generate(prompts, SamplingParams(max_new_tokens=96, temperature=0.7, n=4, seed=0))
+
+
+def beside_generator(a, prec, step, reps: int) -> dict:
+    """Step seconds alone and with a decoding generator process beside it, alternating."""
+    ctx = mp.get_context("spawn")
+    alone, beside = [], []
+    for _ in range(reps):
+        alone.append(step())
+        ready = ctx.Event()
+        gen = ctx.Process(target=_decode_forever, args=(a.model, prec.gemm, ready), daemon=True)
+        gen.start()
+        ready.wait(300)
+        time.sleep(2)  # decoding in full
+        beside.append(step())
+        gen.kill()
+        gen.join()
+    return {"alone_s": round(statistics.median(alone), 3), "beside_s": round(statistics.median(beside), 3),
+            "alone_all": [round(t, 3) for t in alone], "beside_all": [round(t, 3) for t in beside],
+            "beside_over_alone": round(statistics.median(beside) / statistics.median(alone), 3)}
 
 
 def _timed(fn, *args) -> float:
@@ -142,14 +182,13 @@ def profile(model, tokens, mask, T) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=3)
+    work_args(ap)
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "auto"), help="ours: fp32, or this machine's choice")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--compile", action="store_true", help="also ours with train.compile_blocks (its warm-up compiles)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--beside-generator", action="store_true",
+                    help="also ours alone vs with a decoding generator process on the other core")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
@@ -200,6 +239,8 @@ def main():
     if "transformers" in times:
         res["transformers_frac_of_floor"] = round(floor["floor_s"] / res["transformers_s"], 3)
         res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)
+    if a.beside_generator:
+        res["beside_generator"] = beside_generator(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps)
     if not a.no_profile:
         res["profile_s"] = {k: round(v, 3) for k, v in profile(ours, tokens, mask, T).items() if v >= 0.005}
         if a.compile:  # by kind only: blocks are "rest", their fused kernels "other" (inductor's names)

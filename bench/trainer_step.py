@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench._floor import gemm_floor  # noqa: E402
+from bench._floor import gemm_floor, work_args  # noqa: E402
 from common.batch import Trajectory, collate  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
@@ -141,10 +141,7 @@ def bench_ranks(a, prec: Precision) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--rows", type=int, default=16)
-    ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--reps", type=int, default=3)
+    work_args(ap)
     ap.add_argument("--mismatch-prompts", type=int, default=4)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--ranks", default="", help="e.g. 1,2: trainer step time with N FSDP2 ranks (module docstring)")
