@@ -41,6 +41,8 @@ def config(argv: list[str]) -> RunConfig:
 def paced(algo, step_s: float):
     """`algo` whose trainer step takes at least `step_s` s more ($NODES_TOY_STEP_S): the toy step is
     ~40 ms, real ones take seconds, so transport delays weigh as they would in a real run."""
+    if step_s <= 0:
+        return algo
     inner = algo.minibatches
 
     def minibatches(model, batch, step):

@@ -166,6 +166,9 @@ def test_generators_take_the_gpus_the_trainer_leaves(monkeypatch):
     with pytest.raises(ValueError, match="trainer_devices=2: this machine has 1 GPUs"):
         check_config(TrainConfig(device="cuda", trainer_devices=2))
     assert check_config(TrainConfig(n_generators=0)).n_generators == 1  # CPU
+    with pytest.raises(ValueError, match="compile_blocks with trainer_devices > 1"):
+        check_config(TrainConfig(trainer_devices=2, compile_blocks=True))
+    assert check_config(TrainConfig(compile_blocks=True)).compile_blocks  # one rank: allowed
 
 
 def test_reshard_auto_is_update_on_cpu_and_pass_on_gpus():
