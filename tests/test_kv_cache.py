@@ -46,17 +46,22 @@ def test_shared_prompt_equals_separate_requests(pair):
         assert [c.tokens for c in shared[3 * i:3 * i + 3]] == [want] * 3
 
 
+def _greedy_equals_hf(s: Sampler, ref, prompts, lens) -> None:
+    """Run greedy requests (prompt i for lens[i] tokens) through `s` to the end; each equals
+    transformers' greedy continuation."""
+    ids = [s.submit(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(prompts, lens)]
+    out = {}
+    while s.has_work():
+        out.update({c.request_id: c for c in s.step()})
+    for i, p, n in zip(ids, prompts, lens):
+        assert out[i].tokens == _hf_greedy(ref, p, n)
+
+
 def test_compaction_keeps_outputs_and_computes_only_busy_rows(pair):
     """Short samples finish in low slots; the long ones move down and no idle row is computed."""
     ours, ref = pair
     s = Sampler(ours, max_batch=4, max_seq_len=64)
-    lens = [2, 11, 4, 11]
-    ids = [s.submit(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(PROMPTS, lens)]
-    out = {}
-    while s.has_work():
-        out.update({c.request_id: c for c in s.step()})
-    for i, p, n in zip(ids, PROMPTS, lens):
-        assert out[i].tokens == _hf_greedy(ref, p, n)
+    _greedy_equals_hf(s, ref, PROMPTS, [2, 11, 4, 11])
     assert s.stats["decode_rows"] == s.stats["decode_tokens"]  # every computed row was a live sample
     assert s.entries == [None] * len(s.entries) and s.slots == [None] * 4
 
@@ -66,13 +71,7 @@ def test_several_moves_in_one_step(pair):
     the long ones (and their prompt entries) move down together, in one copy per store."""
     ours, ref = pair
     s = Sampler(ours, max_batch=6, max_seq_len=64)
-    prompts, lens = PROMPTS + [[7, 8]], [2, 2, 2, 12, 9, 11]
-    ids = [s.submit(p, SamplingParams(max_new_tokens=n, temperature=0)) for p, n in zip(prompts, lens)]
-    out = {}
-    while s.has_work():
-        out.update({c.request_id: c for c in s.step()})
-    for i, p, n in zip(ids, prompts, lens):
-        assert out[i].tokens == _hf_greedy(ref, p, n)
+    _greedy_equals_hf(s, ref, PROMPTS + [[7, 8]], [2, 2, 2, 12, 9, 11])
     assert s.stats["decode_rows"] == s.stats["decode_tokens"]
 
 
