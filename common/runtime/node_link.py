@@ -54,11 +54,11 @@ class TrainerLink:
         return c
 
     def check(self) -> None:
-        e = self.ingest.error if self.ingest is not None else None
-        if isinstance(e, NodeFailed):
-            raise e
-        if e is not None:
-            raise NodeFailed(f"trajectory ingest: {type(e).__name__}: {e}") from e
+        if self.ingest is None:
+            return
+        if isinstance(self.ingest.error, NodeFailed):  # a failure it saw on another node: as it is
+            raise self.ingest.error
+        self.ingest.check()
 
     def stop(self, timeout: float | None = None) -> list[str]:
         """Stop every generator node (module docstring); returns the nodes that did not say done."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-import threading
 import time
 
 import torch
@@ -38,7 +37,7 @@ import torch.distributed as dist
 
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
-from common.runtime.nodes import Node, NodeFailed
+from common.runtime.nodes import Node, NodeFailed, NodeThread
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 _FAILURE_POLL_S = 0.5  # how often it looks for a failure another node reported
@@ -115,14 +114,12 @@ def unpack(buf: torch.Tensor, header: dict, like: ReplayBuffer) -> dict[str, tor
     return out
 
 
-class TrajSender(threading.Thread):
+class TrajSender(NodeThread):
     """A generator node's sender (module docstring). `error`: what stopped it, if anything."""
 
     def __init__(self, node: Node, outbox: ReplayBuffer, stats: torch.Tensor, every: float):
-        super().__init__(name="traj-sender", daemon=True)  # daemon: never holds the process at exit
-        self.node, self.outbox, self.stats, self.every = node, outbox, stats, every
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
+        super().__init__(node, "traj-sender", "trajectory sender")
+        self.outbox, self.stats, self.every = outbox, stats, every
         self.rows = 0
 
     def run(self) -> None:
@@ -146,26 +143,16 @@ class TrajSender(threading.Thread):
         except BaseException as e:  # noqa: BLE001 - reported by the node's main loop (check)
             self.error = e
 
-    def check(self) -> None:
-        if self.error is not None:
-            raise NodeFailed(f"trajectory sender: {type(self.error).__name__}: {self.error}") from self.error
 
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=self.node.timeout.total_seconds())
-
-
-class Ingest(threading.Thread):
+class Ingest(NodeThread):
     """The trainer's ingest thread (module docstring). `error`: a failure it saw or met."""
 
     def __init__(self, node: Node, buffer: ReplayBuffer, control: Control, gens_per_node: int,
                  stall_timeout: float = 0.0):
-        super().__init__(name="traj-ingest", daemon=True)  # daemon: never holds the process at exit
-        self.node, self.buffer, self.control, self.G = node, buffer, control, gens_per_node
+        super().__init__(node, "traj-ingest", "trajectory ingest")
+        self.buffer, self.control, self.G = buffer, control, gens_per_node
         self.stall_timeout = stall_timeout  # 0 = off
         self._beats = {r: (-1, time.monotonic()) for r in node.gen_ranks}  # rank -> (count, when it last moved)
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
         self.rows = 0
 
     def run(self) -> None:
@@ -211,7 +198,3 @@ class Ingest(threading.Thread):
             elif self.stall_timeout > 0 and now - since > self.stall_timeout:
                 raise NodeFailed(f"{self.node.name(r)} has been silent for {now - since:.0f} s "
                                  f"(train.stall_timeout): dead or hung", self.node.name(r))
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=self.node.timeout.total_seconds())

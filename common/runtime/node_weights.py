@@ -20,12 +20,11 @@ the transfer is one send per node, no packing.
 """
 from __future__ import annotations
 
-import threading
 import time
 
 import torch.distributed as dist
 
-from common.runtime.nodes import Node, NodeFailed
+from common.runtime.nodes import Node, NodeFailed, NodeThread
 from common.runtime.weights import WeightStore
 
 _POLL_S = 0.005  # how often a receiver reads the published version (a store round trip)
@@ -54,14 +53,12 @@ def send_weights(node: Node, store: WeightStore, version: int) -> None:
         node.store.delete_key(k)
 
 
-class WeightReceiver(threading.Thread):
+class WeightReceiver(NodeThread):
     """A generator node's receiver (module docstring). `error`: what stopped it, if anything."""
 
     def __init__(self, node: Node, store: WeightStore):
-        super().__init__(name="weight-receiver", daemon=True)  # daemon: never holds the process at exit
-        self.node, self.store = node, store
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
+        super().__init__(node, "weight-receiver", "weight receiver")
+        self.store = store
         self.received = 0  # versions received (for the tests and the log)
 
     def run(self) -> None:
@@ -82,11 +79,3 @@ class WeightReceiver(threading.Thread):
                 self.received += 1
         except BaseException as e:  # noqa: BLE001 - reported by the node's main loop (check)
             self.error = e
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise NodeFailed(f"weight receiver: {type(self.error).__name__}: {self.error}") from self.error
-
-    def stop(self) -> None:
-        self.halt.set()
-        self.join(timeout=self.node.timeout.total_seconds())

@@ -59,6 +59,26 @@ class NodeFailed(WorkerError):
     `WorkerError`: the trainer's own state is whole, so it checkpoints before it stops."""
 
 
+class NodeThread(threading.Thread):
+    """A node's helper thread (weight receiver, trajectory sender, ingest): its loop runs until
+    `halt`; what stopped it is kept in `error` and raised by `check` in the thread that watches it,
+    as `NodeFailed` named after `what`. A daemon: never holds the process at exit."""
+
+    def __init__(self, node: "Node", name: str, what: str):
+        super().__init__(name=name, daemon=True)
+        self.node, self.what = node, what
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise NodeFailed(f"{self.what}: {type(self.error).__name__}: {self.error}") from self.error
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=self.node.timeout.total_seconds())
+
+
 def under_torchrun() -> bool:
     """True in a process torchrun started in a world of more than one process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
