@@ -10,6 +10,9 @@ Crash-safety rules:
   newline (else the next record would be glued onto the fragment); `read_metrics` skips such a
   fragment too, so runs can be plotted while still being written.
 - On resume the logger continues `time` from the last recorded value: curves stay monotone.
+- On resume from step s (`keep_to=s`), rows of steps after s, written by the run that died after
+  its last checkpoint, describe training that resuming discards: they move to
+  `metrics_discarded.jsonl` (kept, not mixed in), so every step has one row.
 TensorBoard and W&B are extras: requested but not installed -> one warning, the JSONL log goes on.
 """
 from __future__ import annotations
@@ -83,7 +86,8 @@ class MetricsLogger:
     """Append-only metrics log of one run (see the module doc)."""
 
     def __init__(self, run_dir, use_tensorboard: bool = False, use_wandb: bool = False,
-                 wandb_project: str | None = None, config: dict | None = None):
+                 wandb_project: str | None = None, config: dict | None = None, keep_to: int | None = None):
+        """keep_to: the step a resumed run continues from (later rows are discarded, module doc)."""
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
@@ -94,6 +98,8 @@ class MetricsLogger:
             if cut != len(data):
                 with open(self.path, "r+b") as f:
                     f.truncate(cut)
+            if keep_to is not None:
+                self._discard_after(keep_to)
             times = [r["time"] for r in read_metrics(self.path) if isinstance(r.get("time"), (int, float))]
             self._t_offset = max(times, default=0.0)
         self._t0 = time.monotonic()  # monotonic: immune to wall-clock jumps (NTP) mid-run
@@ -113,6 +119,17 @@ class MetricsLogger:
             except ImportError:
                 _warn("use_wandb=True but wandb is not installed (pip install wandb); "
                       "logging to metrics.jsonl only")
+
+    def _discard_after(self, step: int) -> None:
+        rows = read_metrics(self.path)
+        late = [r for r in rows if r.get("step", 0) > step]
+        if not late:
+            return
+        with open(self.run_dir / "metrics_discarded.jsonl", "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in late)
+        tmp = self.path.with_suffix(".jsonl.tmp")  # then one rename: a crash leaves the old file or the new one
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step), encoding="utf-8")
+        tmp.replace(self.path)
 
     def elapsed(self) -> float:
         """Seconds of run time so far, resumed segments included."""

@@ -55,7 +55,9 @@ def paced(algo, step_s: float):
 def main(argv: list[str]) -> dict:
     cfg = config(argv)
     setup(cfg)
-    reward = dying_reward if os.environ.get("NODES_TOY_DIE_AFTER") else toy_reward
+    # a fault in the first attempt only: a torchrun restart (--max-restarts) then runs clean
+    die = os.environ.get("NODES_TOY_DIE_AFTER") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    reward = dying_reward if die else toy_reward
     algo = paced(make_algo(cfg), float(os.environ.get("NODES_TOY_STEP_S", "0")))
     return train(cfg, algo, _prompts(), reward, stop_token_ids=(), resume=cfg.resume)
 

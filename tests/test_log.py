@@ -55,6 +55,23 @@ def test_resume_continues_time_and_drops_fragment(tmp_path):
     assert 100.0 <= recs[1]["time"] < 110.0
 
 
+def test_resume_discards_rows_after_the_checkpoint_step(tmp_path):
+    """A run that died after its checkpoint at step 2 had logged steps 3 and 4: resuming from 2
+    moves them aside, so the continued run's step 3 is the only step-3 row."""
+    lg = MetricsLogger(tmp_path)
+    for s in range(5):
+        lg.log(s, loss=float(s))
+    lg.close()
+    lg = MetricsLogger(tmp_path, keep_to=2)
+    lg.log(3, loss=30.0)
+    lg.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == [(0, 0.0), (1, 1.0), (2, 2.0),
+                                                                                          (3, 30.0)]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics_discarded.jsonl")] == [3, 4]
+    times = [r["time"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    assert times == sorted(times)
+
+
 def test_corrupt_middle_line_is_an_error(tmp_path):
     f = tmp_path / "m.jsonl"
     f.write_text('{"step": 1}\nnot json\n{"step": 3}\n')

@@ -2,101 +2,27 @@
 agents on 127.0.0.1 play a trainer node and a generator node (gloo over the loopback).
 
 The end-to-end tests run tests/nodes_toy.py (test_e2e's toy task) under torchrun and, for the parity
-check, without it; every agent runs in its own session, killed with everything it started when the
-test ends, passed or not. The unit tests cover the pieces without a world: the trajectory wire format,
+check, without it (tests/nodes_run.py runs the agents; faults: tests/test_node_faults.py). The unit tests cover the pieces without a world: the trajectory wire format,
 the claim on the store, the config checks.
 """
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from common.batch import Trajectory
-from common.log import read_metrics
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.node_traj import RemoteControl, pack, unpack
 from common.runtime.nodes import DistConfig, check, is_generator_node, join
 from common.runtime.trainer import TrainConfig
 from common.task import RunConfig
+from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights
 from tests.tiny import save_hf
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "nodes_toy.py"
-RUN_S = 150  # bound on one two-node run (they take ~15-25 s on 2 busy cores)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def _gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return False
-    except ProcessLookupError:
-        return True
-
-
-def _run(cmds: list[list[str]], logs: Path, ok: bool = True, **env) -> list[str]:
-    """Run the commands side by side, each in its own session; their output. Every process they
-    started is killed at the end (SIGKILL to the session), and a run that left one fails.
-    ok: every command must exit 0 (else: none may)."""
-    procs = [subprocess.Popen(c, cwd=ROOT, env={**_env(), **env}, stdout=open(logs / f"out{i}.txt", "w"),
-                              stderr=subprocess.STDOUT, start_new_session=True) for i, c in enumerate(cmds)]
-    deadline = time.monotonic() + RUN_S
-    try:
-        for p in procs:
-            p.wait(max(1.0, deadline - time.monotonic()))
-        out = [(logs / f"out{i}.txt").read_text() for i in range(len(cmds))]
-        for p, o in zip(procs, out):
-            assert (p.returncode == 0) == ok, o[-4000:]
-        t = time.monotonic() + 10
-        while not all(_gone(p.pid) for p in procs) and time.monotonic() < t:
-            time.sleep(0.1)
-        assert all(_gone(p.pid) for p in procs), "a process outlived its node"
-        return out
-    finally:
-        for p in procs:
-            if not _gone(p.pid):
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
-def _two_nodes(tmp_path, *args, ok: bool = True, **env) -> list[str]:
-    port = _free_port()
-    agent = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
-             f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1", str(SCRIPT), "--dist.trainer_nodes=1",
-             *args]
-    logs = tmp_path / f"agents{len(list(tmp_path.glob('agents*')))}"  # one folder per run
-    logs.mkdir()
-    return _run([agent, agent], logs, ok, **env)
-
-
-def _weights(run_root: Path) -> dict:
-    from safetensors.torch import load_file  # only these tests read a checkpoint's files directly
-    ck = sorted((run_root / "toy" / "checkpoints").glob("step_*"))[-1] / "model"
-    return {k: v for f in sorted(ck.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
-def _steps(run_root: Path) -> list[dict]:
-    return [r for r in read_metrics(run_root / "toy" / "metrics.jsonl") if "staleness_hist" in r]
 
 
 @pytest.fixture(scope="module")
@@ -110,24 +36,24 @@ def test_two_node_sync_run_equals_one_node(model, tmp_path):
     """The sync TBA run: same final weights on 1 node and on 2 nodes (same seed), lock-step on both."""
     args = [f"--model={model}", "--train.mode=sync", "--train.steps=6"]
     (tmp_path / "one").mkdir()
-    _run([[sys.executable, str(SCRIPT), f"--run_root={tmp_path / 'one'}", *args]], tmp_path / "one")
-    out = _two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", *args)
+    finish(start([[sys.executable, str(SCRIPT), f"--run_root={tmp_path / 'one'}", *args]], tmp_path / "one"), tmp_path / "one")
+    out = two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", *args)
     assert any("generator node 0 (rank 1" in o and "7 weight versions in" in o for o in out), out
-    one, two = _weights(tmp_path / "one"), _weights(tmp_path / "two")
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
     assert one.keys() == two.keys()
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
     assert worst <= 1e-5, worst
-    rows = _steps(tmp_path / "two")
+    rows = steps(tmp_path / "two")
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # every token from the published weights
-    assert [r["loss"] for r in rows] == [r["loss"] for r in _steps(tmp_path / "one")]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in steps(tmp_path / "one")]
     assert rows[-1]["gen_syncs"] > 0 and rows[-1]["prompts_started"] >= 24  # the generator node's stats arrive
 
 
 def test_two_node_async_tba(model, tmp_path):
     """An async TBA run to the end on two nodes (k = 2, unbounded staleness)."""
-    _two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--train.steps=8")
-    rows = _steps(tmp_path)
+    two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--train.steps=8")
+    rows = steps(tmp_path)
     assert len(rows) == 8 and rows[-1]["version"] == 4 and all(r["buffer_fill"] >= 16 for r in rows)
     # the generator node's statistics reach the trainer's metrics (they ride with each batch, so not every step)
     assert any(r["gen_tok_s"] > 0 for r in rows) and rows[-1]["prompts_started"] >= 8
@@ -135,9 +61,9 @@ def test_two_node_async_tba(model, tmp_path):
 
 def test_two_node_async_areal_keeps_eta(model, tmp_path):
     """An async AReaL run to the end on two nodes with eta = 2: no trained row is staler."""
-    _two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--algo=areal", "--train.steps=6",
+    two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--algo=areal", "--train.steps=6",
                "--train.max_staleness=2")
-    rows = _steps(tmp_path)
+    rows = steps(tmp_path)
     assert len(rows) == 6 and rows[-1]["version"] == 6
     assert max(int(s) for r in rows for s in r["staleness_hist"]) <= 2  # eta holds across nodes
     cfg = json.loads((tmp_path / "toy" / "config.json").read_text())
@@ -149,13 +75,13 @@ def test_a_failing_generator_node_stops_the_trainer_naming_it_and_the_run_resume
     stops with NodeFailed naming the node, after a checkpoint of its last step; nothing is left
     running; the same command with --resume finishes the run from that checkpoint."""
     args = [f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
-    out = _two_nodes(tmp_path, *args, ok=False, NODES_TOY_DIE_AFTER="40")  # 10 groups: during step 3
+    out = two_nodes(tmp_path, *args, ok=False, NODES_TOY_DIE_AFTER="40")  # 10 groups: during step 3
     trainer = next(o for o in out if "[asyncrl] 2 nodes" in o)
     assert "NodeFailed" in trainer and "generator node 0 (rank 1" in trainer and "generator0" in trainer, trainer[-3000:]
     assert "a worker failed; checkpoint" in trainer
     assert [c.name for c in (tmp_path / "toy" / "checkpoints").glob("step_*")] == ["step_000002"]
-    _two_nodes(tmp_path, *args, "--resume")
-    rows = _steps(tmp_path)
+    two_nodes(tmp_path, *args, "--resume")
+    rows = steps(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart too
 

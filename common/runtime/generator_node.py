@@ -20,6 +20,8 @@ leaving first would kill the trainer before its checkpoint), then leaves the wor
 """
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 import traceback
@@ -30,7 +32,7 @@ from common.runtime.generator import generator_main
 from common.runtime.launch import Workers
 from common.runtime.node_traj import RemoteControl, TrajSender
 from common.runtime.node_weights import WeightReceiver
-from common.runtime.nodes import Node
+from common.runtime.nodes import Node, NodeFailed
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 
@@ -49,6 +51,17 @@ def _wait_for_stop(node: Node) -> None:
         pass
 
 
+def _told_to_stop(node: Node) -> bool:
+    """Beat (the trainer names a node that goes quiet) and read the key "stop". The store lives in
+    the trainer's process: losing it means the trainer node is gone, said as such."""
+    try:
+        node.store.add(f"beat/{node.rank}", 1)
+        return node.has("stop")
+    except Exception as e:  # noqa: BLE001 - any store error: the trainer's process is what holds it
+        raise NodeFailed(f"lost {node.name(0)}: its store does not answer ({type(e).__name__}: {e})",
+                         node.name(0), 0) from e
+
+
 def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -> dict:
     """Run this generator node until the trainer says stop; returns {} (the trainer logs)."""
     tc, threads = cfg.train, []
@@ -63,16 +76,19 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -
             t.start()
         ranks = [node.index * G + r for r in range(G)]
         names = [f"generator{g}" for g in ranks]
+        here = Path(cfg.run_root) / cfg.name / f"node{node.rank}"  # this node's own files (on its own disk)
         with Workers() as workers:
-            hb = Heartbeats(names, Path(cfg.run_root) / cfg.name / f"node{node.rank}" / "stacks")
+            hb = Heartbeats(names, here / "stacks")
             workers.watch(hb, tc.stall_timeout, tc.stall_action)
             for g, name in zip(ranks, names):
                 workers.start(name, generator_main, g, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store,
                               outbox, control, prompts, reward_fn, cfg.seed, setup["max_seq_len"],
                               tuple(stop_token_ids), "cpu", setup["precision"], beat=hb.beat_for(name))
+            # who is who on this node, as the trainer's workers.json on its own
+            here.mkdir(parents=True, exist_ok=True)
+            (here / "workers.json").write_text(json.dumps({"node": os.getpid(), **workers.pids()}) + "\n")
             print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}", flush=True)
-            while not node.has("stop"):
-                node.store.add(f"beat/{node.rank}", 1)  # alive: the trainer names a node that goes quiet
+            while not _told_to_stop(node):
                 workers.check()
                 for t in threads:
                     t.check()

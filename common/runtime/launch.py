@@ -36,6 +36,9 @@ Shutdown protocol
    re-raises. If the main process is SIGKILLed (e.g. OOM killer), Linux kills the workers via
    PR_SET_PDEATHSIG, so they never linger holding GPU memory. That signal fires when the *thread*
    that started the worker exits, so call `start()` from the main thread.
+5. SIGTERM (torchrun's agents ending a job, Slurm's preemption, `kill`): inside
+   `sigterm_as_interrupt()` the main process takes it as its own Ctrl-C, so it too ends in a
+   checkpoint and a clean shutdown instead of an instant death.
 
 /dev/shm: shared CPU tensors use torch's `file_descriptor` sharing strategy (Linux default):
 segments travel as fds and are unlinked at once, so nothing is left behind. (Don't switch to
@@ -45,12 +48,14 @@ garbage-collected, i.e. when the `Workers` (and any queue you kept) goes away, o
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -110,6 +115,21 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):  # no glibc
         return False
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """In the block (main thread only), a SIGTERM to this process acts as a Ctrl-C to it alone:
+    SIGINT is raised in this process, not in its workers' (they are stopped by the shutdown that
+    follows), and whatever defers or handles a Ctrl-C handles it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    prev = signal.signal(signal.SIGTERM, lambda *a: signal.raise_signal(signal.SIGINT))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
 
 
 def _die_with_parent() -> None:

@@ -19,9 +19,9 @@ Who runs what:
   rows to the trainer's buffer (`ReplayBuffer.add_rows`: new insertion counters, nothing else
   changes, so staleness filters and AReaL's eta see the versions the generators recorded),
   copies the node's stats into the trainer's `Control` table and the store's started counter
-  into `Control.t` (the metrics read both as on one node); it also watches for a node that
-  reported a failure, or whose beat counter (beat/<rank>, moved by its main loop every 50 ms)
-  stood still for `train.stall_timeout` s (a node that died without a word, or hangs).
+  into `Control.t` (the metrics read both as on one node). Watching the nodes (a failure one
+  reported, a beat that stood still) is the trainer's main thread's job (`NodeWatch`,
+  common/runtime/node_link.py), so a receive this thread is stuck in cannot hide a dead node.
 Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads;
 each thread owns its process group (weights and trajectories never share sockets).
 """
@@ -31,16 +31,16 @@ import os
 import pickle
 import socket
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
-from common.runtime.nodes import Node, NodeFailed, NodeThread
+from common.runtime.nodes import Node, NodeThread
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
-_FAILURE_POLL_S = 0.5  # how often it looks for a failure another node reported
 
 
 class StoreControl(Control):
@@ -145,18 +145,19 @@ class TrajSender(NodeThread):
 
 
 class Ingest(NodeThread):
-    """The trainer's ingest thread (module docstring). `error`: a failure it saw or met."""
+    """The trainer's ingest thread (module docstring). `error`: a failure it met. `recv_timeout`:
+    the longest wait for a batch whose header arrived (a node stopped between the two is caught by
+    the trainer's `NodeWatch` meanwhile; this only bounds how long the thread stays stuck)."""
 
     def __init__(self, node: Node, buffer: ReplayBuffer, control: Control, gens_per_node: int,
-                 stall_timeout: float = 0.0):
+                 recv_timeout: float = 0.0):
         super().__init__(node, "traj-ingest", "trajectory ingest")
         self.buffer, self.control, self.G = buffer, control, gens_per_node
-        self.stall_timeout = stall_timeout  # 0 = off
-        self._beats = {r: (-1, time.monotonic()) for r in node.gen_ranks}  # rank -> (count, when it last moved)
+        self.recv_timeout = timedelta(seconds=recv_timeout) if recv_timeout > 0 else node.timeout
         self.rows = 0
 
     def run(self) -> None:
-        node, seq, looked = self.node, {r: 1 for r in self.node.gen_ranks}, 0.0
+        node, seq = self.node, {r: 1 for r in self.node.gen_ranks}
         try:
             while not self.halt.is_set():
                 got = False
@@ -167,7 +168,7 @@ class Ingest(NodeThread):
                     header = pickle.loads(node.store.get(key))
                     buf = torch.empty(header["nbytes"], dtype=torch.uint8)
                     try:
-                        dist.irecv(buf, src=r, group=node.traj, tag=seq[r]).wait()
+                        dist.irecv(buf, src=r, group=node.traj, tag=seq[r]).wait(self.recv_timeout)
                     except Exception as e:
                         raise node.blame(r, "trajectories from", e) from e
                     self.buffer.add_rows(unpack(buf, header, self.buffer))
@@ -179,22 +180,7 @@ class Ingest(NodeThread):
                     got = True
                 if node.store.check(["started"]):
                     self.control.t[Control.STARTED] = int(node.store.get("started").split()[0])
-                if time.monotonic() - looked > _FAILURE_POLL_S:
-                    looked = time.monotonic()
-                    msg = node.failure()
-                    if msg is not None:
-                        raise NodeFailed(msg)
-                    self._check_beats()
                 if not got:
                     time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - raised in the trainer's loop (TrainerLink.check)
             self.error = e
-
-    def _check_beats(self) -> None:
-        for r, (n, since) in self._beats.items():
-            now, got = time.monotonic(), self.node.store.add(f"beat/{r}", 0)  # add 0: read a counter that may not exist yet
-            if got != n:
-                self._beats[r] = (got, now)
-            elif self.stall_timeout > 0 and now - since > self.stall_timeout:
-                raise NodeFailed(f"{self.node.name(r)} has been silent for {now - since:.0f} s "
-                                 f"(train.stall_timeout): dead or hung", self.node.name(r))

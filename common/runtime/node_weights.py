@@ -20,7 +20,9 @@ the transfer is one send per node, no packing.
 """
 from __future__ import annotations
 
+import threading
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
@@ -28,29 +30,54 @@ from common.runtime.nodes import Node, NodeFailed, NodeThread
 from common.runtime.weights import WeightStore
 
 _POLL_S = 0.005  # how often a receiver reads the published version (a store round trip)
+_SEND_POLL_S = 0.001  # how often the trainer looks at its sends and the acknowledgements while it publishes
 _TAG = 1  # the weights group carries nothing else; a fixed tag
 
 
-def send_weights(node: Node, store: WeightStore, version: int) -> None:
+def send_weights(node: Node, store: WeightStore, version: int, check: Callable[[], None] = lambda: None) -> None:
     """Trainer: send `store`'s active slot (just published as `version`) to every generator node
-    and wait until each has it in its own store (see the module docstring)."""
+    and wait until each has it in its own store (see the module docstring). The sends are waited
+    for in a helper thread (a gloo send completes only inside `wait`) while this thread polls the
+    acknowledgements and calls `check` (the trainer's view of the other nodes: a node silent for
+    train.stall_timeout raises there), so a hung node stops the run within the stall timeout,
+    not dist.timeout."""
     node.store.set("weights/version", str(version))
     buf = store.slot_bytes()
-    works = [dist.isend(buf, dst=r, group=node.weights, tag=_TAG) for r in node.gen_ranks]
-    for r, w in zip(node.gen_ranks, works):
+    sends = []
+    for r in node.gen_ranks:
         try:
-            w.wait()
-        except Exception as e:  # a dead node breaks its connection; a hung one times out
+            sends.append((r, dist.isend(buf, dst=r, group=node.weights, tag=_TAG)))
+        except Exception as e:  # a connection already closed fails here, not in wait
             raise node.blame(r, f"weights v{version} to", e) from e
-    keys = [f"weights/ack/{r}/{version}" for r in node.gen_ranks]
-    try:
-        node.store.wait(keys, node.timeout)
-    except Exception as e:
-        late = [node.name(r) for r, k in zip(node.gen_ranks, keys) if not node.store.check([k])]
-        raise NodeFailed(f"weights v{version}: no acknowledgement from {', '.join(late)} within "
-                         f"{node.timeout.total_seconds():.0f} s") from e
-    for k in keys:
-        node.store.delete_key(k)
+    broke: list = []  # (rank, exception) of the first send that failed
+
+    def wait_sends():
+        for r, w in sends:
+            try:
+                w.wait()  # a dead node breaks its connection at once
+            except Exception as e:  # noqa: BLE001 - raised below, in the trainer's thread
+                broke.append((r, e))
+                return
+    waiter = threading.Thread(target=wait_sends, name="weights-send", daemon=True)
+    waiter.start()
+    keys = {r: f"weights/ack/{r}/{version}" for r in node.gen_ranks}
+    deadline = time.monotonic() + node.timeout.total_seconds()
+    while True:
+        if broke:
+            r, e = broke[0]
+            raise node.blame(r, f"weights v{version} to", e) from e
+        for r, k in list(keys.items()):
+            if node.store.check([k]):
+                node.store.delete_key(k)
+                del keys[r]
+        if not keys and not waiter.is_alive():
+            return
+        check()
+        if time.monotonic() > deadline:
+            late = sorted(keys) or [r for r, _ in sends]
+            raise NodeFailed(f"weights v{version}: not acknowledged by {', '.join(node.name(r) for r in late)} "
+                             f"within {node.timeout.total_seconds():.0f} s (dist.timeout)", node.name(late[0]), late[0])
+        time.sleep(_SEND_POLL_S)
 
 
 class WeightReceiver(NodeThread):

@@ -56,7 +56,12 @@ class DistConfig:
 
 class NodeFailed(WorkerError):
     """Another node failed or stopped answering; the message names it (rank, host, role). A
-    `WorkerError`: the trainer's own state is whole, so it checkpoints before it stops."""
+    `WorkerError`: the trainer's own state is whole, so it checkpoints before it stops. `rank`:
+    the node's world rank when known (the trainer does not wait for its goodbye)."""
+
+    def __init__(self, message: str, worker: str = "", rank: int | None = None):
+        super().__init__(message, worker)
+        self.rank = rank
 
 
 class NodeThread(threading.Thread):
@@ -82,6 +87,12 @@ class NodeThread(threading.Thread):
 def under_torchrun() -> bool:
     """True in a process torchrun started in a world of more than one process."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def restarted() -> int:
+    """How many times torchrun restarted this job (`--max-restarts`); 0 outside torchrun. A
+    restarted trainer resumes from its last checkpoint by itself."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def role_of(rank: int, dc: DistConfig) -> str:
@@ -201,17 +212,17 @@ class Node:
         while time.monotonic() < deadline:
             try:
                 if self.store.check([f"failed/{rank}"]):
-                    return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank))
+                    return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank), rank)
             except Exception:  # noqa: BLE001 - the store is ours (rank 0); on another node it may be gone
                 break
             time.sleep(0.1)
-        return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank))
+        return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank), rank)
 
-    def failure(self) -> str | None:
+    def failure(self) -> NodeFailed | None:
         """The first failure another node reported, or None."""
         for r in range(self.world):
             if r != self.rank and self.store.check([f"failed/{r}"]):
-                return self.store.get(f"failed/{r}").decode()
+                return NodeFailed(self.store.get(f"failed/{r}").decode(), self.name(r), r)
         return None
 
     def close(self) -> None:

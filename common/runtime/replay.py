@@ -33,7 +33,8 @@ from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
 from common.runtime.ranks import rank_device
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, stream_steps
-from common.runtime.trainer import _staleness, check_config, evaluate_now, lr_lambda, prepare_run_dir
+from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
+from common.runtime.trainer import check_config, lr_lambda
 from common.runtime.trainer_group import TrainerGroup
 
 _LR_KEYS = ("lr", "warmup_steps", "decay_steps")
@@ -92,7 +93,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
             lr = rs.lr if recorded_lr else sched.get_last_lr()[0]
             for g in group.opt.param_groups:
                 g["lr"] = lr
-            stale, multi_version = _staleness(rs.batch, version)
+            stale, multi_version = staleness(rs.batch, version)
             stats, gnorm = group.update(rs.batch, step, lr, tc.grad_clip)
             sched.step()
             step += 1

@@ -33,30 +33,28 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Literal, Optional
 
 import torch
 
 from common.algorithm import Algorithm
-from common.batch import Batch
-from common.config import save_config, to_dict
+from common.config import to_dict
 from common.engine.precision import resolve
 from common.log import MetricsLogger, Progress
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.generator_node import generator_node
-from common.runtime.launch import WorkerError, Workers
+from common.runtime.launch import WorkerError, Workers, sigterm_as_interrupt
 from common.runtime.node_link import TrainerLink
-from common.runtime.nodes import join
+from common.runtime.nodes import join, restarted
 from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import RewardClient, reward_worker_main
+from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
 from common.runtime.stream import StreamWriter
 from common.runtime.trainer_group import RankFailed, TrainerGroup
 from common.runtime.watchdog import Heartbeats, WorkerStalled
@@ -139,47 +137,6 @@ def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:
     return f"cuda:{(trainer_devices + rank) % n}"
 
 
-def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
-    """evaluate(model, tokenizer) on the trainer's current weights, in the generators' dtype and
-    decoding as they do (`--gen.cuda_graphs`, read by common/evaluate.py's Sampler); logged at `step`."""
-    if evaluate is None:
-        return {}
-    t = time.perf_counter()
-    group.model.eval()
-    m = prec.inference_copy(group.full_model())
-    m.decode_graphs = cfg.gen.cuda_graphs
-    out = evaluate(m, tok)
-    group.model.train()
-    out = {**out, "eval_s": time.perf_counter() - t}
-    logger.log(step, **out)
-    print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
-    return out
-
-
-def prepare_run_dir(cfg, resume: bool) -> Path:
-    """runs/<name>/ with the resolved config saved in it. An earlier run there is continued
-    (resume), replaced (cfg.overwrite) or refused, never mixed into."""
-    run_dir = Path(cfg.run_root) / cfg.name
-    if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
-        shutil.rmtree(run_dir)  # overwrite=True: replace the earlier run (e.g. re-running a notebook cell)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it (--resume, resume=True), replace it "
-                              f"(--overwrite, overwrite=True) or choose another name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.json")
-    return run_dir
-
-
-def _staleness(batch: Batch, version: int) -> tuple[list[int], float]:
-    """Per row, versions between its oldest token and the weights that train on it (0 =
-    on-policy); and the fraction of rows whose tokens came from more than one version."""
-    v = batch.versions
-    oldest = v.masked_fill(~batch.loss_mask, version).min(1).values
-    newest = v.masked_fill(~batch.loss_mask, -1).max(1).values
-    spans = ((newest > oldest) & batch.loss_mask.any(1)).float().mean().item()
-    return (version - oldest).tolist(), spans
-
-
 def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
           evaluate: Optional[Callable] = None, resume: bool = False, reward_factory: Optional[Callable] = None) -> dict:
     """Run a full training job; returns the last logged metrics. See module docstring.
@@ -191,6 +148,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     node = join(cfg, tc)  # under torchrun: this node's role and the world's groups (common/runtime/nodes.py); else None
     if node is not None and node.role == "generator":
         return generator_node(node, cfg, prompts, reward_fn, stop_token_ids)
+    if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
+        print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
+        resume = True
     if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
         raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     if tc.reward_workers > 0 and reward_factory is None:
@@ -226,7 +186,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     # other nodes (None: one node, every call a no-op): what they need to build their store and buffer first
     link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id),
                        tc.stall_timeout if tc.stall_action == "stop" else 0.0)  # a silent node stops the run
-    with link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, Workers() as workers:
+    # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop
+    with sigterm_as_interrupt(), link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, \
+            Workers() as workers:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
         buffer = None
@@ -238,7 +200,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=pad_id)
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project,
-                               config={**to_dict(cfg), "precision_resolved": prec.to_dict()})
+                               config={**to_dict(cfg), "precision_resolved": prec.to_dict()},
+                               keep_to=step if resume else None)
         logger.log(step, precision=prec.to_dict())  # the choice, with what decided it, in the metrics too
         last: dict = {}
 
@@ -299,7 +262,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                         time.sleep(0.01)
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
-                stale, multi_version = _staleness(batch, version)
+                stale, multi_version = staleness(batch, version)
                 rec = stream.capture(batch) if stream is not None else None  # before the update: as drawn
                 stats, gnorm = group.update(batch, step, sched.get_last_lr()[0], tc.grad_clip)
                 if stream is not None:  # record_bytes, record_s into the metrics
@@ -309,28 +272,20 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                 step += 1
                 t2 = time.perf_counter()
                 publish_s = 0.0
-                if step % tc.sync_every == 0:
-                    version += 1
-                    group.publish(version)
-                    link.publish(version)  # other nodes have it before the quota moves
-                    control.set_version(version)
-                    publish_s = time.perf_counter() - t2
-                workers.check()
-                group.check()
-                link.check()
-                gen_tok, now = control.stats[:, Control.TOKENS].sum().item(), time.perf_counter()
-                last = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=gnorm,
-                            lr=sched.get_last_lr()[0], wait_s=t1 - t0, train_s=t2 - t1, step_s=time.perf_counter() - t0,
-                            publish_s=publish_s, trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
-                            gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
-                            staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
-                            staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
-                            prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
-                            gen_sync_s=control.stats[:, Control.SYNC_S].sum().item(),
-                            gen_syncs=control.stats[:, Control.SYNCS].sum().item(),
-                            reward_errors=control.stats[:, Control.REWARD_ERRORS].sum().item())
-                gen_prev = (gen_tok, now)
-                logger.log(step, **last)
+                try:  # the step is done: its row is logged even when a publish or a check below raises
+                    if step % tc.sync_every == 0:
+                        version += 1
+                        group.publish(version)
+                        link.publish(version)  # other nodes have it before the quota moves
+                        control.set_version(version)
+                        publish_s = time.perf_counter() - t2
+                    workers.check()
+                    group.check()
+                    link.check()
+                finally:
+                    last, gen_prev = step_row(batch, stats, gnorm, sched.get_last_lr()[0], (t0, t1, t2), publish_s,
+                                               version, stale, multi_version, control, buffer, gen_prev)
+                    logger.log(step, **last)
                 bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     last.update(run_eval("periodic"))
@@ -352,7 +307,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             # a valid model, one partial step off)
             bar.close()
             ck = checkpoint()
-            print(f"\n[asyncrl] interrupted at step {step}: checkpoint {ck}; continue with --resume")
+            print(f"\n[asyncrl] interrupted (Ctrl-C or SIGTERM) at step {step}: checkpoint {ck}; continue with --resume")
             raise
         bar.close()
         workers.shutdown()  # generators stop; the trainer ranks stay for the last evaluation and checkpoint

@@ -1,0 +1,74 @@
+"""What a training run writes besides its checkpoints: the run directory with its config, one
+metrics row per trainer step (staleness, throughput, the generators' statistics) and the
+evaluations. Runs in the trainer (rank 0); used by the trainer loop (common/runtime/trainer.py)
+and by replays (common/runtime/replay.py), so a replayed run logs as a trained one does.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from common.batch import Batch
+from common.config import save_config
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.generator import Control
+
+
+def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
+    """evaluate(model, tokenizer) on the trainer's current weights, in the generators' dtype and
+    decoding as they do (`--gen.cuda_graphs`, read by common/evaluate.py's Sampler); logged at `step`."""
+    if evaluate is None:
+        return {}
+    t = time.perf_counter()
+    group.model.eval()
+    m = prec.inference_copy(group.full_model())
+    m.decode_graphs = cfg.gen.cuda_graphs
+    out = evaluate(m, tok)
+    group.model.train()
+    out = {**out, "eval_s": time.perf_counter() - t}
+    logger.log(step, **out)
+    print(f"[asyncrl] eval ({tag}, step {step}): " + ", ".join(f"{k}={v:.4g}" for k, v in out.items()))
+    return out
+
+
+def prepare_run_dir(cfg, resume: bool) -> Path:
+    """runs/<name>/ with the resolved config saved in it. An earlier run there is continued
+    (resume), replaced (cfg.overwrite) or refused, never mixed into."""
+    run_dir = Path(cfg.run_root) / cfg.name
+    if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
+        shutil.rmtree(run_dir)  # overwrite=True: replace the earlier run (e.g. re-running a notebook cell)
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise FileExistsError(f"{run_dir} already holds a run: continue it (--resume, resume=True), replace it "
+                              f"(--overwrite, overwrite=True) or choose another name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.json")
+    return run_dir
+
+
+def staleness(batch: Batch, version: int) -> tuple[list[int], float]:
+    """Per row, versions between its oldest token and the weights that train on it (0 =
+    on-policy); and the fraction of rows whose tokens came from more than one version."""
+    v = batch.versions
+    oldest = v.masked_fill(~batch.loss_mask, version).min(1).values
+    newest = v.masked_fill(~batch.loss_mask, -1).max(1).values
+    spans = ((newest > oldest) & batch.loss_mask.any(1)).float().mean().item()
+    return (version - oldest).tolist(), spans
+
+
+def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, publish_s: float, version: int,
+              stale: list[int], multi_version: float, control: Control, buffer: ReplayBuffer, gen_prev: tuple):
+    """One trainer step's metrics row, and (generated tokens, time) for the next row's rate."""
+    (t0, t1, t2), stats_of = times, control.stats
+    gen_tok, now = stats_of[:, Control.TOKENS].sum().item(), time.perf_counter()
+    row = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=gnorm, lr=lr,
+               wait_s=t1 - t0, train_s=t2 - t1, step_s=now - t0, publish_s=publish_s,
+               trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
+               gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
+               staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
+               staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
+               prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
+               gen_sync_s=stats_of[:, Control.SYNC_S].sum().item(), gen_syncs=stats_of[:, Control.SYNCS].sum().item(),
+               reward_errors=stats_of[:, Control.REWARD_ERRORS].sum().item())
+    return row, (gen_tok, now)

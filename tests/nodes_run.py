@@ -1,0 +1,137 @@
+"""Helpers for the several-node tests (tests/test_nodes.py, tests/test_node_faults.py): run
+tests/nodes_toy.py under two torchrun agents on 127.0.0.1, find every process a run started,
+read what it wrote.
+
+Every agent runs in its own session; torchrun starts its worker in another session of its own
+and the worker's generators are its children, so "nothing left running" is checked on the pids
+the run itself lists (`run_pids`: the trainer's workers.json, each generator node's
+node<rank>/workers.json), not on the agents' sessions alone.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common.log import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "nodes_toy.py"
+RUN_S = 150  # bound on one two-node run (they take ~15-25 s on 2 busy cores)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not count: it runs nothing and holds no memory)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def _gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return False
+    except ProcessLookupError:
+        return True
+
+
+def start(cmds: list[list[str]], logs: Path, **extra) -> list[subprocess.Popen]:
+    """Start the commands side by side, each in its own session, output to logs/out<i>.txt."""
+    logs.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen(c, cwd=ROOT, env=env(**extra), stdout=open(logs / f"out{i}.txt", "w"),
+                             stderr=subprocess.STDOUT, start_new_session=True) for i, c in enumerate(cmds)]
+
+
+def output(logs: Path, n: int = 2) -> list[str]:
+    return [(logs / f"out{i}.txt").read_text() if (logs / f"out{i}.txt").exists() else "" for i in range(n)]
+
+
+def finish(procs: list[subprocess.Popen], logs: Path, ok: bool = True, bound_s: float = RUN_S) -> list[str]:
+    """Wait for the commands (at most bound_s); their output. ok: every command must exit 0 (else:
+    none may). Whatever is left of their sessions is SIGKILLed at the end, and a run that left one
+    fails."""
+    deadline = time.monotonic() + bound_s
+    try:
+        for p in procs:
+            p.wait(max(1.0, deadline - time.monotonic()))
+        out = output(logs, len(procs))
+        for p, o in zip(procs, out):
+            assert (p.returncode == 0) == ok, o[-4000:]
+        t = time.monotonic() + 10
+        while not all(_gone(p.pid) for p in procs) and time.monotonic() < t:
+            time.sleep(0.1)
+        assert all(_gone(p.pid) for p in procs), "a process outlived its node"
+        return out
+    finally:
+        for p in procs:
+            if not _gone(p.pid):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+
+def agent(port: int, *args, torchrun: tuple = (), node_rank: int | None = None) -> list[str]:
+    """One torchrun agent of a two-node world running the toy with `args`: c10d rendezvous (roles
+    by arrival), or with `node_rank` the static one, where node 0 (the trainer) hosts torchrun's
+    store, as a deployment pointing --master-addr at the trainer's machine does."""
+    how = (["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1"] if node_rank is None
+           else ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", f"--node-rank={node_rank}"])
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", *how, *torchrun,
+            str(SCRIPT), "--dist.trainer_nodes=1", *args]
+
+
+def logs_dir(tmp_path: Path) -> Path:
+    return tmp_path / f"agents{len(list(tmp_path.glob('agents*')))}"  # one folder per run
+
+
+def two_nodes(tmp_path: Path, *args, ok: bool = True, torchrun: tuple = (), **extra) -> list[str]:
+    """Run the toy on two nodes to its end; both agents' output."""
+    cmd, logs = agent(free_port(), *args, torchrun=torchrun), logs_dir(tmp_path)
+    return finish(start([cmd, cmd], logs, **extra), logs, ok)
+
+
+def run_pids(run_dir: Path) -> dict[str, int]:
+    """name -> pid of every process the run listed: the trainer and its workers, each generator
+    node's main process and its generators."""
+    pids = {}
+    for f in [run_dir / "workers.json", *sorted(run_dir.glob("node*/workers.json"))]:
+        if f.exists():
+            where = "" if f.parent == run_dir else f"{f.parent.name}/"  # the trainer's, or node<rank>/
+            pids.update({where + k: v for k, v in json.loads(f.read_text()).items()})
+    return pids
+
+
+def wait_for(what, timeout: float, every: float = 0.1):
+    """Poll `what()` until it returns something true (returned) or `timeout` s pass (AssertionError)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"not within {timeout} s: {getattr(what, '__doc__', None) or what}")
+
+
+def weights(run_root: Path) -> dict:
+    from safetensors.torch import load_file  # only these tests read a checkpoint's files directly
+    ck = sorted((run_root / "toy" / "checkpoints").glob("step_*"))[-1] / "model"
+    return {k: v for f in sorted(ck.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def steps(run_root: Path) -> list[dict]:
+    path = run_root / "toy" / "metrics.jsonl"
+    return [r for r in read_metrics(path) if "staleness_hist" in r] if path.exists() else []

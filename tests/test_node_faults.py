@@ -1,0 +1,141 @@
+"""Whole nodes failing, on one CPU machine (two torchrun agents on 127.0.0.1, tests/nodes_run.py):
+a generator node SIGKILLed or hung (SIGSTOP) mid-run, the trainer node SIGKILLed; and torchrun's
+own restart (`--max-restarts`, one node) resuming the run by itself.
+
+Each test asserts what the runtime promises: the run stops within `train.stall_timeout` (plus a
+bounded slack for the checkpoint and the agents' exit), naming the node and its role; every
+process the run listed (trainer, its workers, each node's main process and generators) is gone;
+nothing new of ours is left in /dev/shm; the run continues from its last checkpoint.
+"""
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from tests.nodes_run import SCRIPT, agent, alive, finish, free_port, logs_dir, output, run_pids, start, steps, \
+    two_nodes, wait_for
+from tests.tiny import save_hf
+
+STALL_S = 8  # train.stall_timeout in these runs
+SLACK_S = 25  # what a stop may take past the stall timeout: checkpoint, leaving the world, the agents' exit
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("faults") / "model"
+    save_hf("llama_tied", d)
+    return d
+
+
+def _shm() -> set:
+    """Our kind of /dev/shm entries: torch's segments and multiprocessing's named semaphores."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "sem.mp-"))} if os.path.isdir("/dev/shm") else set()
+
+
+def _args(tmp_path, model, *more) -> list[str]:
+    # a paced async run long enough to be hit mid-way; a checkpoint every 2 steps to resume from
+    return [f"--run_root={tmp_path}", f"--model={model}", "--train.steps=14", "--train.checkpoint_every=2",
+            f"--train.stall_timeout={STALL_S}", *more]
+
+
+def _running(tmp_path, model, *more):
+    """Start a two-node run and wait until it trained 3 steps; (agents, logs, pids of the run)."""
+    logs, port = logs_dir(tmp_path), free_port()
+    # static rendezvous: torchrun's own store on the trainer's node, so a generator node's agent
+    # leaving does not take the trainer's agent down with it (tests/nodes_run.py: agent)
+    procs = start([agent(port, *_args(tmp_path, model, *more), node_rank=k) for k in (0, 1)], logs,
+                  NODES_TOY_STEP_S="0.5")
+    try:
+        wait_for(lambda: len(steps(tmp_path)) >= 3, 120)
+        pids = wait_for(lambda: (p := run_pids(tmp_path / "toy")) and "node1/node" in p and p, 30)
+    except BaseException:
+        for p in procs:  # the agents' sessions; the workers' own sessions end with their agents
+            os.killpg(p.pid, signal.SIGKILL)
+        raise
+    return procs, logs, pids
+
+
+def _trainer_out(logs) -> str:
+    return next(o for o in output(logs) if "[asyncrl] 2 nodes" in o)
+
+
+def _all_gone(pids: dict, shm_before: set) -> None:
+    """Every process the run listed has ended, and no new entry of ours stays in /dev/shm."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and ({n for n, p in pids.items() if alive(p)} or _shm() - shm_before):
+        time.sleep(0.2)
+    assert not {n: p for n, p in pids.items() if alive(p)}, "left running"
+    assert not _shm() - shm_before, "left in /dev/shm"
+
+
+def test_a_killed_generator_node_stops_the_run_naming_it_and_the_run_resumes(model, tmp_path):
+    shm = _shm()
+    procs, logs, pids = _running(tmp_path, model)
+    os.kill(pids["node1/node"], signal.SIGKILL)  # the whole node's process, without a word
+    t = time.monotonic()
+    finish(procs, logs, ok=False, bound_s=STALL_S + SLACK_S)
+    assert time.monotonic() - t <= STALL_S + SLACK_S
+    out = _trainer_out(logs)
+    assert "NodeFailed" in out and "generator node 0 (rank 1" in out, out[-3000:]
+    assert "a worker failed; checkpoint" in out
+    _all_gone(pids, shm)
+    done = len(steps(tmp_path))
+    assert done < 14
+    two_nodes(tmp_path, *_args(tmp_path, model, "--resume"))
+    rows = steps(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 15)) and rows[-1]["version"] == 7
+
+
+def test_a_hung_generator_node_stops_the_run_within_the_stall_timeout(model, tmp_path):
+    """SIGSTOP: the node's process neither beats nor answers (its generators still run). The trainer
+    names it after stall_timeout, checkpoints and leaves; once the node runs again it finds the
+    trainer gone and leaves too, with its generators."""
+    shm = _shm()
+    procs, logs, pids = _running(tmp_path, model)
+    os.kill(pids["node1/node"], signal.SIGSTOP)
+    t = time.monotonic()
+    trainer = next(p for p, o in zip(procs, output(logs)) if "[asyncrl] 2 nodes" in o)
+    try:
+        trainer.wait(STALL_S + SLACK_S)
+    finally:
+        os.kill(pids["node1/node"], signal.SIGCONT)
+    assert time.monotonic() - t <= STALL_S + SLACK_S
+    out = _trainer_out(logs)
+    assert re.search(r"generator node 0 \(rank 1.*silent for \d+ s", out) and "dead or hung" in out, out[-3000:]
+    assert "a worker failed; checkpoint" in out
+    finish(procs, logs, ok=False, bound_s=60)
+    gen_out = next(o for o in output(logs) if "[asyncrl] 2 nodes" not in o)
+    # what it meets first: the trainer's store gone, or its outbox overrun while it stood still
+    assert re.search(r"generator node 0 \(rank 1.* failed:", gen_out), gen_out[-3000:]
+    _all_gone(pids, shm)
+
+
+def test_a_killed_trainer_node_stops_the_generator_node_naming_it(model, tmp_path):
+    shm = _shm()
+    procs, logs, pids = _running(tmp_path, model)
+    os.kill(pids["trainer"], signal.SIGKILL)
+    finish(procs, logs, ok=False, bound_s=STALL_S + SLACK_S)
+    gen_out = next(o for o in output(logs) if "[asyncrl] 2 nodes" not in o)
+    assert "NodeFailed" in gen_out and "lost trainer node (rank 0" in gen_out, gen_out[-3000:]
+    _all_gone(pids, shm)
+    two_nodes(tmp_path, *_args(tmp_path, model, "--resume", "--train.steps=8"))  # continues from the last checkpoint
+    assert [r["step"] for r in steps(tmp_path)] == list(range(1, 9))
+
+
+def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path):
+    """torchrun --max-restarts=1 (one node, one process): a generator dies during step 3 of the
+    first attempt, the trainer checkpoints and exits non-zero, torchrun starts it again, and the
+    trainer resumes from that checkpoint by itself (no --resume on the command line)."""
+    logs = logs_dir(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1", "--max-restarts=1",
+           str(SCRIPT), f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
+    out = finish(start([cmd], logs, NODES_TOY_DIE_AFTER="40"), logs)[0]
+    assert "generator0" in out and "a worker failed; checkpoint" in out, out[-3000:]
+    assert "torchrun restart 1: continuing from the last checkpoint" in out
+    assert re.search(r"resumed from \S+step_000002 at step 2", out)
+    rows = steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
+    assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart
