@@ -14,7 +14,7 @@ from common.engine.precision import PrecisionConfig  # noqa: E402
 from common.runtime.generator import GenConfig  # noqa: E402
 from common.runtime.trainer import TrainConfig, train  # noqa: E402
 from common.task import RunConfig, make_algo, make_config, setup  # noqa: E402 - after the path
-from tests.test_e2e import _prompts, toy_reward  # noqa: E402
+from tests.test_e2e import _prompts, make_toy_batched_reward, toy_reward  # noqa: E402
 
 
 _calls = [0]
@@ -59,6 +59,9 @@ def main(argv: list[str]) -> dict:
     die = os.environ.get("NODES_TOY_DIE_AFTER") and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     reward = dying_reward if die else toy_reward
     algo = paced(make_algo(cfg), float(os.environ.get("NODES_TOY_STEP_S", "0")))
+    if cfg.train.reward_workers:  # --train.reward_workers=R: scored in R reward workers per generating node
+        return train(cfg, algo, _prompts(), None, stop_token_ids=(), resume=cfg.resume,
+                     reward_factory=make_toy_batched_reward)
     return train(cfg, algo, _prompts(), reward, stop_token_ids=(), resume=cfg.resume)
 
 

@@ -50,6 +50,20 @@ def test_two_node_sync_run_equals_one_node(model, tmp_path):
     assert rows[-1]["gen_syncs"] > 0 and rows[-1]["prompts_started"] >= 24  # the generator node's stats arrive
 
 
+def test_reward_workers_on_the_generator_node(model, tmp_path):
+    """--train.reward_workers=1: the generator node scores in its own reward worker; the sync run
+    gives the same losses and weights as on one node, where the trainer's node hosts it."""
+    args = [f"--model={model}", "--train.mode=sync", "--train.steps=3", "--train.reward_workers=1"]
+    (tmp_path / "one").mkdir()
+    finish(start([[sys.executable, str(SCRIPT), f"--run_root={tmp_path / 'one'}", *args]], tmp_path / "one"),
+           tmp_path / "one")
+    out = two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", *args)
+    assert any("1 generator(s) ['generator0'], 1 reward worker(s)" in o for o in out), out
+    assert [r["loss"] for r in steps(tmp_path / "two")] == [r["loss"] for r in steps(tmp_path / "one")]
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    assert max((one[k] - two[k]).abs().max().item() for k in one) <= 1e-5
+
+
 def test_two_node_async_tba(model, tmp_path):
     """An async TBA run to the end on two nodes (k = 2, unbounded staleness)."""
     two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--train.steps=8")
@@ -152,7 +166,6 @@ def test_config_checks_and_single_node_path(monkeypatch):
                                   (DistConfig(trainer_nodes=0), 2, {}, "trainer_nodes < nodes"),
                                   (DistConfig(trainer_nodes=2), 3, {}, "not built yet"),
                                   (DistConfig(), 2, {"trainer_devices": 2}, "trainer_devices"),
-                                  (DistConfig(), 2, {"reward_workers": 1}, "reward_workers"),
                                   (DistConfig(timeout=0), 2, {}, "timeout")]:
         with pytest.raises(ValueError, match=msg):
             check(dc, TrainConfig(**tc_kw), world)

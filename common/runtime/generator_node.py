@@ -4,7 +4,8 @@ Runs in the one process torchrun starts on a node whose role is "generator"
 (common/runtime/nodes.py); `train` hands over to `generator_node` right after the world is
 joined, with the same arguments every node got from the same command line. This process
 loads no model: it builds the node's `WeightStore` (the trainer's layout, from the "setup" key)
-and a local `ReplayBuffer` as the outbox, starts `train.n_generators` generator processes
+and a local `ReplayBuffer` as the outbox, starts its `train.reward_workers` reward workers (an
+expensive reward is scored on the node that generates) and `train.n_generators` generator processes
 (`generator_main`, unchanged: a store, a buffer and a control, as on one node), a
 `WeightReceiver` and a `TrajSender` thread, then watches all of them and the key "stop".
 
@@ -32,6 +33,7 @@ from common.runtime.generator import generator_main
 from common.runtime.launch import Workers
 from common.runtime.node_traj import RemoteControl, TrajSender
 from common.runtime.node_weights import WeightReceiver
+from common.runtime.reward_service import start_reward_workers
 from common.runtime.nodes import Node, NodeFailed
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
@@ -62,8 +64,9 @@ def _told_to_stop(node: Node) -> bool:
                          node.name(0), 0) from e
 
 
-def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -> dict:
-    """Run this generator node until the trainer says stop; returns {} (the trainer logs)."""
+def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, reward_factory=None) -> dict:
+    """Run this generator node until the trainer says stop; returns {} (the trainer logs).
+    With train.reward_workers > 0 the node runs that many reward workers of its own (`reward_factory`)."""
     tc, threads = cfg.train, []
     try:
         setup = node.get("setup")  # waits for the trainer's model load (at most dist.timeout)
@@ -78,8 +81,11 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -
         names = [f"generator{g}" for g in ranks]
         here = Path(cfg.run_root) / cfg.name / f"node{node.rank}"  # this node's own files (on its own disk)
         with Workers() as workers:
-            hb = Heartbeats(names, here / "stacks")
+            hb = Heartbeats([f"reward{r}" for r in range(tc.reward_workers)] + names, here / "stacks")
             workers.watch(hb, tc.stall_timeout, tc.stall_action)
+            if tc.reward_workers > 0:
+                reward_fn = start_reward_workers(workers, hb, tc.reward_workers, reward_factory, G,
+                                                 cfg.gen.error_reward, first=ranks[0])
             for g, name in zip(ranks, names):
                 workers.start(name, generator_main, g, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store,
                               outbox, control, prompts, reward_fn, cfg.seed, setup["max_seq_len"],
@@ -87,7 +93,8 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple) -
             # who is who on this node, as the trainer's workers.json on its own
             here.mkdir(parents=True, exist_ok=True)
             (here / "workers.json").write_text(json.dumps({"node": os.getpid(), **workers.pids()}) + "\n")
-            print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}", flush=True)
+            print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}, {tc.reward_workers} reward "
+                  "worker(s)", flush=True)
             while not _told_to_stop(node):
                 workers.check()
                 for t in threads:

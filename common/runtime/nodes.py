@@ -118,8 +118,6 @@ def check(dc: DistConfig, tc, world: int) -> None:
     if tc.trainer_devices != 1:
         raise ValueError(f"train.trainer_devices={tc.trainer_devices} with several nodes is not built yet: the "
                          "trainer's own ranks would need the world's groups (use 1)")
-    if tc.reward_workers:
-        raise ValueError("train.reward_workers with several nodes is not built yet (use a reward_fn)")
     if tc.device != "cpu":
         raise ValueError(f"train.device={tc.device!r} with several nodes: only the CPU (gloo) path is built yet")
     if dc.timeout <= 0 or dc.ship_every <= 0:

@@ -1,7 +1,7 @@
 """Reward-worker processes for expensive rewards (a reward model, a victim + classifier).
 
 Processes: R spawned reward workers (`reward_worker_main`) and G generators holding a
-`RewardClient`. A generator sends one request per finished group, (rank, texts, metas), on the
+`RewardClient`, on the trainer's node, or on each generator node when there are several nodes. A generator sends one request per finished group, (rank, texts, metas), on the
 shared request queue and blocks on its own result queue; any free worker takes it, scores the
 whole group in one batched call and answers on that generator's queue. The expensive model is
 built once per worker by `make_reward_fn()` (any function: sent by value,
@@ -25,21 +25,23 @@ log = logging.getLogger("asyncrl.reward")
 class RewardClient:
     """Picklable handle a generator uses to score a group on the reward workers."""
 
-    def __init__(self, ctx, n_generators: int, timeout: float = 600.0, error_reward: float = 0.0):
+    def __init__(self, ctx, n_generators: int, timeout: float = 600.0, error_reward: float = 0.0, first: int = 0):
+        """For generators first .. first + n_generators - 1 (their global numbers: on generator
+        node j, j x train.n_generators onwards)."""
         self.error_reward = error_reward  # what a sample whose reward raises scores (the workers read it)
         self.requests = ctx.Queue()
         self.results = [ctx.Queue() for _ in range(n_generators)]
-        self.timeout = timeout
+        self.timeout, self.first = timeout, first
 
     def score(self, rank: int, texts: list, metas: list, stop_event=None, beat=None) -> tuple[list[float], int] | None:
         """(rewards, n_errors) for one group, computed by whichever worker is free; None if
         `stop_event` is set while waiting (the run is shutting down). `beat`: the calling
         generator's heartbeat, called every poll (waiting on a worker is not a stall)."""
-        self.requests.put((rank, list(texts), list(metas)))
+        self.requests.put((rank - self.first, list(texts), list(metas)))
         waited = 0.0
         while waited < self.timeout:
             try:
-                return self.results[rank].get(timeout=0.5)
+                return self.results[rank - self.first].get(timeout=0.5)
             except queue_mod.Empty:
                 waited += 0.5
                 if beat is not None:
@@ -84,3 +86,14 @@ def reward_worker_main(make_reward_fn: Callable, client: RewardClient, *, stop_e
             continue
         beat("scoring", rank)  # request = the generator it scores for
         client.results[rank].put(_safe_scores(fn, texts, metas, client.error_reward))
+
+
+def start_reward_workers(workers, hb, n: int, make_reward_fn: Callable, n_generators: int, error_reward: float,
+                         first: int = 0) -> RewardClient:
+    """Start `n` reward workers (named reward0.., heartbeats from `hb`) for the node's generators
+    `first` .. `first + n_generators - 1`; the client those generators score with. Runs in the
+    trainer (one node) or in a generator node's main process (several nodes: each node its own)."""
+    client = RewardClient(workers.ctx, n_generators, error_reward=error_reward, first=first)
+    for r in range(n):
+        workers.start(f"reward{r}", reward_worker_main, make_reward_fn, client, beat=hb.beat_for(f"reward{r}"))
+    return client

@@ -53,7 +53,7 @@ from common.runtime.node_link import TrainerLink
 from common.runtime.nodes import join, restarted
 from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
-from common.runtime.reward_service import RewardClient, reward_worker_main
+from common.runtime.reward_service import start_reward_workers
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
 from common.runtime.stream import StreamWriter
 from common.runtime.trainer_group import RankFailed, TrainerGroup
@@ -146,19 +146,19 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
     tc = check_config(cfg.train)
     node = join(cfg, tc)  # under torchrun: this node's role and the world's groups (common/runtime/nodes.py); else None
-    if node is not None and node.role == "generator":
-        return generator_node(node, cfg, prompts, reward_fn, stop_token_ids)
-    if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
-        print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
-        resume = True
-    if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
-        raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
     # what reaches worker processes (by value: common/runtime/pickling.py) is refused here, naming it
     check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
                    reward_factory=reward_factory if tc.reward_workers else None,
                    algorithm=algo if tc.trainer_devices > 1 else None)
+    if node is not None and node.role == "generator":
+        return generator_node(node, cfg, prompts, reward_fn, stop_token_ids, reward_factory)
+    if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
+        print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
+        resume = True
+    if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
+        raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     run_dir = prepare_run_dir(cfg, resume)
     if tc.memory_fraction > 0 and torch.device(tc.device).type == "cuda":
         torch.cuda.set_per_process_memory_fraction(tc.memory_fraction, torch.device(tc.device))
@@ -226,13 +226,12 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             run_eval("before")
         ref = cfg.ref_model or cfg.model
         n_gens = link.local_generators(tc.n_generators)  # a trainer node of several runs none
-        names = [f"reward{r}" for r in range(tc.reward_workers)] + [f"generator{r}" for r in range(n_gens)]
+        n_rewards = tc.reward_workers if n_gens else 0  # several nodes: on the generator nodes
+        names = [f"reward{r}" for r in range(n_rewards)] + [f"generator{r}" for r in range(n_gens)]
         hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/runtime/watchdog.py
         workers.watch(hb, tc.stall_timeout, tc.stall_action)
-        if tc.reward_workers > 0:
-            reward_fn = RewardClient(workers.ctx, tc.n_generators, error_reward=cfg.gen.error_reward)
-            for r in range(tc.reward_workers):
-                workers.start(f"reward{r}", reward_worker_main, reward_factory, reward_fn, beat=hb.beat_for(f"reward{r}"))
+        if n_rewards > 0:
+            reward_fn = start_reward_workers(workers, hb, n_rewards, reward_factory, n_gens, cfg.gen.error_reward)
         for r in range(n_gens):
             dev = _gen_device(tc.device, r, tc.trainer_devices)
             workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
