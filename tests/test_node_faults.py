@@ -139,3 +139,22 @@ def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path)
     rows = steps(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart
+
+
+def test_sigterm_checkpoints_the_last_step_and_the_run_resumes(model, tmp_path):
+    """SIGTERM to the trainer (what torchrun's agent sends when it ends a job, or Slurm when it
+    preempts one) is its Ctrl-C: a checkpoint of the last completed step, its generators stopped."""
+    logs, shm = logs_dir(tmp_path), _shm()
+    args = [str(SCRIPT), *_args(tmp_path, model, "--train.checkpoint_every=0")]
+    procs = start([[sys.executable, *args]], logs, NODES_TOY_STEP_S="0.5")
+    wait_for(lambda: len(steps(tmp_path)) >= 3, 120)
+    pids = run_pids(tmp_path / "toy")
+    os.kill(pids["trainer"], signal.SIGTERM)
+    out = finish(procs, logs, ok=False, bound_s=SLACK_S)[0]
+    got = re.search(r"interrupted \(Ctrl-C or SIGTERM\) at step (\d+): checkpoint \S+step_0*(\d+)", out)
+    assert got and got[1] == got[2], out[-3000:]
+    assert [r["step"] for r in steps(tmp_path)] == list(range(1, int(got[1]) + 1))  # the checkpoint's step is logged
+    _all_gone(pids, shm)
+    logs = logs_dir(tmp_path)
+    finish(start([[sys.executable, *args, "--resume", "--train.steps=8"]], logs), logs)
+    assert [r["step"] for r in steps(tmp_path)] == list(range(1, 9))
