@@ -17,7 +17,9 @@ Faults: a generator that dies or hangs, a broken transfer or the lost store stop
 it shuts its generators down (no process, no /dev/shm entry left), reports the failure under
 failed/<rank> (the trainer raises `NodeFailed` naming the node and checkpoints), waits for the
 trainer's "stop" (torchrun's agents end every node's process once one exits with an error, so
-leaving first would kill the trainer before its checkpoint), then leaves the world.
+leaving first would kill the trainer before its checkpoint), then leaves the world. The trainer
+lost (its store, which lives in the trainer's process, stops answering) is such a failure too,
+named as the trainer node's; the wait for "stop" then ends at once.
 """
 from __future__ import annotations
 
