@@ -145,13 +145,13 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     train.reward_workers > 0 and pass `reward_factory`, a function (sent by value, may be a notebook's) that builds
     fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
     tc = check_config(cfg.train)
-    node = join(cfg, tc)  # under torchrun: this node's role and the world's groups (common/runtime/nodes.py); else None
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
     # what reaches worker processes (by value: common/runtime/pickling.py) is refused here, naming it
     check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
                    reward_factory=reward_factory if tc.reward_workers else None,
                    algorithm=algo if tc.trainer_devices > 1 else None)
+    node = join(cfg, tc)  # under torchrun: this node's role and the world's groups (common/runtime/nodes.py); else None
     if node is not None and node.role == "generator":
         return generator_node(node, cfg, prompts, reward_fn, stop_token_ids, reward_factory)
     if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
