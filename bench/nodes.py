@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -139,7 +138,7 @@ def trajectories(node: Node, args) -> dict:
         return {}
     buffer = ReplayBuffer(max(4096, rows), L)
     control = StoreControl(node, torch.multiprocessing.get_context("spawn"), 1, None, 1)
-    ingest = Ingest(node, buffer, control, 1)
+    ingest = Ingest(node, buffer, control.t, control.stats, 1)
     ingest.start()
     dist.barrier(node.control)
     seen = []  # (time, rows in the buffer) whenever it changed

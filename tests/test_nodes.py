@@ -50,6 +50,25 @@ def test_two_node_sync_run_equals_one_node(model, tmp_path):
     assert rows[-1]["gen_syncs"] > 0 and rows[-1]["prompts_started"] >= 24  # the generator node's stats arrive
 
 
+def test_two_trainer_ranks_on_the_trainer_node_areal_sync_equals_one_node(model, tmp_path):
+    """AReaL, sync: 2 nodes whose trainer runs 2 ranks (their own group; the node-link process is
+    in the world) give the 1-node, 1-rank run's final weights within 1e-5."""
+    args = [f"--model={model}", "--algo=areal", "--train.mode=sync", "--train.steps=4"]
+    (tmp_path / "one").mkdir()
+    finish(start([[sys.executable, str(SCRIPT), f"--run_root={tmp_path / 'one'}", *args]], tmp_path / "one"), tmp_path / "one")
+    out = two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", *args, "--train.trainer_devices=2")
+    assert any("generator node 0 (rank 1" in o and "5 weight versions in" in o for o in out), out
+    pids = json.loads((tmp_path / "two" / "toy" / "workers.json").read_text())
+    assert {"trainer", "trainer1", "node-link"} <= pids.keys(), pids
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert one.keys() == two.keys() and worst <= 1e-5, worst
+    rows = steps(tmp_path / "two")
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["staleness_hist"] == {"0": 16} for r in rows)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(tmp_path / "one")], rel=1e-5, abs=1e-7)
+
+
 def test_reward_workers_on_the_generator_node(model, tmp_path):
     """--train.reward_workers=1: the generator node scores in its own reward worker; the sync run
     gives the same losses and weights as on one node, where the trainer's node hosts it."""
@@ -165,7 +184,7 @@ def test_config_checks_and_single_node_path(monkeypatch):
     for dc, world, tc_kw, msg in [(DistConfig(trainer_nodes=2), 2, {}, "trainer_nodes < nodes"),
                                   (DistConfig(trainer_nodes=0), 2, {}, "trainer_nodes < nodes"),
                                   (DistConfig(trainer_nodes=2), 3, {}, "not built yet"),
-                                  (DistConfig(), 2, {"trainer_devices": 2}, "trainer_devices"),
+                                  (DistConfig(), 2, {"device": "cuda"}, "CPU"),
                                   (DistConfig(timeout=0), 2, {}, "timeout")]:
         with pytest.raises(ValueError, match=msg):
             check(dc, TrainConfig(**tc_kw), world)

@@ -1,33 +1,42 @@
 """The trainer's side of the generator nodes, as one object the trainer loop calls at fixed
-points; with no other node (`node` None: the single-node path) every call does nothing.
+points; with no other node (not under torchrun: the single-node path) every call does nothing.
 
-Runs in the trainer (rank 0, the launching process on the trainer node). What it does, in
-the order `train` (common/runtime/trainer.py) calls it:
-  TrainerLink(node, store, setup)  puts what generator nodes need to build their own store and
-                                   buffer under the key "setup" (layout, precision, lengths)
-  publish(v)      after the local publish: the weights to every generator node (node_weights.py)
-  control(...)    the admission gate: the trainer's `Control`, mirrored to the store, and the
-                  ingest thread that fills the trainer's buffer (node_traj.py)
+Two processes on the trainer node. The trainer never joins the torchrun world (a process holds
+one default group, and its own `train.trainer_devices` ranks keep theirs); it hosts the run's
+store and does everything that goes through keys. Its node-link process (`link_main`, spawned
+once the buffer exists) is world rank 0: it holds the groups, sends each publish (the weight
+store is shared memory, so it reads the slot the trainer's ranks just wrote) and runs the
+ingest thread that fills the trainer's buffer (shared memory too). In the order `train`
+(common/runtime/trainer.py) calls it:
+  TrainerLink(cfg, tc, store, setup)  hosts the store, puts what generator nodes need to build
+                   their own store and buffer under the key "setup" (layout, precision, lengths)
+  control(...)    the admission gate: the trainer's `Control`, mirrored to the store; starts
+                  the node-link process and waits until the world is joined
+  publish(v)      after the local publish: the weights to every generator node (node_weights.py),
+                  by the node-link process, while this process keeps checking the nodes
   check()         raise `NodeFailed` if a node reported a failure, went silent (its beat counter
-                  still for train.stall_timeout s: dead or hung) or a transfer broke; read here,
-                  in the trainer's main thread, never behind a transfer another thread waits in
+                  still for train.stall_timeout s: dead or hung) or a transfer broke (the
+                  node-link process reports it), `WorkerError` if the node-link process died
   stop()          the run is over: the key "stop", then (bounded) every generator node's "done"
-                  while the ingest thread still drains their last batches, then the thread stops
-  __exit__        stop (also on errors), then leave the world; the trainer hosts the store, so
-                  it leaves last
+                  while the ingest thread still drains their last batches, then the node-link
+                  process leaves the world
+  __exit__        stop (also on errors), then close the store: the others are done with it
 """
 from __future__ import annotations
 
+import queue
 import time
 
 from common.runtime.generator import Control
+from common.runtime.launch import Workers
 from common.runtime.node_traj import Ingest, StoreControl
 from common.runtime.node_weights import send_weights
-from common.runtime.nodes import Node, NodeFailed
+from common.runtime.nodes import DistConfig, NodeFailed, RunKeys, host_keys, join
 from common.runtime.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop
 _LOOK_S = 0.5  # how often the trainer reads the other nodes' failure reports and beats (store round trips)
+_POLL_S = 0.001  # how often the trainer looks at the node-link process's replies while it waits for one
 
 
 class NodeWatch:
@@ -35,89 +44,173 @@ class NodeWatch:
     failure a node reported, or a node whose beat counter (beat/<rank>, moved by its main loop
     every 50 ms) stood still for `stall_timeout` s (0 = off): died without a word, or hangs."""
 
-    def __init__(self, node: Node, stall_timeout: float):
-        self.node, self.stall_timeout, self._looked = node, stall_timeout, 0.0
-        self._beats = {r: (-1, time.monotonic()) for r in node.gen_ranks}  # rank -> (count, when it last moved)
+    def __init__(self, keys: RunKeys, stall_timeout: float):
+        self.keys, self.stall_timeout, self._looked = keys, stall_timeout, 0.0
+        self._beats = {r: (-1, time.monotonic()) for r in keys.gen_ranks}  # rank -> (count, when it last moved)
 
     def check(self) -> None:
         now = time.monotonic()
         if now - self._looked < _LOOK_S:
             return
         self._looked = now
-        failed = self.node.failure()
+        failed = self.keys.failure()
         if failed is not None:
             raise failed
         for r, (n, since) in self._beats.items():
-            got = self.node.store.add(f"beat/{r}", 0)  # add 0: read a counter that may not exist yet
+            got = self.keys.store.add(f"beat/{r}", 0)  # add 0: read a counter that may not exist yet
             if got != n:
                 self._beats[r] = (got, now)
             elif self.stall_timeout > 0 and now - since > self.stall_timeout:
-                raise NodeFailed(f"{self.node.name(r)} has been silent for {now - since:.0f} s "
-                                 "(train.stall_timeout): dead or hung", self.node.name(r), r)
+                raise NodeFailed(f"{self.keys.name(r)} has been silent for {now - since:.0f} s "
+                                 "(train.stall_timeout): dead or hung", self.keys.name(r), r)
+
+
+def link_main(cfg, port: int, weights: WeightStore, buffer, t, stats, gens_per_node: int, recv_timeout: float,
+              commands, replies, *, stop_event) -> None:
+    """The node-link process (module docstring): joins the world as rank 0 with the trainer's store
+    at `port`, replies ("joined", table), then serves ("publish", v) with ("published", v) until
+    the trainer stops it. A broken transfer is replied as ("failed", message, node, rank), after
+    which it only waits to be stopped (the trainer checkpoints, then stops every node)."""
+    node = join(cfg, cfg.train, port)
+    ingest = None
+    try:
+        replies.put(("joined", node.table))
+        ingest = Ingest(node, buffer, t, stats, gens_per_node, recv_timeout)
+        ingest.start()
+
+        def check():  # inside a publish: stop when told to, and a broken receive is as fatal
+            if stop_event.is_set():
+                raise NodeFailed("the trainer stopped during a publish")
+            if ingest.error is not None:
+                raise ingest.error if isinstance(ingest.error, NodeFailed) else NodeFailed(str(ingest.error))
+        try:
+            while not stop_event.is_set():
+                check()
+                try:
+                    what, v = commands.get(timeout=0.01)
+                except queue.Empty:
+                    continue
+                if what == "publish":
+                    send_weights(node, weights, v, check)
+                    replies.put(("published", v))
+        except NodeFailed as e:
+            if not stop_event.is_set():
+                replies.put(("failed", str(e), e.worker, e.rank))
+                stop_event.wait()
+    finally:
+        if ingest is not None:
+            ingest.stop()
+        node.close()
 
 
 class TrainerLink:
     """Module docstring. `setup`: what a generator node cannot work out itself (picklable)."""
 
-    def __init__(self, node: Node | None, store: WeightStore, setup: dict, stall_timeout: float = 0.0):
-        self.node, self.store, self.ingest, self._stopped = node, store, None, False
-        self.stall_timeout = stall_timeout  # a generator node silent this long fails the run (0 = off)
-        if node is not None:
-            node.put("setup", {**setup, "shapes": store.shapes()})
-            self.watch = NodeWatch(node, stall_timeout)
+    def __init__(self, cfg, tc, store: WeightStore, setup: dict):
+        self.cfg, self.store, self._stopped = cfg, store, False
+        self.stall_timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0  # a silent node fails the run
+        self.keys = host_keys(cfg, tc)  # None: one node
+        self.workers = self._replies = None
+        self._published, self._link_failed = -1, False
+        if self.keys is not None:
+            self.keys.put("setup", {**setup, "shapes": store.shapes()})
+            self.watch = NodeWatch(self.keys, self.stall_timeout)
 
     def local_generators(self, n: int) -> int:
         """Generators this node runs: all of them on one node, none on a trainer node."""
-        return n if self.node is None else 0
-
-    def publish(self, version: int) -> None:
-        if self.node is not None:
-            send_weights(self.node, self.store, version, self.check)
+        return n if self.keys is None else 0
 
     def control(self, ctx, buffer, prompts_per_version: int, max_staleness, n_generators: int) -> Control:
         """`n_generators`: per node (train.n_generators)."""
-        if self.node is None:
+        if self.keys is None:
             return Control(ctx, prompts_per_version, max_staleness, n_generators)
-        c = StoreControl(self.node, ctx, prompts_per_version, max_staleness, n_generators * len(self.node.gen_ranks))
-        self.ingest = Ingest(self.node, buffer, c, n_generators, self.stall_timeout)
-        self.ingest.start()
+        keys = self.keys
+        c = StoreControl(keys, ctx, prompts_per_version, max_staleness, n_generators * len(keys.gen_ranks))
+        dc = getattr(self.cfg, "dist", None) or DistConfig()
+        self.workers = Workers()
+        commands, self._replies = self.workers.queue(), self.workers.queue()
+        self._commands = commands
+        self.workers.start("node-link", link_main, self.cfg, keys.port, self.store, buffer, c.t, c.stats,
+                           n_generators, self.stall_timeout, commands, self._replies)
+        deadline = time.monotonic() + dc.timeout
+        while keys.table is None:  # the world joined (every node there, one config), or why not
+            self.check()
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"the trainer node's link to the other nodes did not join the world within "
+                                 f"{dc.timeout:.0f} s (dist.timeout)")
+            time.sleep(0.01)
         return c
 
-    def check(self) -> None:
-        if self.node is None:
+    def publish(self, version: int) -> None:
+        if self.keys is None:
             return
-        if self.ingest is not None:
-            if isinstance(self.ingest.error, NodeFailed):  # a broken receive, blamed on its node: as it is
-                raise self.ingest.error
-            self.ingest.check()
+        self._commands.put(("publish", version))
+        while self._published < version:
+            self.check()
+            time.sleep(_POLL_S)
+
+    def pids(self) -> dict[str, int]:
+        """{"node-link": pid} once started (workers.json)."""
+        return self.workers.pids() if self.workers is not None else {}
+
+    def _read_replies(self) -> None:
+        while True:
+            try:
+                r = self._replies.get_nowait()
+            except queue.Empty:
+                return
+            if r[0] == "joined":
+                self.keys.table = r[1]
+            elif r[0] == "published":
+                self._published = r[1]
+            elif r[0] == "failed":  # its ingest or a send broke: it drains nothing any more
+                self._link_failed = True
+                raise NodeFailed(*r[1:])
+
+    def check(self) -> None:
+        if self.keys is None:
+            return
+        if self.workers is not None:
+            self._read_replies()
+            self.workers.check()  # the node-link process died: WorkerError
         self.watch.check()
 
     def stop(self, timeout: float | None = None, failed: int | None = None) -> list[str]:
         """Stop every generator node (module docstring); returns the nodes that did not say done.
         `failed`: a node known dead or hung, not waited for."""
-        if self.node is None or self._stopped:
+        if self.keys is None or self._stopped:
             return []
-        self._stopped, node = True, self.node
-        node.store.set("stop", "1")
-        deadline = time.monotonic() + (node.timeout.total_seconds() if timeout is None else timeout)
-        left = [r for r in node.gen_ranks if r != failed]
-        while left and time.monotonic() < deadline and (self.ingest is None or self.ingest.error is None):
-            left = [r for r in left if not node.store.check([f"done/{r}"])]
+        self._stopped, keys = True, self.keys
+        keys.store.set("stop", "1")
+        deadline = time.monotonic() + (keys.timeout.total_seconds() if timeout is None else timeout)
+        left = [r for r in keys.gen_ranks if r != failed]
+        while left and self._draining() and time.monotonic() < deadline:  # their last batches need the ingest
+            left = [r for r in left if not keys.store.check([f"done/{r}"])]
             time.sleep(0.05)
-        if self.ingest is not None:
-            self.ingest.stop()
-        return [node.name(r) for r in left]
+        if self.workers is not None:
+            self.workers.shutdown()  # the node-link process leaves the world
+        return [keys.name(r) for r in left]
+
+    def _draining(self) -> bool:
+        """Whether the node-link process still receives (a node's last batch waits for it)."""
+        if self.workers is None or not self.workers.alive():
+            return False
+        try:
+            self._read_replies()
+        except NodeFailed:
+            pass
+        return not self._link_failed
 
     def __enter__(self) -> "TrainerLink":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self.node is not None:
+        if self.keys is not None:
             try:
                 late = self.stop(_STOP_ON_ERROR_S if exc_type is not None else None,
                                  exc.rank if isinstance(exc, NodeFailed) else None)
                 if late:
                     print(f"[asyncrl] no word from {', '.join(late)} after the stop", flush=True)
             finally:
-                self.node.close()
+                self.keys.close()
         return False

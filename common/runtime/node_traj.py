@@ -2,7 +2,7 @@
 staleness quota, their finished groups travel in batches to the trainer's replay buffer.
 
 Who runs what:
-* `StoreControl`: the trainer's `Control` (rank 0) when its generators are on other nodes: each
+* `StoreControl`: the trainer's `Control` when its generators are on other nodes: each
   `set_version` also writes the quota (and, on start or resume, the started counter) to the
   run's store, in that order, so a claim never sees a quota without its counter.
 * `RemoteControl`: what a generator process on a generator node holds as its `Control`.
@@ -14,15 +14,16 @@ Who runs what:
   node); every `dist.ship_every` s the sender takes the rows added since the last batch (whole
   groups, in order), writes a header (rows, width, the node's generator stats) under the key
   traj/<rank>/<seq>, then sends the columns packed into one byte tensor (gloo, `traj` group).
-* `Ingest`: a thread in the trainer (rank 0): polls each generator node's next header key,
+* `Ingest`: a thread in the trainer node's node-link process (world rank 0): polls each generator node's next header key,
   only then receives the batch it announces (never waits in a transfer blindly), appends the
   rows to the trainer's buffer (`ReplayBuffer.add_rows`: new insertion counters, nothing else
   changes, so staleness filters and AReaL's eta see the versions the generators recorded),
   copies the node's stats into the trainer's `Control` table and the store's started counter
-  into `Control.t` (the metrics read both as on one node). Watching the nodes (a failure one
-  reported, a beat that stood still) is the trainer's main thread's job (`NodeWatch`,
+  into `Control.t` (shared memory: the metrics read both as on one node). Watching the nodes (a
+  failure one reported, a beat that stood still) is the trainer's main thread's job (`NodeWatch`,
   common/runtime/node_link.py), so a receive this thread is stuck in cannot hide a dead node.
-Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads;
+Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads (two
+processes, one shared-memory buffer, as with local generators);
 each thread owns its process group (weights and trajectories never share sockets).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
-from common.runtime.nodes import Node, NodeThread
+from common.runtime.nodes import Node, NodeThread, RunKeys
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 
@@ -46,7 +47,7 @@ _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 class StoreControl(Control):
     """The trainer's Control, mirrored to the run's store (module docstring)."""
 
-    def __init__(self, node: Node, ctx, prompts_per_version: int, max_staleness, n_generators: int):
+    def __init__(self, node: RunKeys, ctx, prompts_per_version: int, max_staleness, n_generators: int):
         self.node, self._mirror = node, False  # the constructor's set_version(0) stays local
         super().__init__(ctx, prompts_per_version, max_staleness, n_generators)
         self._mirror = True
@@ -149,10 +150,10 @@ class Ingest(NodeThread):
     the longest wait for a batch whose header arrived (a node stopped between the two is caught by
     the trainer's `NodeWatch` meanwhile; this only bounds how long the thread stays stuck)."""
 
-    def __init__(self, node: Node, buffer: ReplayBuffer, control: Control, gens_per_node: int,
+    def __init__(self, node: Node, buffer: ReplayBuffer, t: torch.Tensor, stats: torch.Tensor, gens_per_node: int,
                  recv_timeout: float = 0.0):
         super().__init__(node, "traj-ingest", "trajectory ingest")
-        self.buffer, self.control, self.G = buffer, control, gens_per_node
+        self.buffer, self.t, self.stats, self.G = buffer, t, stats, gens_per_node  # the trainer's Control's shared tables
         self.recv_timeout = timedelta(seconds=recv_timeout) if recv_timeout > 0 else node.timeout
         self.rows = 0
 
@@ -174,13 +175,13 @@ class Ingest(NodeThread):
                     self.buffer.add_rows(unpack(buf, header, self.buffer))
                     node.store.delete_key(key)
                     i = (r - node.gen_ranks[0]) * self.G
-                    self.control.stats[i:i + self.G] = header["stats"][i:i + self.G]
+                    self.stats[i:i + self.G] = header["stats"][i:i + self.G]
                     seq[r] += 1
                     self.rows += header["n"]
                     got = True
                 if node.store.check(["started"]):
-                    self.control.t[Control.STARTED] = int(node.store.get("started").split()[0])
+                    self.t[Control.STARTED] = int(node.store.get("started").split()[0])
                 if not got:
                     time.sleep(_POLL_S)
-        except BaseException as e:  # noqa: BLE001 - raised in the trainer's loop (TrainerLink.check)
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer by the node-link process (link_main)
             self.error = e

@@ -1,16 +1,21 @@
 """Several nodes in one torchrun world: the launch, each node's role, the process groups, the
 run's key-value store.
 
-Runs in the one process per node that torchrun starts (`--nproc-per-node=1`): `join` is called
-by `train` (common/runtime/trainer.py) before anything else. Without torchrun (no `RANK` /
-`WORLD_SIZE` in the environment, or a world of one) it returns None and nothing here runs:
-the single-node path is untouched.
+Torchrun starts one process per node (`--nproc-per-node=1`). On a generator node that process
+joins the world (`join`, called by `train` in common/runtime/trainer.py before anything else)
+and runs the node's generators. On the trainer node it is today's trainer, which never joins
+the world itself: it hosts the run's store (`host_keys`) and its own ranks keep their private
+group (`train.trainer_devices`, common/runtime/trainer_group.py; a process holds one default
+group), while a node-link process it spawns stands for it as world rank 0 and moves weights and
+trajectories (common/runtime/node_link.py). Without torchrun (no `RANK` / `WORLD_SIZE` in the
+environment, or a world of one) both return None and nothing here runs: the single-node path is
+untouched.
 
     torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
         run_gsm8k.py --dist.trainer_nodes=1 ...
 
 Roles come from the config after the rendezvous (c10d numbers nodes by arrival, not by
-`--node-rank`): world ranks 0..trainer_nodes-1 run the trainer, the others run generators
+`--node-rank`): world ranks 0..trainer_nodes-1 stand for the trainer, the others run generators
 (`common/runtime/generator_node.py`). Every node gathers every node's view (host, pid, role,
 a hash of its config) with `all_gather_object`, so all agree on one table and a node started
 with another command line is refused, naming it.
@@ -22,7 +27,7 @@ ranks: trajectories to the trainer, common/runtime/node_traj.py). Weights and tr
 move in different threads, so each has its own group (its own sockets and tags).
 `monitored_barrier` on the world, before any group, names a node that never arrived.
 
-The store: a `TCPStore` the trainer (rank 0, on torchrun's MASTER_ADDR) hosts for the run's
+The store: a `TCPStore` the trainer process (on torchrun's MASTER_ADDR) hosts for the run's
 small keys (the published version, the staleness quota, trajectory headers, stop, failures).
 Nobody waits inside a transfer without having learnt from a key that its peer is in it too.
 """
@@ -115,9 +120,6 @@ def check(dc: DistConfig, tc, world: int) -> None:
                          f"nodes (at least one generator node)")
     if dc.trainer_nodes != 1:
         raise ValueError(f"dist.trainer_nodes={dc.trainer_nodes}: a trainer on several nodes is not built yet (1)")
-    if tc.trainer_devices != 1:
-        raise ValueError(f"train.trainer_devices={tc.trainer_devices} with several nodes is not built yet: the "
-                         "trainer's own ranks would need the world's groups (use 1)")
     if tc.device != "cpu":
         raise ValueError(f"train.device={tc.device!r} with several nodes: only the CPU (gloo) path is built yet")
     if dc.timeout <= 0 or dc.ship_every <= 0:
@@ -129,44 +131,18 @@ def config_hash(cfg) -> str:
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-class Node:
-    """This process's place in the world: rank, role, the agreed table, the groups and the store."""
+class RunKeys:
+    """The run's key-value store as one node sees it: a connection per thread, the small messages,
+    the failure reports and how errors name a node. The trainer process holds one (`host_keys`)
+    without being in the world; `Node` adds the world's groups."""
 
-    def __init__(self, cfg, dc: DistConfig):
+    def __init__(self, dc: DistConfig, rank: int, world: int, host: str, port: int | None):
         self.cfg, self.timeout = dc, timedelta(seconds=dc.timeout)
-        dist.init_process_group("gloo", timeout=self.timeout)  # torchrun's env:// rendezvous (MASTER_ADDR/PORT)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.role = role_of(self.rank, dc)
-        self.gen_ranks = list(range(dc.trainer_nodes, self.world))
-        self.index = self.rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
-        self.host = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        self._server, self._local, self.port = None, threading.local(), None
-        try:
-            if self.rank == 0:  # hosts the run's keys; its port reaches the others in the table
-                self._server = dist.TCPStore(self.host, dc.store_port, is_master=True, wait_for_workers=False,
-                                             timeout=self.timeout)
-                self._local.store, self.port = self._server, self._server.port
-            dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)  # names every node that is not there
-            # one fixed order on every rank, each group with the timeout
-            ranks = [0] + self.gen_ranks
-            self.control = dist.new_group(list(range(self.world)), timeout=self.timeout, backend="gloo")
-            self.weights = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
-            self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
-            me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
-                  "config": config_hash(cfg), "port": self.port}
-            table: list = [None] * self.world
-            dist.all_gather_object(table, me, group=self.control)
-            self.table = table
-            for t in table:
-                if t["config"] != table[0]["config"]:
-                    raise ValueError(f"{self.name(t['rank'])} runs another config than {self.name(0)}: start every "
-                                     "node with the same command line")
-            self.port = table[0]["port"]
-            if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
-                print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)
-        except BaseException:
-            self.close()
-            raise
+        self.rank, self.world, self.role = rank, world, role_of(rank, dc)
+        self.gen_ranks = list(range(dc.trainer_nodes, world))
+        self.index = rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
+        self.host, self.port, self.table = host, port, None
+        self._server, self._local = None, threading.local()
 
     @property
     def store(self) -> dist.TCPStore:
@@ -177,9 +153,14 @@ class Node:
             s = self._local.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
         return s
 
+    def serve(self, port: int) -> None:
+        """Host the run's store here (the trainer's process: it outlives every transfer); `port` 0 = a free one."""
+        self._server = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._local.store, self.port = self._server, self._server.port
+
     def name(self, rank: int) -> str:
         """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
-        t = self.table[rank] if getattr(self, "table", None) else {"host": "?", "pid": "?"}
+        t = self.table[rank] if self.table else {"host": "?", "pid": "?"}
         role = "trainer node" if rank < self.cfg.trainer_nodes else f"generator node {rank - self.cfg.trainer_nodes}"
         return f"{role} (rank {rank}, host {t['host']}, pid {t['pid']})"
 
@@ -211,7 +192,7 @@ class Node:
             try:
                 if self.store.check([f"failed/{rank}"]):
                     return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank), rank)
-            except Exception:  # noqa: BLE001 - the store is ours (rank 0); on another node it may be gone
+            except Exception:  # noqa: BLE001 - the store is the trainer's; from another node it may be gone
                 break
             time.sleep(0.1)
         return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank), rank)
@@ -224,17 +205,69 @@ class Node:
         return None
 
     def close(self) -> None:
-        """Leave the world (idempotent). The trainer first waits (bounded) for the others to be done
-        with its store, which it hosts."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Drop the connections (and the store, where hosted here); idempotent."""
         self._server, self._local = None, threading.local()
 
 
-def join(cfg, tc) -> Node | None:
-    """This node's `Node` under torchrun, None otherwise (the single-node path)."""
+class Node(RunKeys):
+    """This process's place in the world: rank, role, the agreed table, the groups and the store.
+    `port`: the run's store, hosted by the trainer's process (given to the trainer node's member,
+    rank 0); None on rank 0 hosts it here (the transport benchmark, which has no trainer)."""
+
+    def __init__(self, cfg, dc: DistConfig, port: int | None = None):
+        timeout = timedelta(seconds=dc.timeout)
+        dist.init_process_group("gloo", timeout=timeout)  # torchrun's env:// rendezvous (MASTER_ADDR/PORT)
+        super().__init__(dc, dist.get_rank(), dist.get_world_size(), os.environ.get("MASTER_ADDR", "127.0.0.1"), port)
+        try:
+            if self.rank == 0 and port is None:
+                self.serve(dc.store_port)
+            dist.monitored_barrier(timeout=self.timeout, wait_all_ranks=True)  # names every node that is not there
+            # one fixed order on every rank, each group with the timeout
+            ranks = [0] + self.gen_ranks
+            self.control = dist.new_group(list(range(self.world)), timeout=self.timeout, backend="gloo")
+            self.weights = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+            self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
+            me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
+                  "config": config_hash(cfg), "port": self.port}
+            table: list = [None] * self.world
+            dist.all_gather_object(table, me, group=self.control)
+            self.table = table
+            for t in table:
+                if t["config"] != table[0]["config"]:
+                    raise ValueError(f"{self.name(t['rank'])} runs another config than {self.name(0)}: start every "
+                                     "node with the same command line")
+            self.port = table[0]["port"]
+            if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
+                print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Leave the world (idempotent). Rank 0 leaves last: the others are done with the store by then."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        super().close()
+
+
+def host_keys(cfg, tc) -> RunKeys | None:
+    """The trainer process under torchrun: the run's store, hosted here, as `RunKeys` (the world
+    itself is joined by its node-link process: common/runtime/node_link.py); None otherwise."""
     if not under_torchrun():
         return None
     dc = getattr(cfg, "dist", None) or DistConfig()
     check(dc, tc, int(os.environ["WORLD_SIZE"]))
-    return Node(cfg, dc)
+    keys = RunKeys(dc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   None)
+    keys.serve(dc.store_port)
+    return keys
+
+
+def join(cfg, tc, port: int | None = None) -> Node | None:
+    """This node's `Node` under torchrun, None otherwise (the single-node path). `port`: the run's
+    store, when this process's trainer hosts it (the trainer node's node-link process)."""
+    if not under_torchrun():
+        return None
+    dc = getattr(cfg, "dist", None) or DistConfig()
+    check(dc, tc, int(os.environ["WORLD_SIZE"]))
+    return Node(cfg, dc, port)

@@ -13,9 +13,10 @@ ranks (`common/runtime/trainer_group.py`, `ranks.py`): this process is rank 0 an
 coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
 evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
 Several nodes (under torchrun, `common/runtime/nodes.py`): a generator node hands over to
-`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/node_link.py) sends
-each publish to the generator nodes, mirrors the quota to them and fills the buffer from them;
-without torchrun every call on it does nothing.
+`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/node_link.py, whose
+node-link process joins the world in this process's place, so its ranks keep their own group)
+sends each publish to the generator nodes, mirrors the quota to them and fills the buffer from
+them; without torchrun every call on it does nothing.
 Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and k = 1:
 generators may start exactly one batch of prompts per published version, and the trainer
 consumes exactly that batch, so sync and async runs do equal work per step.
@@ -50,7 +51,7 @@ from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.generator_node import generator_node
 from common.runtime.launch import WorkerError, Workers, sigterm_as_interrupt
 from common.runtime.node_link import TrainerLink
-from common.runtime.nodes import join, restarted
+from common.runtime.nodes import is_generator_node, join, restarted
 from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import start_reward_workers
@@ -151,9 +152,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
                    reward_factory=reward_factory if tc.reward_workers else None,
                    algorithm=algo if tc.trainer_devices > 1 else None)
-    node = join(cfg, tc)  # under torchrun: this node's role and the world's groups (common/runtime/nodes.py); else None
-    if node is not None and node.role == "generator":
-        return generator_node(node, cfg, prompts, reward_fn, stop_token_ids, reward_factory)
+    if is_generator_node(cfg):  # under torchrun, a node that generates: joins the world (common/runtime/nodes.py)
+        return generator_node(join(cfg, tc), cfg, prompts, reward_fn, stop_token_ids, reward_factory)
     if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
         print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
         resume = True
@@ -183,9 +183,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     # N > 1: spawns trainer ranks 1..N-1 and shards `model` in place (the optimizer holds shards);
     # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
     pad_id = (tok.pad_token_id or 0) if tok else 0
-    # other nodes (None: one node, every call a no-op): what they need to build their store and buffer first
-    link = TrainerLink(node, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id),
-                       tc.stall_timeout if tc.stall_action == "stop" else 0.0)  # a silent node stops the run
+    # other nodes (none without torchrun: every call a no-op): what they need to build their store and buffer
+    link = TrainerLink(cfg, tc, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id))
     # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop
     with sigterm_as_interrupt(), link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, \
             Workers() as workers:
@@ -215,9 +214,9 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
             return evaluate_now(evaluate, group, prec, tok, logger, cfg, step, tag)
 
         group.publish(version)
-        link.publish(version)
         per_version = tc.prompts_per_step * tc.sync_every
         control = link.control(workers.ctx, buffer, per_version, tc.max_staleness, tc.n_generators)
+        link.publish(version)  # before the quota opens
         # AReaL on resume: accepted = v x B, plus the groups the restored buffer holds untrained
         # (they were admitted too; counting them keeps the bound; TBA never consumes, is unbounded)
         pending = buffer.stats()["n_unconsumed"] // cfg.gen.n if tc.max_staleness is not None else 0
@@ -238,7 +237,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
                           beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
         # who is who, for a debugger or py-spy (`py-spy dump --pid N`): every worker's pid
-        (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **workers.pids()}) + "\n")
+        (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **link.pids(), **workers.pids()}) + "\n")
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         try:
             if tc.mode == "async":
