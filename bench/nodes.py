@@ -207,14 +207,18 @@ def staleness(args) -> None:
     subprocess.run([sys.executable, toy, f"--run_root={root / 'one'}", *argv], env={**os.environ, **env}, check=True,
                    stdout=subprocess.DEVNULL)
     _agents([toy, "--dist.trainer_nodes=1", f"--run_root={root / 'two'}", *argv], env)
-    mean = {}
+    mean, publish = {}, {}
     for k in ("one", "two"):
         rows = [r for r in read_metrics(root / k / "toy" / "metrics.jsonl") if "staleness_mean" in r]
         mean[k] = sum(r["staleness_mean"] for r in rows) / len(rows)
+        pub = [r["publish_s"] for r in rows if r.get("publish_s")]  # the trainer's whole publish, as it waits for it
+        publish[k] = 1e3 * statistics.median(pub) if pub else float("nan")
     print(json.dumps({"bench": "nodes_staleness", "config": "tests/nodes_toy.py --algo=areal (eta 4, 1 generator)",
                       "steps": args.steps, "step_s_added": args.step_s, "staleness_mean_one_node": round(mean["one"], 3),
                       "staleness_mean_two_nodes": round(mean["two"], 3),
-                      "difference": round(mean["two"] - mean["one"], 3)}))
+                      "difference": round(mean["two"] - mean["one"], 3),
+                      "publish_ms_p50_one_node": round(publish["one"], 2),
+                      "publish_ms_p50_two_nodes": round(publish["two"], 2)}))
     shutil.rmtree(root, ignore_errors=True)
 
 
