@@ -1,6 +1,6 @@
 """Whole nodes failing, on one CPU machine (two torchrun agents on 127.0.0.1, tests/nodes_run.py):
 a generator node SIGKILLed or hung (SIGSTOP) mid-run, the trainer node SIGKILLed; and torchrun's
-own restart (`--max-restarts`, one node) resuming the run by itself.
+own restart (`--max-restarts`, on one node and across two) resuming the run by itself.
 
 Each test asserts what the runtime promises: the run stops within `train.stall_timeout` (plus a
 bounded slack for the checkpoint and the agents' exit), naming the node and its role; every
@@ -139,6 +139,27 @@ def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path)
     rows = steps(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart
+
+
+@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
+def test_torchrun_restarts_across_two_nodes_continue_the_run(model, tmp_path, rendezvous):
+    """torchrun --max-restarts=1, two nodes: the generator node's generator dies during step 3, the
+    trainer checkpoints and stops naming it; both agents start their node again (with c10d the
+    trainer's may do so without counting a restart of its own), the new world forms under its own
+    store prefix, and the trainer resumes from the checkpoint by itself: every step once, in lock-step."""
+    args = [f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
+    logs, port = logs_dir(tmp_path), free_port()
+    cmds = [agent(port, *args, torchrun=("--max-restarts=1",), node_rank=None if rendezvous == "c10d" else k)
+            for k in (0, 1)]
+    out = finish(start(cmds, logs, NODES_TOY_DIE_AFTER="40"), logs)
+    trainer = next(o for o in out if "[asyncrl] 2 nodes" in o)
+    assert "generator node 0 (rank 1" in trainer and "a worker failed; checkpoint" in trainer, trainer[-3000:]
+    assert "torchrun restart 1: continuing from the last checkpoint" in trainer
+    assert re.search(r"resumed from \S+step_000002 at step 2", trainer)
+    assert trainer.count("[asyncrl] 2 nodes:") == 2  # the world formed twice
+    rows = steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
+    assert all(r["staleness_hist"] == {"0": 16} for r in rows)
 
 
 def test_sigterm_checkpoints_the_last_step_and_the_run_resumes(model, tmp_path):

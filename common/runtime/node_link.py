@@ -31,7 +31,7 @@ from common.runtime.generator import Control
 from common.runtime.launch import Workers
 from common.runtime.node_traj import Ingest, StoreControl
 from common.runtime.node_weights import send_weights
-from common.runtime.nodes import DistConfig, NodeFailed, RunKeys, host_keys, join
+from common.runtime.nodes import DistConfig, NodeFailed, RunKeys, generation, host_keys, join
 from common.runtime.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop
@@ -65,13 +65,13 @@ class NodeWatch:
                                  "(train.stall_timeout): dead or hung", self.keys.name(r), r)
 
 
-def link_main(cfg, port: int, weights: WeightStore, buffer, t, stats, gens_per_node: int, recv_timeout: float,
+def link_main(cfg, port: int, start: int, weights: WeightStore, buffer, t, stats, gens_per_node: int, recv_timeout: float,
               commands, replies, *, stop_event) -> None:
-    """The node-link process (module docstring): joins the world as rank 0 with the trainer's store
-    at `port`, replies ("joined", table), then serves ("publish", v) with ("published", v) until
+    """The node-link process (module docstring): joins the world as rank 0 (its `start`: the trainer's
+    `generation`) with the trainer's store at `port`, replies ("joined", table), then serves ("publish", v) with ("published", v) until
     the trainer stops it. A broken transfer is replied as ("failed", message, node, rank), after
     which it only waits to be stopped (the trainer checkpoints, then stops every node)."""
-    node = join(cfg, cfg.train, port)
+    node = join(cfg, cfg.train, port, start)
     ingest = None
     try:
         replies.put(("joined", node.table))
@@ -130,7 +130,7 @@ class TrainerLink:
         self.workers = Workers()
         commands, self._replies = self.workers.queue(), self.workers.queue()
         self._commands = commands
-        self.workers.start("node-link", link_main, self.cfg, keys.port, self.store, buffer, c.t, c.stats,
+        self.workers.start("node-link", link_main, self.cfg, keys.port, generation(), self.store, buffer, c.t, c.stats,
                            n_generators, self.stall_timeout, commands, self._replies)
         deadline = time.monotonic() + dc.timeout
         while keys.table is None:  # the world joined (every node there, one config), or why not

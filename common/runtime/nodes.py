@@ -94,10 +94,32 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
+_generation: list[int] = []  # this process's start of the world, once counted
+
+
+def _agent_store(timeout: timedelta) -> dist.TCPStore:
+    """torchrun's own store for this job's workers (MASTER_ADDR/MASTER_PORT)."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+
+
+def generation() -> int:
+    """Which start of this torchrun world this process is part of: 0 the first, one more per restart
+    of the job (`--max-restarts`), agreed by every node. Each node's process counts itself in once on
+    torchrun's store, one process per node, so the n-th start's processes read n. Not torchrun's
+    TORCHELASTIC_RESTART_COUNT: an agent that restarts its worker because another node failed does
+    not count that restart, so two nodes' counts differ. 0 off torchrun (a world of one)."""
+    if not _generation:
+        n = 0
+        if under_torchrun():
+            n = (_agent_store(timedelta(seconds=60)).add("asyncrl/arrivals", 1) - 1) // int(os.environ["WORLD_SIZE"])
+        _generation.append(n)
+    return _generation[0]
+
+
 def restarted() -> int:
-    """How many times torchrun restarted this job (`--max-restarts`); 0 outside torchrun. A
-    restarted trainer resumes from its last checkpoint by itself."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    """How many times torchrun restarted this job (`--max-restarts`, on this node or, across nodes,
+    on any); 0 outside torchrun. A restarted trainer resumes from its last checkpoint by itself."""
+    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation())
 
 
 def role_of(rank: int, dc: DistConfig) -> str:
@@ -214,9 +236,14 @@ class Node(RunKeys):
     `port`: the run's store, hosted by the trainer's process (given to the trainer node's member,
     rank 0); None on rank 0 hosts it here (the transport benchmark, which has no trainer)."""
 
-    def __init__(self, cfg, dc: DistConfig, port: int | None = None):
+    def __init__(self, cfg, dc: DistConfig, port: int | None = None, start: int | None = None):
         timeout = timedelta(seconds=dc.timeout)
-        dist.init_process_group("gloo", timeout=timeout)  # torchrun's env:// rendezvous (MASTER_ADDR/PORT)
+        start = generation() if start is None else start
+        # torchrun's store, under a prefix of this start of the world: keys a dead start left there
+        # (rank 0's address) would send a restarted node to a port nobody listens on any more
+        store = dist.PrefixStore(f"asyncrl/world{start}", _agent_store(timeout))
+        dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+                                timeout=timeout)
         super().__init__(dc, dist.get_rank(), dist.get_world_size(), os.environ.get("MASTER_ADDR", "127.0.0.1"), port)
         try:
             if self.rank == 0 and port is None:
@@ -263,11 +290,12 @@ def host_keys(cfg, tc) -> RunKeys | None:
     return keys
 
 
-def join(cfg, tc, port: int | None = None) -> Node | None:
-    """This node's `Node` under torchrun, None otherwise (the single-node path). `port`: the run's
-    store, when this process's trainer hosts it (the trainer node's node-link process)."""
+def join(cfg, tc, port: int | None = None, start: int | None = None) -> Node | None:
+    """This node's `Node` under torchrun, None otherwise (the single-node path). `port`, `start`:
+    the run's store and the world's `generation`, when this process's trainer hosts the one and
+    counted the other (the trainer node's node-link process)."""
     if not under_torchrun():
         return None
     dc = getattr(cfg, "dist", None) or DistConfig()
     check(dc, tc, int(os.environ["WORLD_SIZE"]))
-    return Node(cfg, dc, port)
+    return Node(cfg, dc, port, start)
