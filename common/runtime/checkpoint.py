@@ -55,7 +55,7 @@ from common.config import save_config
 from common.engine.hf_save import save_pretrained
 from common.engine.model import ModelConfig
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.ranks import full_model
+from common.runtime.ranks import full_model, group_of
 
 FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
 _PREFIX, _TMP = "step_", ".tmp_"
@@ -158,9 +158,8 @@ def _one_process_ok():
 
 
 def _sharded(model) -> bool:
-    """Whether DCP must meet the trainer's other ranks: only a sharded model (its group is the default
-    one). A process group may exist for other reasons (several nodes: common/runtime/nodes.py) while
-    this trainer is one rank that writes alone."""
+    """Whether DCP must meet the trainer's other ranks (in the model's own group): only a sharded
+    model; an unsharded trainer is one rank that writes alone."""
     return isinstance(model, FSDPModule)
 
 
@@ -171,7 +170,8 @@ def write_state(d: Path, model, optimizer):
     fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
     msd, osd = get_state_dict(model, optimizer)
     with _one_process_ok():
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=not _sharded(model))
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=not _sharded(model),
+                 process_group=group_of(model) if _sharded(model) else None)
     if fresh:
         optimizer.state.clear()  # ... which would change its first update's bias correction
     return full_model(model)
@@ -183,7 +183,8 @@ def read_state(d: Path, model, optimizer, stepped: bool) -> None:
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optimizer": osd}
     with _one_process_ok():
-        dcp.load(state, checkpoint_id=d, no_dist=not _sharded(model))
+        dcp.load(state, checkpoint_id=d, no_dist=not _sharded(model),
+                 process_group=group_of(model) if _sharded(model) else None)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if not stepped:  # saved before the first update: keep the optimizer fresh (see write_state)
         optimizer.state.clear()

@@ -69,6 +69,12 @@ def init_group(rank: int, world: int, store: dist.Store, device: str, timeout_s:
     return init_device_mesh(dev.type, (world,))
 
 
+def group_of(model) -> dist.ProcessGroup:
+    """The process group of a sharded model's ranks (its FSDP mesh's). Every collective of the
+    trainer names it: the trainer's ranks are never assumed to be the default group's."""
+    return next(model.parameters()).device_mesh.get_group()
+
+
 def resolve_reshard(reshard: str, device: str) -> str:
     """train.reshard "auto": "update" on CPU, where gloo's transfers are slow and host memory
     is plentiful (BENCHMARKS.md), "pass" (least memory) on GPUs with NCCL."""
@@ -156,6 +162,7 @@ class Share(Ranks):
         self._holding = False
         self.owed: list[bool] = []  # passes this rank owes the others: True = forward + backward
         self._dummy = torch.zeros(1, 2, dtype=torch.long, device=model.device)  # one target token
+        self.group = group_of(model)
 
     def share(self, parts):
         self.beat()
@@ -196,13 +203,13 @@ class Share(Ranks):
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         self.pay()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def sum_stats(self, stats: dict) -> dict:
         self.pay()
         every: list = [None] * self.world
-        dist.all_gather_object(every, {k: float(v) for k, v in stats.items()})
+        dist.all_gather_object(every, {k: float(v) for k, v in stats.items()}, group=self.group)
         keys = list(dict.fromkeys(k for d in every for k in d))  # a rank with no micro-batch has no keys
         return {k: sum(d.get(k, 0.0) for d in every) for k in keys}
 
@@ -235,11 +242,11 @@ def shard_rows(full_rows: int, rank: int, world: int) -> int:
 def publish_shards(model, store: WeightStore, version: int, rank: int, world: int) -> None:
     """Every rank copies its own rows into the store's writing slot; rank 0 moves the seqlock
     (odd before any rank writes, version after every rank is done). No rank holds a full copy."""
-    params = dict(model.named_parameters())
+    params, group = dict(model.named_parameters()), group_of(model)
     if rank == 0:
         store.check(params, "publish", exact=True)  # global shapes: a DTensor reports the full one
         store.begin_write(version)
-    dist.barrier()  # nobody writes before the slot is marked odd
+    dist.barrier(group)  # nobody writes before the slot is marked odd
     slot = store.writing_slot()
     for name, p in params.items():
         local = p.to_local()
@@ -250,7 +257,7 @@ def publish_shards(model, store: WeightStore, version: int, rank: int, world: in
         store.write_rows(slot, name, start, local)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)  # this rank's copies landed before rank 0 flips
-    dist.barrier()
+    dist.barrier(group)
     if rank == 0:
         store.end_write(slot, version)
 
@@ -261,7 +268,7 @@ def full_model(model) -> Transformer | None:
     if not isinstance(model, FSDPModule):
         return model
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
+    if dist.get_rank(group_of(model)) != 0:
         return None
     with torch.device("meta"):
         full = Transformer(model.cfg, model.hf_config)
