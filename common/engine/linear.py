@@ -11,16 +11,17 @@ from DRAM, so a benchmark that repeats one small, cache-hot matrix misleads.
 
 Routing (`bench/sampler.py --ablate-onednn` prints the effect):
   - every CPU fp32 call with at least one row;
-  - when a gradient is needed, through `_OneDNNLinear`, whose backward also runs its two GEMMs
-    on oneDNN (oneDNN's op has no autograd formula of its own). Its backward makes transient
-    contiguous copies of W^T, dY^T and X^T (for the lm_head dY^T is tokens x V floats, as big
-    as the logits' gradient);
-  - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), under autocast
-    (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule), or inside
-    torch.compile (`train.compile_blocks`: the custom backward does not trace; ATen's does).
+  - when a gradient is needed, and inside torch.compile (`train.compile_blocks`), through the
+    custom op `asyncrl::onednn_linear`, whose backward runs its two GEMMs on oneDNN too (oneDNN's
+    op has no autograd formula of its own), on transposed views of W, dY and X (no copies);
+    compile sees the three as opaque ops, so a compiled block keeps oneDNN's GEMMs;
+  - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), or under autocast
+    (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule).
 `set_onednn(False)` turns it off (for A/B benchmarks and bisecting numerical questions).
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -50,36 +51,67 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-class _OneDNNLinear(torch.autograd.Function):
-    """y = x W^T + b with all three GEMMs on oneDNN: dX = dY W, dW = dY^T X, db = sum dY."""
+# The trainer's path, as custom ops: opaque to torch.compile (so `train.compile_blocks` keeps the
+# oneDNN GEMMs and fuses only what lies between them), with an autograd formula whose two GEMMs
+# are custom ops too. Decode and other no-grad eager calls skip the op's dispatch: `_mm` direct.
+@torch.library.custom_op("asyncrl::onednn_linear", mutates_args=())
+def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x W^T + b on oneDNN."""
+    return _mm(x, weight, bias)
 
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        return _mm(x, weight, bias)
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        gy2 = gy.reshape(-1, gy.shape[-1])  # (M, N)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = _mm(gy, weight.t().contiguous())  # (..., K) = dY W
-        if ctx.needs_input_grad[1]:
-            gw = _mm(gy2.t().contiguous(), x.reshape(-1, x.shape[-1]).t().contiguous())  # (N, K) = dY^T X
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            gb = gy2.sum(0)
-        return gx, gw, gb
+@torch.library.custom_op("asyncrl::onednn_linear_dx", mutates_args=())
+def _dx_op(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dX = dY W: (..., N) x (N, K) -> (..., K). A transposed view, not a copy: oneDNN reads strides."""
+    return _mm(gy, weight.t())
+
+
+@torch.library.custom_op("asyncrl::onednn_linear_dw", mutates_args=())
+def _dw_op(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW = dY^T X: (M, N)^T x (M, K) -> (N, K), over every leading dim of gy and x (views, no copies)."""
+    return _mm(gy.reshape(-1, gy.shape[-1]).t(), x.reshape(-1, x.shape[-1]).t())
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_dx_op.register_fake
+def _(gy, weight):
+    return gy.new_empty((*gy.shape[:-1], weight.shape[1]))
+
+
+@_dw_op.register_fake
+def _(gy, x):
+    return gy.new_empty((gy.shape[-1], x.shape[-1]))
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, gy):
+    """dX = dY W, dW = dY^T X, db = sum dY, each only where needed."""
+    x, weight = ctx.saved_tensors
+    gx = _dx_op(gy, weight) if ctx.needs_input_grad[0] else None
+    gw = _dw_op(gy, x) if ctx.needs_input_grad[1] else None
+    gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gx, gw, gb
+
+
+_linear_op.register_autograd(_backward, setup_context=_setup)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N)."""
     if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-            return _OneDNNLinear.apply(x, weight, bias)
+            and not torch.is_autocast_enabled("cpu")):
+        if torch.compiler.is_compiling() or (
+                torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+            return _linear_op(x, weight, bias)
         return _mm(x, weight, bias)
     return F.linear(x, weight, bias)
 
