@@ -86,6 +86,9 @@ def main():
         res[m] = {"step_s": statistics.mean(r["step_s"] for r in rs),
                   "train_s": statistics.mean(r["train_s"] for r in rs),
                   "wait_s": statistics.mean(r["wait_s"] for r in rs),
+                  # an update's cost follows its batch's size, which differs between the runs' batches
+                  "batch_tokens": statistics.mean(r["batch_tokens"] for r in rs),
+                  "train_ms_per_token": 1e3 * sum(r["train_s"] for r in rs) / sum(r["batch_tokens"] for r in rs),
                   "reward_mean": statistics.mean(r["reward_mean"] for r in rs)}
     with open(os.path.join(root, f"bench_{a.task}_{a.algo}_async", "precision.json")) as f:
         res["precision"] = {k: v for k, v in json.load(f).items() if k in ("dtype", "gemm", "kv")}
@@ -93,6 +96,8 @@ def main():
     res["speedup"] = res["sync"]["step_s"] / res["async"]["step_s"]
     res["ideal_speedup"] = (G + T) / max(G, T)
     res["frac_of_ideal"] = (res["speedup"] - 1) / max(res["ideal_speedup"] - 1, 1e-9)
+    res["async_update_over_sync"] = res["async"]["train_s"] / res["sync"]["train_s"]
+    res["async_update_per_token_over_sync"] = res["async"]["train_ms_per_token"] / res["sync"]["train_ms_per_token"]
     png = os.path.join(root, f"sync_vs_async_{a.task}_{a.algo}.png")
     fig = plot_runs([(os.path.join(root, f"bench_{a.task}_{a.algo}_{m}", "metrics.jsonl"), m) for m in ("sync", "async")],
                     png, x="time", panels=(("version", "published versions"), ("reward_mean", "train reward")),

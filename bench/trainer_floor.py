@@ -15,6 +15,8 @@ on this machine; `frac_of_floor` = floor / ours.
 
 `--beside-generator`: ours alone and with a generator process decoding on the other core (fp32
 sampler, one thread), alternating: what memory bandwidth and caches shared with a generator cost.
+`--beside-gemm`: the same with a process running fp32 GEMMs instead (compute-bound, like a
+generator's prefill and reference passes): what sharing the arithmetic units costs, if any.
 
 The profile (unless `--no-profile`): one more pass of ours under torch.profiler, each operator's own time by kind
 (GEMM, attention kernel, elementwise, copies, allocation, other) and by model part (attention
@@ -47,6 +49,7 @@ from bench._floor import gemm_floor, work_args  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
 from common.engine.model import MLP, Attention, RMSNorm  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.linear import linear  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
@@ -105,14 +108,27 @@ def _decode_forever(model: str, gemm: str, ready) -> None:
         s.generate(prompts, SamplingParams(max_new_tokens=96, temperature=0.7, n=4, seed=0))
 
 
-def beside_generator(a, prec, step, reps: int) -> dict:
-    """Step seconds alone and with a decoding generator process beside it, alternating."""
+def _gemm_forever(model: str, gemm: str, ready) -> None:
+    """--beside-gemm: compute-bound work on the other core, as a generator's prompt prefill and
+    reference passes are: one fp32 GEMM at a trainer MLP shape (3,200 x 576 x 1,536), over and over,
+    on the same backend, until killed. Set beside decoding (bandwidth-bound), it tells whether the
+    two cores share their arithmetic units (SMT siblings on the host) or only caches and memory."""
+    set_process_defaults("cpu")
+    Precision("fp32", gemm, "fp32").apply()
+    x, w = torch.randn(3200, 576), torch.randn(1536, 576)
+    ready.set()
+    while True:
+        linear(x, w)
+
+
+def beside(a, prec, step, reps: int, neighbour=_decode_forever) -> dict:
+    """Step seconds alone and with `neighbour` running in a process beside it, alternating."""
     ctx = mp.get_context("spawn")
     alone, beside = [], []
     for _ in range(reps):
         alone.append(step())
         ready = ctx.Event()
-        gen = ctx.Process(target=_decode_forever, args=(a.model, prec.gemm, ready), daemon=True)
+        gen = ctx.Process(target=neighbour, args=(a.model, prec.gemm, ready), daemon=True)
         gen.start()
         ready.wait(300)
         time.sleep(2)  # decoding in full
@@ -187,6 +203,8 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--compile", action="store_true", help="also ours with train.compile_blocks (its warm-up compiles)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--beside-gemm", action="store_true",
+                    help="also time ours alone vs beside a process running fp32 GEMMs (compute-bound) on the other core")
     ap.add_argument("--beside-generator", action="store_true",
                     help="also ours alone vs with a decoding generator process on the other core")
     ap.add_argument("--quick", action="store_true")
@@ -240,7 +258,9 @@ def main():
         res["transformers_frac_of_floor"] = round(floor["floor_s"] / res["transformers_s"], 3)
         res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)
     if a.beside_generator:
-        res["beside_generator"] = beside_generator(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps)
+        res["beside_generator"] = beside(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps)
+    if a.beside_gemm:
+        res["beside_gemm"] = beside(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps, _gemm_forever)
     if not a.no_profile:
         res["profile_s"] = {k: round(v, 3) for k, v in profile(ours, tokens, mask, T).items() if v >= 0.005}
         if a.compile:  # by kind only: blocks are "rest", their fused kernels "other" (inductor's names)
