@@ -6,6 +6,7 @@ check, without it (tests/nodes_run.py runs the agents; faults: tests/test_node_f
 the claim on the store, the config checks.
 """
 import json
+import re
 import sys
 import threading
 from datetime import timedelta
@@ -93,12 +94,18 @@ def test_two_node_async_tba(model, tmp_path):
 
 
 def test_two_node_async_areal_keeps_eta(model, tmp_path):
-    """An async AReaL run to the end on two nodes with eta = 2: no trained row is staler."""
-    two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--algo=areal", "--train.steps=6",
-               "--train.max_staleness=2")
+    """An async AReaL run to the end on two nodes with eta = 2, one generator on each node (the
+    trainer node's beside the trainer, claiming on the same store): no trained row is staler, and
+    both generators generated."""
+    out = two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--algo=areal", "--train.steps=6",
+                    "--train.max_staleness=2", "--dist.trainer_node_generators=1")
     rows = steps(tmp_path)
     assert len(rows) == 6 and rows[-1]["version"] == 6
     assert max(int(s) for r in rows for s in r["staleness_hist"]) <= 2  # eta holds across nodes
+    tokens = [json.loads(m[1]) for o in out for m in re.finditer(r"tokens per generator: (\[[^\]]*\])", o)]
+    assert len(tokens) == 1 and len(tokens[0]) == 2 and min(tokens[0]) > 0, (tokens, out[0][-2000:])
+    pids = json.loads((tmp_path / "toy" / "workers.json").read_text())
+    assert "generator1" in pids  # numbered after the generator node's generator0
     cfg = json.loads((tmp_path / "toy" / "config.json").read_text())
     assert cfg["dist"]["trainer_nodes"] == 1 and cfg["algo"] == "areal" and cfg["gen"]["update_mode"] == "interrupt"
 

@@ -29,7 +29,7 @@ import time
 
 from common.runtime.generator import Control
 from common.runtime.launch import Workers
-from common.runtime.node_traj import Ingest, StoreControl
+from common.runtime.node_traj import Ingest, RemoteControl, StoreControl
 from common.runtime.node_weights import send_weights
 from common.runtime.nodes import DistConfig, NodeFailed, RunKeys, generation, host_keys, join
 from common.runtime.weights import WeightStore
@@ -116,16 +116,30 @@ class TrainerLink:
             self.keys.put("setup", {**setup, "shapes": store.shapes()})
             self.watch = NodeWatch(self.keys, self.stall_timeout)
 
-    def local_generators(self, n: int) -> int:
-        """Generators this node runs: all of them on one node, none on a trainer node."""
-        return n if self.keys is None else 0
+    def local_generators(self, n: int) -> range:
+        """The numbers of the generators this node runs (their seeds and statistics rows): all `n`
+        on one node; on a trainer node `dist.trainer_node_generators` of them, numbered after
+        every generator node's `n`."""
+        if self.keys is None:
+            return range(n)
+        first = n * len(self.keys.gen_ranks)
+        return range(first, first + self.keys.cfg.trainer_node_generators)
+
+    def generator_control(self, control: Control):
+        """What this node's generators claim with: the trainer's `Control` on one node; beside the
+        generator nodes, a `RemoteControl` that claims on the store (one counter for all) and
+        writes its statistics straight into the trainer's table."""
+        if self.keys is None:
+            return control
+        return RemoteControl(self.keys.host, self.keys.port, 0, self.keys.timeout, stats=control.stats)
 
     def control(self, ctx, buffer, prompts_per_version: int, max_staleness, n_generators: int) -> Control:
         """`n_generators`: per node (train.n_generators)."""
         if self.keys is None:
             return Control(ctx, prompts_per_version, max_staleness, n_generators)
         keys = self.keys
-        c = StoreControl(keys, ctx, prompts_per_version, max_staleness, n_generators * len(keys.gen_ranks))
+        rows = n_generators * len(keys.gen_ranks) + keys.cfg.trainer_node_generators  # generator nodes', then ours
+        c = StoreControl(keys, ctx, prompts_per_version, max_staleness, rows)
         dc = getattr(self.cfg, "dist", None) or DistConfig()
         self.workers = Workers()
         commands, self._replies = self.workers.queue(), self.workers.queue()

@@ -5,7 +5,8 @@ Who runs what:
 * `StoreControl`: the trainer's `Control` when its generators are on other nodes: each
   `set_version` also writes the quota (and, on start or resume, the started counter) to the
   run's store, in that order, so a claim never sees a quota without its counter.
-* `RemoteControl`: what a generator process on a generator node holds as its `Control`.
+* `RemoteControl`: what a generator process on a generator node (or beside the trainer, on the
+  trainer node: `dist.trainer_node_generators`) holds as its `Control`.
   `claim` is AReaL's admission rule, started < quota, made atomic on the store with
   compare-and-set (the value carries the claimer's own token, so a claimer knows the swap was
   its own); `stats` is the node's local shared table, as on one node.
@@ -62,11 +63,13 @@ class StoreControl(Control):
 
 class RemoteControl:
     """A generator node's `Control` for its generator processes (module docstring); picklable,
-    each process opens its own connection to the store."""
+    each process opens its own connection to the store. `stats`: the table its generators write
+    their rows of (a new shared one by default; the trainer's own for generators on the trainer node)."""
 
-    def __init__(self, host: str, port: int, n_generators: int, timeout):
+    def __init__(self, host: str, port: int, n_generators: int, timeout, stats: torch.Tensor | None = None):
         self.addr, self.timeout = (host, port), timeout
-        self.stats = torch.zeros(n_generators, len(Control.STAT_FIELDS), dtype=torch.float64).share_memory_()
+        self.stats = stats if stats is not None else \
+            torch.zeros(n_generators, len(Control.STAT_FIELDS), dtype=torch.float64).share_memory_()
         self._store, self._n = None, 0
 
     def __getstate__(self):

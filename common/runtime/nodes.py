@@ -56,6 +56,7 @@ class DistConfig:
     trainer_nodes: int = 1          # under torchrun: nodes that run the trainer (world ranks 0..n-1); the others run generators
     timeout: float = 300.0          # s: group creation, the start barrier, one weight or trajectory transfer, the final stop
     ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
+    trainer_node_generators: int = 0  # generators the trainer node runs beside the trainer (claiming on the store like the others)
     store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
 
 
@@ -144,6 +145,8 @@ def check(dc: DistConfig, tc, world: int) -> None:
         raise ValueError(f"dist.trainer_nodes={dc.trainer_nodes}: a trainer on several nodes is not built yet (1)")
     if tc.device != "cpu":
         raise ValueError(f"train.device={tc.device!r} with several nodes: only the CPU (gloo) path is built yet")
+    if dc.trainer_node_generators < 0:
+        raise ValueError(f"dist.trainer_node_generators must be >= 0, got {dc.trainer_node_generators}")
     if dc.timeout <= 0 or dc.ship_every <= 0:
         raise ValueError(f"dist.timeout and dist.ship_every must be > 0, got {dc}")
 

@@ -224,16 +224,18 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         if step == 0:
             run_eval("before")
         ref = cfg.ref_model or cfg.model
-        n_gens = link.local_generators(tc.n_generators)  # a trainer node of several runs none
-        n_rewards = tc.reward_workers if n_gens else 0  # several nodes: on the generator nodes
-        names = [f"reward{r}" for r in range(n_rewards)] + [f"generator{r}" for r in range(n_gens)]
+        gens = link.local_generators(tc.n_generators)  # several nodes: dist.trainer_node_generators here
+        n_rewards = tc.reward_workers if gens else 0  # several nodes: each node's generators, its own
+        names = [f"reward{r}" for r in range(n_rewards)] + [f"generator{r}" for r in gens]
         hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/runtime/watchdog.py
         workers.watch(hb, tc.stall_timeout, tc.stall_action)
         if n_rewards > 0:
-            reward_fn = start_reward_workers(workers, hb, n_rewards, reward_factory, n_gens, cfg.gen.error_reward)
-        for r in range(n_gens):
-            dev = _gen_device(tc.device, r, tc.trainer_devices)
-            workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, control,
+            reward_fn = start_reward_workers(workers, hb, n_rewards, reward_factory, len(gens), cfg.gen.error_reward,
+                                             first=gens[0])
+        gen_control = link.generator_control(control)
+        for r in gens:
+            dev = _gen_device(tc.device, r - gens[0], tc.trainer_devices)
+            workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, gen_control,
                           prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
                           beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
         # who is who, for a debugger or py-spy (`py-spy dump --pid N`): every worker's pid
@@ -310,6 +312,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         bar.close()
         workers.shutdown()  # generators stop; the trainer ranks stay for the last evaluation and checkpoint
         link.stop()  # and those of other nodes
+        print(f"[asyncrl] tokens per generator: {control.stats[:, Control.TOKENS].long().tolist()}")
         if store.device.type == "cuda":
             torch.cuda.ipc_collect()  # the generators have released the store: free what they held
         last.update(run_eval("after"))
