@@ -131,7 +131,7 @@ def beside(a, prec, step, reps: int, neighbour=_decode_forever) -> dict:
         gen = ctx.Process(target=neighbour, args=(a.model, prec.gemm, ready), daemon=True)
         gen.start()
         ready.wait(300)
-        time.sleep(2)  # decoding in full
+        time.sleep(2)  # the neighbour at full speed
         beside.append(step())
         gen.kill()
         gen.join()

@@ -157,10 +157,10 @@ def _one_process_ok():
         yield
 
 
-def _sharded(model) -> bool:
-    """Whether DCP must meet the trainer's other ranks (in the model's own group): only a sharded
-    model; an unsharded trainer is one rank that writes alone."""
-    return isinstance(model, FSDPModule)
+def _dcp_ranks(model) -> dict:
+    """DCP's arguments for `model`: a sharded model meets the trainer's other ranks in its own
+    group; an unsharded trainer is one rank that writes alone."""
+    return {"no_dist": False, "process_group": group_of(model)} if isinstance(model, FSDPModule) else {"no_dist": True}
 
 
 def write_state(d: Path, model, optimizer):
@@ -170,8 +170,7 @@ def write_state(d: Path, model, optimizer):
     fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
     msd, osd = get_state_dict(model, optimizer)
     with _one_process_ok():
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, no_dist=not _sharded(model),
-                 process_group=group_of(model) if _sharded(model) else None)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, **_dcp_ranks(model))
     if fresh:
         optimizer.state.clear()  # ... which would change its first update's bias correction
     return full_model(model)
@@ -183,8 +182,7 @@ def read_state(d: Path, model, optimizer, stepped: bool) -> None:
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optimizer": osd}
     with _one_process_ok():
-        dcp.load(state, checkpoint_id=d, no_dist=not _sharded(model),
-                 process_group=group_of(model) if _sharded(model) else None)
+        dcp.load(state, checkpoint_id=d, **_dcp_ranks(model))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     if not stepped:  # saved before the first update: keep the optimizer fresh (see write_state)
         optimizer.state.clear()

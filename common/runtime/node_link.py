@@ -31,7 +31,7 @@ from common.runtime.generator import Control
 from common.runtime.launch import Workers
 from common.runtime.node_traj import Ingest, RemoteControl, StoreControl
 from common.runtime.node_weights import send_weights
-from common.runtime.nodes import DistConfig, NodeFailed, RunKeys, generation, host_keys, join
+from common.runtime.nodes import NodeFailed, RunKeys, generation, host_keys, join
 from common.runtime.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop
@@ -140,18 +140,16 @@ class TrainerLink:
         keys = self.keys
         rows = n_generators * len(keys.gen_ranks) + keys.cfg.trainer_node_generators  # generator nodes', then ours
         c = StoreControl(keys, ctx, prompts_per_version, max_staleness, rows)
-        dc = getattr(self.cfg, "dist", None) or DistConfig()
         self.workers = Workers()
-        commands, self._replies = self.workers.queue(), self.workers.queue()
-        self._commands = commands
+        self._commands, self._replies = self.workers.queue(), self.workers.queue()
         self.workers.start("node-link", link_main, self.cfg, keys.port, generation(), self.store, buffer, c.t, c.stats,
-                           n_generators, self.stall_timeout, commands, self._replies)
-        deadline = time.monotonic() + dc.timeout
+                           n_generators, self.stall_timeout, self._commands, self._replies)
+        deadline = time.monotonic() + keys.timeout.total_seconds()
         while keys.table is None:  # the world joined (every node there, one config), or why not
             self.check()
             if time.monotonic() > deadline:
                 raise NodeFailed(f"the trainer node's link to the other nodes did not join the world within "
-                                 f"{dc.timeout:.0f} s (dist.timeout)")
+                                 f"{keys.timeout.total_seconds():.0f} s (dist.timeout)")
             time.sleep(0.01)
         return c
 

@@ -274,10 +274,17 @@ class Node(RunKeys):
             raise
 
     def close(self) -> None:
-        """Leave the world (idempotent). Rank 0 leaves last: the others are done with the store by then."""
+        """Leave the world (idempotent)."""
         if dist.is_initialized():
             dist.destroy_process_group()
         super().close()
+
+
+def _checked(cfg, tc) -> DistConfig:
+    """The run's `dist` section, after the checks every node makes before it touches the network."""
+    dc = getattr(cfg, "dist", None) or DistConfig()
+    check(dc, tc, int(os.environ["WORLD_SIZE"]))
+    return dc
 
 
 def host_keys(cfg, tc) -> RunKeys | None:
@@ -285,8 +292,7 @@ def host_keys(cfg, tc) -> RunKeys | None:
     itself is joined by its node-link process: common/runtime/node_link.py); None otherwise."""
     if not under_torchrun():
         return None
-    dc = getattr(cfg, "dist", None) or DistConfig()
-    check(dc, tc, int(os.environ["WORLD_SIZE"]))
+    dc = _checked(cfg, tc)
     keys = RunKeys(dc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    None)
     keys.serve(dc.store_port)
@@ -299,6 +305,4 @@ def join(cfg, tc, port: int | None = None, start: int | None = None) -> Node | N
     counted the other (the trainer node's node-link process)."""
     if not under_torchrun():
         return None
-    dc = getattr(cfg, "dist", None) or DistConfig()
-    check(dc, tc, int(os.environ["WORLD_SIZE"]))
-    return Node(cfg, dc, port, start)
+    return Node(cfg, _checked(cfg, tc), port, start)
