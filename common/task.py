@@ -35,7 +35,7 @@ from common.engine.precision import PrecisionConfig
 from common.log import plot_metrics
 from common.runtime.generator import GenConfig, PromptSet
 from common.runtime.launch import set_process_defaults
-from common.runtime.nodes import DistConfig, is_generator_node
+from common.runtime.nodes import DistConfig, is_generator_node, is_trainer_member_node
 from common.runtime.trainer import LogConfig, TrainConfig, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 
@@ -157,7 +157,7 @@ def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, ev
         raise ValueError("resume and overwrite both set: continue the run, or replace it, not both")
     last = train(cfg, make_algo(cfg, loss), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
                  reward_factory=reward_factory)
-    if is_generator_node(cfg):  # common/runtime/generator_node.py: the trainer's node logs and plots
+    if is_generator_node(cfg) or is_trainer_member_node(cfg):  # under torchrun: the first trainer node logs and plots
         return last
     run_dir = Path(cfg.run_root) / cfg.name
     kw = {"panels": panels} if panels else {}

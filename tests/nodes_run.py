@@ -61,17 +61,17 @@ def output(logs: Path, n: int = 2) -> list[str]:
     return [(logs / f"out{i}.txt").read_text() if (logs / f"out{i}.txt").exists() else "" for i in range(n)]
 
 
-def finish(procs: list[subprocess.Popen], logs: Path, ok: bool = True, bound_s: float = RUN_S) -> list[str]:
+def finish(procs: list[subprocess.Popen], logs: Path, ok: bool | list[bool] = True, bound_s: float = RUN_S) -> list[str]:
     """Wait for the commands (at most bound_s); their output. ok: every command must exit 0 (else:
-    none may). Whatever is left of their sessions is SIGKILLed at the end, and a run that left one
-    fails."""
+    none may), or one such flag per command. Whatever is left of their sessions is SIGKILLed at the
+    end, and a run that left one fails."""
     deadline = time.monotonic() + bound_s
     try:
         for p in procs:
             p.wait(max(1.0, deadline - time.monotonic()))
         out = output(logs, len(procs))
-        for p, o in zip(procs, out):
-            assert (p.returncode == 0) == ok, o[-4000:]
+        for p, o, good in zip(procs, out, ok if isinstance(ok, list) else [ok] * len(procs)):
+            assert (p.returncode == 0) == good, o[-4000:]
         t = time.monotonic() + 10
         while not all(_gone(p.pid) for p in procs) and time.monotonic() < t:
             time.sleep(0.1)
@@ -84,24 +84,27 @@ def finish(procs: list[subprocess.Popen], logs: Path, ok: bool = True, bound_s: 
             p.wait(10)
 
 
-def agent(port: int, *args, torchrun: tuple = (), node_rank: int | None = None) -> list[str]:
-    """One torchrun agent of a two-node world running the toy with `args`: c10d rendezvous (roles
+def agent(port: int, *args, torchrun: tuple = (), node_rank: int | None = None, nnodes: int = 2,
+          trainer_nodes: int = 1) -> list[str]:
+    """One torchrun agent of an `nnodes`-node world running the toy with `args`: c10d rendezvous (roles
     by arrival), or with `node_rank` the static one, where node 0 (the trainer) hosts torchrun's
     store, as a deployment pointing --master-addr at the trainer's machine does."""
     how = (["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1"] if node_rank is None
            else ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}", f"--node-rank={node_rank}"])
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", *how, *torchrun,
-            str(SCRIPT), "--dist.trainer_nodes=1", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc-per-node=1", *how, *torchrun,
+            str(SCRIPT), f"--dist.trainer_nodes={trainer_nodes}", *args]
 
 
 def logs_dir(tmp_path: Path) -> Path:
     return tmp_path / f"agents{len(list(tmp_path.glob('agents*')))}"  # one folder per run
 
 
-def two_nodes(tmp_path: Path, *args, ok: bool = True, torchrun: tuple = (), **extra) -> list[str]:
-    """Run the toy on two nodes to its end; both agents' output."""
-    cmd, logs = agent(free_port(), *args, torchrun=torchrun), logs_dir(tmp_path)
-    return finish(start([cmd, cmd], logs, **extra), logs, ok)
+def two_nodes(tmp_path: Path, *args, ok: bool = True, torchrun: tuple = (), nnodes: int = 2, trainer_nodes: int = 1,
+              **extra) -> list[str]:
+    """Run the toy on two nodes (or `nnodes`) to its end; every agent's output."""
+    cmd = agent(free_port(), *args, torchrun=torchrun, nnodes=nnodes, trainer_nodes=trainer_nodes)
+    logs = logs_dir(tmp_path)
+    return finish(start([cmd] * nnodes, logs, **extra), logs, ok)
 
 
 def run_pids(run_dir: Path) -> dict[str, int]:

@@ -41,13 +41,13 @@ def _args(tmp_path, model, *more) -> list[str]:
             f"--train.stall_timeout={STALL_S}", *more]
 
 
-def _running(tmp_path, model, *more):
+def _running(tmp_path, model, *more, nnodes: int = 2, trainer_nodes: int = 1):
     """Start a two-node run and wait until it trained 3 steps; (agents, logs, pids of the run)."""
     logs, port = logs_dir(tmp_path), free_port()
     # static rendezvous: torchrun's own store on the trainer's node, so a generator node's agent
     # leaving does not take the trainer's agent down with it (tests/nodes_run.py: agent)
-    procs = start([agent(port, *_args(tmp_path, model, *more), node_rank=k) for k in (0, 1)], logs,
-                  NODES_TOY_STEP_S="0.5")
+    procs = start([agent(port, *_args(tmp_path, model, *more), node_rank=k, nnodes=nnodes, trainer_nodes=trainer_nodes)
+                   for k in range(nnodes)], logs, NODES_TOY_STEP_S="0.5")
     try:
         wait_for(lambda: len(steps(tmp_path)) >= 3, 120)
         pids = wait_for(lambda: (p := run_pids(tmp_path / "toy")) and "node1/node" in p and p, 30)
@@ -58,8 +58,8 @@ def _running(tmp_path, model, *more):
     return procs, logs, pids
 
 
-def _trainer_out(logs) -> str:
-    return next(o for o in output(logs) if "[asyncrl] 2 nodes" in o)
+def _trainer_out(logs, nnodes: int = 2) -> str:
+    return next(o for o in output(logs, nnodes) if f"[asyncrl] {nnodes} nodes" in o)
 
 
 def _all_gone(pids: dict, shm_before: set) -> None:
@@ -85,6 +85,29 @@ def test_a_killed_generator_node_stops_the_run_naming_it_and_the_run_resumes(mod
     done = len(steps(tmp_path))
     assert done < 14
     two_nodes(tmp_path, *_args(tmp_path, model, "--resume"))
+    rows = steps(tmp_path)
+    assert [r["step"] for r in rows] == list(range(1, 15)) and rows[-1]["version"] == 7
+
+
+def test_a_killed_rank_on_another_trainer_node_stops_the_run_and_it_resumes(model, tmp_path):
+    """Three nodes, the trainer's two ranks on two trainer nodes: the second node's rank SIGKILLed.
+    That node reports it, the trainer stops with RankFailed naming the node and writes no checkpoint
+    (the rank's shards are gone); nothing is left running; --resume on three nodes continues from
+    the last periodic checkpoint to the end."""
+    shm = _shm()
+    procs, logs, pids = _running(tmp_path, model, nnodes=3, trainer_nodes=2)
+    os.kill(pids["node1/trainer1"], signal.SIGKILL)
+    t = time.monotonic()
+    # the generator node, told to stop by the trainer, stops cleanly
+    finish(procs, logs, ok=[False, False, True], bound_s=STALL_S + SLACK_S)
+    assert time.monotonic() - t <= STALL_S + SLACK_S
+    out = _trainer_out(logs, 3)
+    assert "RankFailed" in out and "trainer node (rank 1" in out and "trainer1" in out, out[-3000:]
+    assert "a trainer rank failed; no checkpoint" in out
+    _all_gone(pids, shm)
+    done = len(steps(tmp_path))
+    assert done < 14
+    two_nodes(tmp_path, *_args(tmp_path, model, "--resume"), nnodes=3, trainer_nodes=2)
     rows = steps(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, 15)) and rows[-1]["version"] == 7
 

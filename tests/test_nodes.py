@@ -70,6 +70,26 @@ def test_two_trainer_ranks_on_the_trainer_node_areal_sync_equals_one_node(model,
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(tmp_path / "one")], rel=1e-5, abs=1e-7)
 
 
+def test_trainer_on_two_nodes_sync_equals_one_node(model, tmp_path):
+    """Three nodes: the trainer's two ranks on two trainer nodes (the second node's rank reads its
+    commands from the store and sends its rows to rank 0 at each publish), one generator node. The
+    sync AReaL run gives the 1-node, 1-rank run's final weights within 1e-5 and its losses."""
+    args = [f"--model={model}", "--algo=areal", "--train.mode=sync", "--train.steps=4"]
+    (tmp_path / "one").mkdir()
+    finish(start([[sys.executable, str(SCRIPT), f"--run_root={tmp_path / 'one'}", *args]], tmp_path / "one"), tmp_path / "one")
+    out = two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", *args, nnodes=3, trainer_nodes=2)
+    assert any("generator node 0 (rank 2" in o and "5 weight versions in" in o for o in out), out
+    assert any("trainer node (rank 1" in o and "trainer ranks ['trainer1']" in o and ": stopped" in o for o in out), out
+    assert "trainer1" in json.loads((tmp_path / "two" / "toy" / "node1" / "workers.json").read_text())
+    one, two = weights(tmp_path / "one"), weights(tmp_path / "two")
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert one.keys() == two.keys() and worst <= 1e-5, worst
+    rows = steps(tmp_path / "two")
+    assert [r["version"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # the generator node sampled rank 1's rows too
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(tmp_path / "one")], rel=1e-5, abs=1e-7)
+
+
 def test_reward_workers_on_the_generator_node(model, tmp_path):
     """--train.reward_workers=1: the generator node scores in its own reward worker; the sync run
     gives the same losses and weights as on one node, where the trainer's node hosts it."""
@@ -190,7 +210,7 @@ def test_config_checks_and_single_node_path(monkeypatch):
     tc = TrainConfig()
     for dc, world, tc_kw, msg in [(DistConfig(trainer_nodes=2), 2, {}, "trainer_nodes < nodes"),
                                   (DistConfig(trainer_nodes=0), 2, {}, "trainer_nodes < nodes"),
-                                  (DistConfig(trainer_nodes=2), 3, {}, "not built yet"),
+                                  (DistConfig(trainer_nodes=2), 3, {"compile_blocks": True}, "compile_blocks"),
                                   (DistConfig(), 2, {"device": "cuda"}, "CPU"),
                                   (DistConfig(timeout=0), 2, {}, "timeout")]:
         with pytest.raises(ValueError, match=msg):

@@ -43,29 +43,6 @@ from common.runtime.weights import WeightStore
 _POLL_S = 0.05  # how often the node looks at its workers, its threads and the key "stop"
 
 
-def _wait_for_stop(node: Node) -> None:
-    """A failed node stays (its generators already stopped) until the trainer has read its report
-    and checkpointed, i.e. until "stop" (bounded by dist.timeout): once this process exits, torchrun's
-    agents take the whole job down, the trainer with it."""
-    deadline = time.monotonic() + node.timeout.total_seconds()
-    try:
-        while time.monotonic() < deadline and not node.has("stop"):
-            time.sleep(_POLL_S)
-    except Exception:  # noqa: BLE001 - the trainer (and its store) is gone: nothing to wait for
-        pass
-
-
-def _told_to_stop(node: Node) -> bool:
-    """Beat (the trainer names a node that goes quiet) and read the key "stop". The store lives in
-    the trainer's process: losing it means the trainer node is gone, said as such."""
-    try:
-        node.store.add(f"beat/{node.rank}", 1)
-        return node.has("stop")
-    except Exception as e:  # noqa: BLE001 - any store error: the trainer's process is what holds it
-        raise NodeFailed(f"lost {node.name(0)}: its store does not answer ({type(e).__name__}: {e})",
-                         node.name(0), 0) from e
-
-
 def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, reward_factory=None) -> dict:
     """Run this generator node until the trainer says stop; returns {} (the trainer logs).
     With train.reward_workers > 0 the node runs that many reward workers of its own (`reward_factory`)."""
@@ -97,7 +74,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
             (here / "workers.json").write_text(json.dumps({"node": os.getpid(), **workers.pids()}) + "\n")
             print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}, {tc.reward_workers} reward "
                   "worker(s)", flush=True)
-            while not _told_to_stop(node):
+            while not node.beat():
                 workers.check()
                 for t in threads:
                     t.check()
@@ -115,7 +92,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
         for t in threads:
             t.halt.set()
         print(f"[asyncrl] {node.name(node.rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        _wait_for_stop(node)
+        node.wait_for_stop()
         raise
     finally:
         node.close()

@@ -32,6 +32,7 @@ from common.runtime.launch import Workers
 from common.runtime.node_traj import Ingest, RemoteControl, StoreControl
 from common.runtime.node_weights import send_weights
 from common.runtime.nodes import NodeFailed, RunKeys, generation, host_keys, join
+from common.runtime.trainer_group import RankFailed
 from common.runtime.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop
@@ -40,13 +41,19 @@ _POLL_S = 0.001  # how often the trainer looks at the node-link process's replie
 
 
 class NodeWatch:
-    """The trainer's view of the generator nodes (main thread): `check` raises `NodeFailed` for a
+    """The trainer's view of the other nodes (main thread): `check` raises `NodeFailed` for a
     failure a node reported, or a node whose beat counter (beat/<rank>, moved by its main loop
-    every 50 ms) stood still for `stall_timeout` s (0 = off): died without a word, or hangs."""
+    every 50 ms) stood still for `stall_timeout` s (0 = off): died without a word, or hangs. For
+    another trainer node it raises `RankFailed`: its ranks' shards are lost, nothing whole to save."""
 
     def __init__(self, keys: RunKeys, stall_timeout: float):
         self.keys, self.stall_timeout, self._looked = keys, stall_timeout, 0.0
-        self._beats = {r: (-1, time.monotonic()) for r in keys.gen_ranks}  # rank -> (count, when it last moved)
+        self._beats = {r: (-1, time.monotonic()) for r in range(1, keys.world)}  # rank -> (count, when it last moved)
+
+    def _raise(self, e: NodeFailed) -> None:
+        if e.rank is not None and e.rank < self.keys.cfg.trainer_nodes:
+            raise RankFailed(str(e), e.worker) from e
+        raise e
 
     def check(self) -> None:
         now = time.monotonic()
@@ -55,14 +62,14 @@ class NodeWatch:
         self._looked = now
         failed = self.keys.failure()
         if failed is not None:
-            raise failed
+            self._raise(failed)
         for r, (n, since) in self._beats.items():
             got = self.keys.store.add(f"beat/{r}", 0)  # add 0: read a counter that may not exist yet
             if got != n:
                 self._beats[r] = (got, now)
             elif self.stall_timeout > 0 and now - since > self.stall_timeout:
-                raise NodeFailed(f"{self.keys.name(r)} has been silent for {now - since:.0f} s "
-                                 "(train.stall_timeout): dead or hung", self.keys.name(r), r)
+                self._raise(NodeFailed(f"{self.keys.name(r)} has been silent for {now - since:.0f} s "
+                                       "(train.stall_timeout): dead or hung", self.keys.name(r), r))
 
 
 def link_main(cfg, port: int, start: int, weights: WeightStore, buffer, t, stats, gens_per_node: int, recv_timeout: float,

@@ -3,7 +3,8 @@ run's key-value store.
 
 Torchrun starts one process per node (`--nproc-per-node=1`). On a generator node that process
 joins the world (`join`, called by `train` in common/runtime/trainer.py before anything else)
-and runs the node's generators. On the trainer node it is today's trainer, which never joins
+and runs the node's generators; on a trainer node after the first it runs that node's trainer
+ranks (common/runtime/trainer_node.py). On the first trainer node it is today's trainer, which never joins
 the world itself: it hosts the run's store (`host_keys`) and its own ranks keep their private
 group (`train.trainer_devices`, common/runtime/trainer_group.py; a process holds one default
 group), while a node-link process it spawns stands for it as world rank 0 and moves weights and
@@ -49,6 +50,7 @@ from common.config import to_dict
 from common.runtime.launch import WorkerError
 
 _BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
+_STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
 
 
 @dataclass
@@ -133,6 +135,12 @@ def is_generator_node(cfg) -> bool:
     return under_torchrun() and role_of(int(os.environ["RANK"]), getattr(cfg, "dist", None) or DistConfig()) == "generator"
 
 
+def is_trainer_member_node(cfg) -> bool:
+    """Whether this process is a trainer node after the first (world ranks 1..trainer_nodes-1): it runs
+    trainer ranks that the first node's trainer drives; it draws, logs and plots nothing itself."""
+    return under_torchrun() and 0 < int(os.environ["RANK"]) and not is_generator_node(cfg)
+
+
 def check(dc: DistConfig, tc, world: int) -> None:
     """Configs this slice of the multi-node runtime refuses (clear errors before any group exists)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) != 1:
@@ -141,8 +149,9 @@ def check(dc: DistConfig, tc, world: int) -> None:
     if dc.trainer_nodes < 1 or dc.trainer_nodes >= world:
         raise ValueError(f"dist.trainer_nodes={dc.trainer_nodes} with {world} nodes: need 1 <= trainer_nodes < "
                          f"nodes (at least one generator node)")
-    if dc.trainer_nodes != 1:
-        raise ValueError(f"dist.trainer_nodes={dc.trainer_nodes}: a trainer on several nodes is not built yet (1)")
+    if dc.trainer_nodes > 1 and tc.compile_blocks:
+        raise ValueError("train.compile_blocks with dist.trainer_nodes > 1 is not supported (the trainer's ranks are "
+                         "FSDP2-sharded; as with train.trainer_devices > 1)")
     if tc.device != "cpu":
         raise ValueError(f"train.device={tc.device!r} with several nodes: only the CPU (gloo) path is built yet")
     if dc.trainer_node_generators < 0:
@@ -222,6 +231,28 @@ class RunKeys:
             time.sleep(0.1)
         return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank), rank)
 
+    def beat(self) -> bool:
+        """Move this node's beat counter (the trainer names a node that goes quiet) and read the key
+        "stop". The store lives in the trainer's process: losing it means the trainer node is gone,
+        said as such."""
+        try:
+            self.store.add(f"beat/{self.rank}", 1)
+            return self.has("stop")
+        except Exception as e:  # noqa: BLE001 - any store error: the trainer's process is what holds it
+            raise NodeFailed(f"lost {self.name(0)}: its store does not answer ({type(e).__name__}: {e})",
+                             self.name(0), 0) from e
+
+    def wait_for_stop(self) -> None:
+        """A failed node stays (its workers already stopped) until the trainer has read its report
+        (and checkpointed, where it can), i.e. until "stop" (bounded by dist.timeout): once this process
+        exits, torchrun's agents take the whole job down, the trainer with it."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        try:
+            while time.monotonic() < deadline and not self.has("stop"):
+                time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the trainer (and its store) is gone: nothing to wait for
+            pass
+
     def failure(self) -> NodeFailed | None:
         """The first failure another node reported, or None."""
         for r in range(self.world):
@@ -296,7 +327,20 @@ def host_keys(cfg, tc) -> RunKeys | None:
     keys = RunKeys(dc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    None)
     keys.serve(dc.store_port)
+    # for the other trainer nodes, which need the store before the world exists (their ranks join the
+    # trainer's group while the trainer loads; the world forms only once its buffer exists)
+    _agent_store(keys.timeout).set(_STORE_PORT_KEY.format(generation()), str(keys.port))
     return keys
+
+
+def member_keys(cfg, tc) -> RunKeys:
+    """A trainer node after the first: the run's store as `RunKeys`, its port read from torchrun's store."""
+    dc = _checked(cfg, tc)
+    agent = _agent_store(timedelta(seconds=dc.timeout))
+    key = _STORE_PORT_KEY.format(generation())
+    agent.wait([key], timedelta(seconds=dc.timeout))
+    return RunKeys(dc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   int(agent.get(key)))
 
 
 def join(cfg, tc, port: int | None = None, start: int | None = None) -> Node | None:

@@ -239,27 +239,57 @@ def shard_rows(full_rows: int, rank: int, world: int) -> int:
 
 
 @torch.no_grad()
-def publish_shards(model, store: WeightStore, version: int, rank: int, world: int) -> None:
+def publish_shards(model, store: WeightStore | None, version: int, rank: int, world: int, local: int | None = None) -> None:
     """Every rank copies its own rows into the store's writing slot; rank 0 moves the seqlock
-    (odd before any rank writes, version after every rank is done). No rank holds a full copy."""
+    (odd before any rank writes, version after every rank is done). No rank holds a full copy.
+    Ranks `local`.. (default: none) run on other trainer nodes, without the store: each sends its
+    rows to rank 0 as one flat tensor, which rank 0 receives and writes into the slot."""
     params, group = dict(model.named_parameters()), group_of(model)
+    local = world if local is None else local
     if rank == 0:
         store.check(params, "publish", exact=True)  # global shapes: a DTensor reports the full one
         store.begin_write(version)
     dist.barrier(group)  # nobody writes before the slot is marked odd
-    slot = store.writing_slot()
-    for name, p in params.items():
-        local = p.to_local()
-        start = shard_rows(p.shape[0], rank, world)
-        if local.shape[0] != min(p.shape[0], start + -(-p.shape[0] // world)) - start:
-            raise RuntimeError(f"publish: {name}'s shard on rank {rank} has {local.shape[0]} rows, expected "
-                               f"FSDP's torch.chunk layout (rows {start}.. of {p.shape[0]})")
-        store.write_rows(slot, name, start, local)
+    rows = {name: _own_rows(name, p, rank, world) for name, p in params.items()}
+    if rank < local:
+        slot = store.writing_slot()
+        for name, (start, t) in rows.items():
+            store.write_rows(slot, name, start, t)
+    else:
+        dist.send(torch.cat([t.reshape(-1) for _, t in rows.values()]), dst=0, group=group)
+    if rank == 0:
+        for r in range(local, world):
+            _receive_rows(store, slot, params, r, world, group)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)  # this rank's copies landed before rank 0 flips
     dist.barrier(group)
     if rank == 0:
         store.end_write(slot, version)
+
+
+def _own_rows(name: str, p, rank: int, world: int) -> tuple[int, torch.Tensor]:
+    """(first row, this rank's rows) of a sharded parameter, checked against FSDP's layout."""
+    local, start = p.to_local(), shard_rows(p.shape[0], rank, world)
+    if local.shape[0] != min(p.shape[0], start + -(-p.shape[0] // world)) - start:
+        raise RuntimeError(f"publish: {name}'s shard on rank {rank} has {local.shape[0]} rows, expected "
+                           f"FSDP's torch.chunk layout (rows {start}.. of {p.shape[0]})")
+    return start, local
+
+
+def _receive_rows(store: WeightStore, slot: int, params: dict, r: int, world: int, group) -> None:
+    """Rank 0: rank r's rows of every parameter, as `publish_shards` sends them, into the slot."""
+    dtypes = {p.dtype for p in params.values()}
+    if len(dtypes) != 1:
+        raise RuntimeError(f"publish from another trainer node: parameters in several dtypes {dtypes}, one expected")
+    spans = []  # (name, first row, rows, numel)
+    for name, p in params.items():
+        start = shard_rows(p.shape[0], r, world)
+        n = shard_rows(p.shape[0], r + 1, world) - start
+        spans.append((name, start, n, n * math.prod(p.shape[1:])))
+    flat = torch.empty(sum(s[3] for s in spans), dtype=dtypes.pop())
+    dist.recv(flat, src=r, group=group)
+    for (name, start, n, numel), t in zip(spans, flat.split([s[3] for s in spans])):
+        store.write_rows(slot, name, start, t.view(n, *params[name].shape[1:]))
 
 
 def full_model(model) -> Transformer | None:

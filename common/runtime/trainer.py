@@ -51,13 +51,14 @@ from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.generator_node import generator_node
 from common.runtime.launch import WorkerError, Workers, sigterm_as_interrupt
 from common.runtime.node_link import TrainerLink
-from common.runtime.nodes import is_generator_node, join, restarted
+from common.runtime.nodes import is_generator_node, is_trainer_member_node, join, restarted
 from common.runtime.pickling import check_sendable
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import start_reward_workers
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
 from common.runtime.stream import StreamWriter
 from common.runtime.trainer_group import RankFailed, TrainerGroup
+from common.runtime.trainer_node import trainer_node
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
@@ -154,6 +155,8 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                    algorithm=algo if tc.trainer_devices > 1 else None)
     if is_generator_node(cfg):  # under torchrun, a node that generates: joins the world (common/runtime/nodes.py)
         return generator_node(join(cfg, tc), cfg, prompts, reward_fn, stop_token_ids, reward_factory)
+    if is_trainer_member_node(cfg):  # under torchrun, a trainer node after the first: its trainer ranks
+        return trainer_node(cfg)
     if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
         print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
         resume = True
@@ -186,7 +189,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     # other nodes (none without torchrun: every call a no-op): what they need to build their store and buffer
     link = TrainerLink(cfg, tc, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id))
     # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop
-    with sigterm_as_interrupt(), link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir) as group, \
+    with sigterm_as_interrupt(), link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir, link.keys, link.check) as group, \
             Workers() as workers:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0

@@ -17,6 +17,13 @@ Rank 0 sends a command, then does its own part of the same collective work; the 
 as shared-memory tensors. With N = 1 there is no process group and no worker: every method
 runs on the plain model, as the trainer did before it could be sharded.
 
+Several trainer nodes (`dist.trainer_nodes` = T > 1 under torchrun): N = T x trainer_devices
+ranks, node j running ranks j D .. (j + 1) D - 1 (D = trainer_devices). Node j > 0's ranks are
+spawned by that node's process (common/runtime/trainer_node.py) from the setup rank 0 puts on
+the run's store, join the same group through rank 0's TCPStore (on torchrun's MASTER_ADDR), and
+read the same commands from the run's store (common/runtime/rank_commands.py). At a publish
+they send their rows to rank 0, which writes them into its store (common/runtime/ranks.py).
+
 Faults: a waiting rank polls its queue and beats its heartbeat, and beats while it trains,
 so the watchdog (`common/runtime/watchdog.py`) can tell a hung rank from an idle one; the
 process group times out after `train.stall_timeout`, so rank 0 never waits on a hung rank
@@ -44,12 +51,14 @@ from common.micro import set_ranks
 from common.runtime.checkpoint import load_checkpoint, read_state, save_checkpoint, write_state
 from common.runtime.launch import WorkerError, Workers, set_process_defaults
 from common.runtime.pickling import check_sendable, dumps
+from common.runtime.rank_commands import CommandSender
 from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
                                   resolve_reshard, shard, update)
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
 _BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the rank that caused it
+_REMOTE_STOP_S = 30.0  # at the end, how long rank 0 waits for the other trainer nodes to see "stop"
 _PHASE = {"step": "training", "publish": "publishing", "gather": "gathering", "save": "checkpointing",
           "load": "checkpointing"}
 
@@ -64,6 +73,8 @@ class RankSetup:
     """What ranks 1..N-1 need to build the same model, group and optimizer as rank 0 (picklable)."""
     world: int                # N
     port: int                 # rank 0's TCPStore (the process group's rendezvous)
+    host: str                 # its address: 127.0.0.1, or torchrun's MASTER_ADDR with several trainer nodes
+    local: int                # ranks 0..local-1 share rank 0's node and weight store (train.trainer_devices)
     device: str               # train.device: "cpu", or "cuda" (rank r on cuda:r)
     timeout_s: float          # collective timeout (the stall timeout; 0 = none)
     model: str                # the policy's checkpoint (a resume loads the state after)
@@ -78,10 +89,15 @@ class RankSetup:
 class TrainerGroup:
     """Rank 0's handle (module docstring). Use as a context manager; `model` is sharded in place."""
 
-    def __init__(self, model, tc, prec: Precision, model_path: str, algo: Algorithm, store: WeightStore, run_dir):
-        self.model, self.algo, self.store, self.world = model, algo, store, tc.trainer_devices
-        self.device = model.device
-        self.workers, self.share, self.queues = None, None, []
+    def __init__(self, model, tc, prec: Precision, model_path: str, algo: Algorithm, store: WeightStore, run_dir,
+                 keys=None, check_nodes=lambda: None):
+        # keys: the run's store (RunKeys) under torchrun, None on one node; check_nodes raises for a
+        # failed trainer node (TrainerLink.check)
+        self.model, self.algo, self.store, self.keys = model, algo, store, keys
+        self.local = tc.trainer_devices
+        self.world = self.local * (keys.cfg.trainer_nodes if keys is not None else 1)
+        self.device, self.check_nodes = model.device, check_nodes
+        self.workers, self.share, self.queues, self._remote = None, None, [], None
         if self.world > 1:
             try:
                 self._start(tc, prec, model_path, Path(run_dir))
@@ -95,13 +111,17 @@ class TrainerGroup:
         # not as shared memory: each rank gets its own copy of any tensor inside
         check_sendable(algorithm=self.algo)
         algo_bytes = dumps(self.algo)
-        self._tcp = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False)
+        host = self.keys.host if self.world > self.local else "127.0.0.1"
+        self._tcp = dist.TCPStore(host, 0, self.world, is_master=True, wait_for_workers=False)
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         reshard = resolve_reshard(tc.reshard, tc.device)
-        setup = RankSetup(self.world, self._tcp.port, tc.device, timeout, model_path, prec,
+        setup = RankSetup(self.world, self._tcp.port, host, self.local, tc.device, timeout, model_path, prec,
                           tc.activation_checkpointing, reshard, tc.lr, tc.weight_decay, tc.grad_clip)
+        if self.world > self.local:  # the other trainer nodes build their ranks from this
+            self.keys.put("trainer/setup", (setup, algo_bytes))
+            self._remote = CommandSender(self.keys)
         self.workers = Workers()
-        names = [f"trainer{r}" for r in range(1, self.world)]
+        names = [f"trainer{r}" for r in range(1, self.local)]
         hb = Heartbeats(names, run_dir / "stacks")
         self.workers.watch(hb, tc.stall_timeout, tc.stall_action)
         for r, name in enumerate(names, 1):
@@ -110,7 +130,8 @@ class TrainerGroup:
             self.workers.start(name, rank_main, r, setup, algo_bytes, self.store, self.queues[-1], hb.beat_for(name),
                                cuda_device=dev if dev.startswith("cuda") else None)
         try:  # a rank that fails while loading is reported here, not after a rendezvous timeout
-            self.workers.wait_event(lambda: self._tcp.check([f"ready{r}" for r in range(1, self.world)]), float("inf"))
+            self.workers.wait_event(lambda: self.check_nodes() or self._tcp.check([f"ready{r}" for r in range(1, self.world)]),
+                                    float("inf"))
         except (WorkerError, WorkerStalled) as e:
             raise _rank_failed(e) from e
         shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), reshard)
@@ -128,7 +149,7 @@ class TrainerGroup:
             return self.store.publish(self.model, version)
         with self._collective():
             self._send("publish", version)
-            publish_shards(self.model, self.store, version, 0, self.world)
+            publish_shards(self.model, self.store, version, 0, self.world, self.local)
 
     def full_model(self):
         """The whole model on rank 0's device (N > 1: gathered, a copy; N = 1: the model)."""
@@ -156,6 +177,8 @@ class TrainerGroup:
     def _send(self, *cmd) -> None:
         for q in self.queues:
             q.put(cmd)
+        if self._remote is not None:
+            self._remote.put(cmd)
 
     # ---- faults ---------------------------------------------------------------------------
     def check(self) -> None:
@@ -165,6 +188,7 @@ class TrainerGroup:
                 self.workers.check()
             except (WorkerError, WorkerStalled) as e:
                 raise _rank_failed(e) from e
+            self.check_nodes()
 
     def pids(self) -> dict[str, int]:
         return self.workers.pids() if self.workers is not None else {}
@@ -212,6 +236,13 @@ class TrainerGroup:
         if dist.is_initialized():  # first: a rank still inside a collective gets an error, not a hang
             dist.destroy_process_group()
         workers.shutdown()
+        if self._remote is not None:  # the run's store closes after this: let the other nodes read "stop"
+            nodes = range(1, self.keys.cfg.trainer_nodes)
+            deadline = time.monotonic() + _REMOTE_STOP_S
+            with contextlib.suppress(Exception):  # a node that failed said so instead: it waits for the run's "stop"
+                while time.monotonic() < deadline and not all(
+                        self.keys.store.check([f"done/{j}"]) or self.keys.store.check([f"failed/{j}"]) for j in nodes):
+                    time.sleep(0.05)
         self._tcp = None  # rank 0's rendezvous server goes with it
 
     def __enter__(self) -> "TrainerGroup":
@@ -245,7 +276,8 @@ def _deferred_interrupt():
 
 def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore, commands, beat, *, stop_event):
     """Trainer rank 1..N-1 (a spawned worker): build the same sharded model as rank 0, then
-    run rank 0's commands until "stop" (module docstring)."""
+    run rank 0's commands until "stop" (module docstring). On another trainer node `store` is
+    None (its rows go to rank 0) and `commands` a `StoreCommands`."""
     algo: Algorithm = pickle.loads(algo_bytes)  # a failure here reaches rank 0 with its traceback
     beat.start()
     beat("loading")
@@ -255,7 +287,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     model, _ = setup.precision.load(setup.model, device=device, role="trainer", tokenizer=False)
     model.train()
     model.checkpoint_layers = setup.activation_checkpointing
-    tcp = dist.TCPStore("127.0.0.1", setup.port, setup.world, is_master=False)
+    tcp = dist.TCPStore(setup.host, setup.port, setup.world, is_master=False)
     tcp.set(f"ready{rank}", "1")
     mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s)
     try:
@@ -278,7 +310,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
                     g["lr"] = lr  # rank 0's scheduler decides; ranks hold none
                 update(algo, model, opt, batch.to(device), step, setup.grad_clip, share)
             elif kind == "publish":
-                publish_shards(model, store, args[0], rank, setup.world)
+                publish_shards(model, store, args[0], rank, setup.world, setup.local)
             elif kind == "gather":
                 full_model(model)
             elif kind == "save":
