@@ -9,6 +9,9 @@ Two nodes (a trainer node, a generator node), one process each, in a torchrun wo
            slot, so the store write is inside it, zero extra copies), against a raw gloo
            send/recv of the same bytes between the same two processes in the same run
            (`raw_s`, on the control group, nothing else running). Medians of --reps.
+  trainer_rows  with the trainer on two nodes (dist.trainer_nodes=2, one rank each), the second
+           node's rows of the same parameters, sent to rank 0 and written into its store at a
+           publish, against raw gloo of the same bytes (`trainer_rows`).
   traj     a producer thread on the generator node adds --groups groups of 4 GSM8K-shaped
            trajectories (100 prompt + 200 completion tokens) to the node's outbox as fast as it
            can; the real `TrajSender` ships them, the real ingest thread adds them to the
@@ -54,6 +57,7 @@ from common.runtime.generator import Control  # noqa: E402
 from common.runtime.node_traj import Ingest, StoreControl, TrajSender  # noqa: E402
 from common.runtime.node_weights import WeightReceiver, send_weights  # noqa: E402
 from common.runtime.nodes import DistConfig, Node  # noqa: E402
+from common.runtime.ranks import receive_rows, send_rows, shard_rows  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
 from tests.tiny import save_hf  # noqa: E402 - the tiny random model of the tests (--staleness)
 
@@ -118,6 +122,45 @@ def weights(node: Node, args, dtype) -> dict:
     return {}
 
 
+def trainer_rows(node: Node, args, dtype) -> dict:
+    """dist.trainer_nodes = 2, one rank each: at a publish the second node's rank sends its rows of
+    every parameter (the second half of the fp32 master weights, cast to the store's dtype) to rank
+    0, which receives them straight into its store (`send_rows` / `receive_rows`,
+    common/runtime/ranks.py; `rows_s`: until the store holds them), against a raw gloo send/recv of
+    the same bytes as one message, in the same run."""
+    shapes = {k: s for k, (s, _) in smollm2_shapes(dtype).items()}
+    g = torch.Generator().manual_seed(2)  # rank 0 draws the same rows, to check what arrived
+    mine = [torch.randn(s[0] - shard_rows(s[0], 1, 2), *s[1:], generator=g) for s in shapes.values()]
+    n = sum((s[0] - shard_rows(s[0], 1, 2)) * s[1:].numel() for s in shapes.values())
+    buf, store = torch.empty(n, dtype=dtype), WeightStore(smollm2_shapes(dtype)) if node.rank == 0 else None
+    raw, rows = [], []
+    for v in range(args.reps):
+        dist.barrier(node.control)
+        t = time.perf_counter()
+        if node.rank == 1:
+            dist.send(buf, 0, group=node.control)
+        else:
+            dist.recv(buf, 1, group=node.control)
+        dist.barrier(node.control)
+        raw.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        if node.rank == 1:
+            send_rows(mine, dtype, node.control)
+        else:
+            slot = store.begin_write(v)
+            receive_rows(store, slot, shapes, 1, 2, node.control)
+            store.end_write(slot, v)
+        dist.barrier(node.control)
+        rows.append(time.perf_counter() - t)
+    if node.rank == 0:  # every row landed where it belongs, cast as the trainer node's own would be
+        for (name, s), t in zip(shapes.items(), mine):
+            if not torch.equal(store.rows(1 - store.writing_slot(), name, shard_rows(s[0], 1, 2), len(t)), t.to(dtype)):
+                raise AssertionError(f"trainer_rows: {name}'s rows differ from what rank 1 sent")
+    med = statistics.median
+    return {"bytes": buf.numel() * buf.element_size(), "rows_s": round(med(rows), 4), "raw_gloo_s": round(med(raw), 4),
+            "rows_over_raw": round(med(raw) / med(rows), 3)} if node.rank == 0 else {}
+
+
 def trajectories(node: Node, args) -> dict:
     rows, L = args.groups * N, P_LEN + C_LEN
     if node.rank == 1:
@@ -170,7 +213,8 @@ def worker(args) -> None:
     try:
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
         out = {"bench": "nodes", "dtype": args.dtype, "host": socket.gethostname(),
-               "weights": weights(node, args, dtype), "traj": trajectories(node, args)}
+               "weights": weights(node, args, dtype), "trainer_rows": trainer_rows(node, args, dtype),
+               "traj": trajectories(node, args)}
         if node.rank == 0:
             print(json.dumps(out), flush=True)
     finally:

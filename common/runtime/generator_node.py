@@ -36,7 +36,7 @@ from common.runtime.launch import Workers
 from common.runtime.node_traj import RemoteControl, TrajSender
 from common.runtime.node_weights import WeightReceiver
 from common.runtime.reward_service import start_reward_workers
-from common.runtime.nodes import Node, NodeFailed
+from common.runtime.nodes import Node
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 

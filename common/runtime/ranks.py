@@ -239,11 +239,12 @@ def shard_rows(full_rows: int, rank: int, world: int) -> int:
 
 
 @torch.no_grad()
-def publish_shards(model, store: WeightStore | None, version: int, rank: int, world: int, local: int | None = None) -> None:
+def publish_shards(model, store: WeightStore | None, version: int, rank: int, world: int, local: int | None = None,
+                   dtype: torch.dtype | None = None) -> None:
     """Every rank copies its own rows into the store's writing slot; rank 0 moves the seqlock
     (odd before any rank writes, version after every rank is done). No rank holds a full copy.
     Ranks `local`.. (default: none) run on other trainer nodes, without the store: each sends its
-    rows to rank 0 as one flat tensor, which rank 0 receives and writes into the slot."""
+    rows, cast to the store's `dtype`, to rank 0, which receives them straight into the slot."""
     params, group = dict(model.named_parameters()), group_of(model)
     local = world if local is None else local
     if rank == 0:
@@ -256,10 +257,11 @@ def publish_shards(model, store: WeightStore | None, version: int, rank: int, wo
         for name, (start, t) in rows.items():
             store.write_rows(slot, name, start, t)
     else:
-        dist.send(torch.cat([t.reshape(-1) for _, t in rows.values()]), dst=0, group=group)
+        send_rows([t for _, t in rows.values()], dtype, group)
     if rank == 0:
+        shapes = {name: p.shape for name, p in params.items()}
         for r in range(local, world):
-            _receive_rows(store, slot, params, r, world, group)
+            receive_rows(store, slot, shapes, r, world, group)
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)  # this rank's copies landed before rank 0 flips
     dist.barrier(group)
@@ -276,20 +278,26 @@ def _own_rows(name: str, p, rank: int, world: int) -> tuple[int, torch.Tensor]:
     return start, local
 
 
-def _receive_rows(store: WeightStore, slot: int, params: dict, r: int, world: int, group) -> None:
-    """Rank 0: rank r's rows of every parameter, as `publish_shards` sends them, into the slot."""
-    dtypes = {p.dtype for p in params.values()}
-    if len(dtypes) != 1:
-        raise RuntimeError(f"publish from another trainer node: parameters in several dtypes {dtypes}, one expected")
-    spans = []  # (name, first row, rows, numel)
-    for name, p in params.items():
-        start = shard_rows(p.shape[0], r, world)
-        n = shard_rows(p.shape[0], r + 1, world) - start
-        spans.append((name, start, n, n * math.prod(p.shape[1:])))
-    flat = torch.empty(sum(s[3] for s in spans), dtype=dtypes.pop())
-    dist.recv(flat, src=r, group=group)
-    for (name, start, n, numel), t in zip(spans, flat.split([s[3] for s in spans])):
-        store.write_rows(slot, name, start, t.view(n, *params[name].shape[1:]))
+def send_rows(rows: list[torch.Tensor], dtype: torch.dtype, group) -> None:
+    """A rank on another trainer node: its rows of every parameter (in the model's order), cast to
+    the store's dtype here (bf16 halves the bytes), to rank 0: one message per parameter, all in
+    flight at once, no packing copy."""
+    sends = [dist.P2POp(dist.isend, t.to(dtype).contiguous(), 0, group) for t in rows if t.numel()]
+    for w in dist.batch_isend_irecv(sends) if sends else []:
+        w.wait()
+
+
+def receive_rows(store: WeightStore, slot: int, shapes: dict, r: int, world: int, group) -> None:
+    """Rank 0: rank r's rows of every parameter (`shapes`: name -> full shape, in the model's
+    order), as `send_rows` sends them, received straight into the store's writing slot."""
+    recvs = []
+    for name, shape in shapes.items():
+        start = shard_rows(shape[0], r, world)
+        n = shard_rows(shape[0], r + 1, world) - start
+        if n:
+            recvs.append(dist.P2POp(dist.irecv, store.rows(slot, name, start, n), r, group))
+    for w in dist.batch_isend_irecv(recvs) if recvs else []:
+        w.wait()
 
 
 def full_model(model) -> Transformer | None:

@@ -310,7 +310,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
                     g["lr"] = lr  # rank 0's scheduler decides; ranks hold none
                 update(algo, model, opt, batch.to(device), step, setup.grad_clip, share)
             elif kind == "publish":
-                publish_shards(model, store, args[0], rank, setup.world, setup.local)
+                publish_shards(model, store, args[0], rank, setup.world, setup.local, setup.precision.torch_dtype)
             elif kind == "gather":
                 full_model(model)
             elif kind == "save":

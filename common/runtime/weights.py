@@ -166,6 +166,11 @@ class WeightStore:
         dst = self._views[slot][name]
         (dst[start:start + src.shape[0]] if src.dim() else dst).copy_(src)
 
+    def rows(self, slot: int, name: str, start: int, n: int) -> torch.Tensor:
+        """Rows start..start+n of parameter `name` in `slot`, as a view (contiguous: dim 0 is the
+        outermost), for a transfer to land straight in the store (common/runtime/ranks.py)."""
+        return self._views[slot][name][start:start + n]
+
     def end_write(self, slot: int, version: int) -> None:
         """Counters' writer only, after every row of `slot` is in: publish it as `version`."""
         self._sync()
