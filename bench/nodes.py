@@ -56,7 +56,8 @@ from common.runtime.buffer import ReplayBuffer  # noqa: E402
 from common.runtime.generator import Control  # noqa: E402
 from common.runtime.node_traj import Ingest, StoreControl, TrajSender  # noqa: E402
 from common.runtime.node_weights import WeightReceiver, send_weights  # noqa: E402
-from common.runtime.nodes import DistConfig, Node  # noqa: E402
+from common.runtime.nodes import Node  # noqa: E402
+from common.runtime.run_keys import DistConfig  # noqa: E402
 from common.runtime.ranks import receive_rows, send_rows, shard_rows  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
 from tests.tiny import save_hf  # noqa: E402 - the tiny random model of the tests (--staleness)

@@ -19,7 +19,8 @@ from common.batch import Trajectory
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.node_traj import RemoteControl, pack, unpack
-from common.runtime.nodes import DistConfig, check, is_generator_node, join
+from common.runtime.nodes import check, is_generator_node, join
+from common.runtime.run_keys import DistConfig
 from common.runtime.trainer import TrainConfig
 from common.task import RunConfig
 from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights

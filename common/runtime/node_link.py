@@ -31,7 +31,8 @@ from common.runtime.generator import Control
 from common.runtime.launch import Workers
 from common.runtime.node_traj import Ingest, RemoteControl, StoreControl
 from common.runtime.node_weights import send_weights
-from common.runtime.nodes import NodeFailed, RunKeys, generation, host_keys, join
+from common.runtime.nodes import generation, host_keys, join
+from common.runtime.run_keys import NodeFailed, RunKeys
 from common.runtime.trainer_group import RankFailed
 from common.runtime.weights import WeightStore
 

@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
-from common.runtime.nodes import Node, NodeThread, RunKeys
+from common.runtime.nodes import Node, NodeThread
+from common.runtime.run_keys import RunKeys
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 

@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from common.runtime.nodes import Node, NodeFailed, NodeThread
+from common.runtime.nodes import Node, NodeThread
+from common.runtime.run_keys import NodeFailed
 from common.runtime.weights import WeightStore
 
 _POLL_S = 0.005  # how often a receiver reads the published version (a store round trip)

@@ -29,47 +29,26 @@ move in different threads, so each has its own group (its own sockets and tags).
 `monitored_barrier` on the world, before any group, names a node that never arrived.
 
 The store: a `TCPStore` the trainer process (on torchrun's MASTER_ADDR) hosts for the run's
-small keys (the published version, the staleness quota, trajectory headers, stop, failures).
-Nobody waits inside a transfer without having learnt from a key that its peer is in it too.
+small keys (common/runtime/run_keys.py: the published version, the staleness quota, trajectory
+headers, stop, failures). Nobody waits inside a transfer without having learnt from a key that
+its peer is in it too. Trainer nodes after the first read the store's port from torchrun's own
+store (`member_keys`): their ranks join the trainer's group before the world exists.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import pickle
 import socket
 import threading
-import time
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from common.config import to_dict
-from common.runtime.launch import WorkerError
+from common.runtime.run_keys import DistConfig, NodeFailed, RunKeys, role_of
 
-_BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
 _STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
-
-
-@dataclass
-class DistConfig:
-    trainer_nodes: int = 1          # under torchrun: nodes that run the trainer (world ranks 0..n-1); the others run generators
-    timeout: float = 300.0          # s: group creation, the start barrier, one weight or trajectory transfer, the final stop
-    ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
-    trainer_node_generators: int = 0  # generators the trainer node runs beside the trainer (claiming on the store like the others)
-    store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
-
-
-class NodeFailed(WorkerError):
-    """Another node failed or stopped answering; the message names it (rank, host, role). A
-    `WorkerError`: the trainer's own state is whole, so it checkpoints before it stops. `rank`:
-    the node's world rank when known (the trainer does not wait for its goodbye)."""
-
-    def __init__(self, message: str, worker: str = "", rank: int | None = None):
-        super().__init__(message, worker)
-        self.rank = rank
 
 
 class NodeThread(threading.Thread):
@@ -125,11 +104,6 @@ def restarted() -> int:
     return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation())
 
 
-def role_of(rank: int, dc: DistConfig) -> str:
-    """The role of world rank `rank`: the first `trainer_nodes` ranks train, the others generate."""
-    return "trainer" if rank < dc.trainer_nodes else "generator"
-
-
 def is_generator_node(cfg) -> bool:
     """Whether this process is a generator node of a torchrun world (it trains nothing, logs nothing)."""
     return under_torchrun() and role_of(int(os.environ["RANK"]), getattr(cfg, "dist", None) or DistConfig()) == "generator"
@@ -163,106 +137,6 @@ def check(dc: DistConfig, tc, world: int) -> None:
 def config_hash(cfg) -> str:
     """What every node must agree on: the whole run config."""
     return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-class RunKeys:
-    """The run's key-value store as one node sees it: a connection per thread, the small messages,
-    the failure reports and how errors name a node. The trainer process holds one (`host_keys`)
-    without being in the world; `Node` adds the world's groups."""
-
-    def __init__(self, dc: DistConfig, rank: int, world: int, host: str, port: int | None):
-        self.cfg, self.timeout = dc, timedelta(seconds=dc.timeout)
-        self.rank, self.world, self.role = rank, world, role_of(rank, dc)
-        self.gen_ranks = list(range(dc.trainer_nodes, world))
-        self.index = rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
-        self.host, self.port, self.table = host, port, None
-        self._server, self._local = None, threading.local()
-
-    @property
-    def store(self) -> dist.TCPStore:
-        """This thread's connection to the run's store. One per thread: a client sends one request at a
-        time, so a thread blocked in `wait` would hold up every other thread's requests on a shared one."""
-        s = getattr(self._local, "store", None)
-        if s is None:
-            s = self._local.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=self.timeout)
-        return s
-
-    def serve(self, port: int) -> None:
-        """Host the run's store here (the trainer's process: it outlives every transfer); `port` 0 = a free one."""
-        self._server = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self._local.store, self.port = self._server, self._server.port
-
-    def name(self, rank: int) -> str:
-        """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
-        t = self.table[rank] if self.table else {"host": "?", "pid": "?"}
-        role = "trainer node" if rank < self.cfg.trainer_nodes else f"generator node {rank - self.cfg.trainer_nodes}"
-        return f"{role} (rank {rank}, host {t['host']}, pid {t['pid']})"
-
-    # ---- small messages through the store ------------------------------------------------
-    def put(self, key: str, obj) -> None:
-        self.store.set(key, pickle.dumps(obj))
-
-    def has(self, key: str) -> bool:
-        return self.store.check([key])
-
-    def get(self, key: str):
-        """The object under `key`, waiting for it at most `dist.timeout`."""
-        self.store.wait([key], self.timeout)
-        return pickle.loads(self.store.get(key))
-
-    def fail(self, message: str) -> None:
-        """Tell every node this one failed (the trainer raises NodeFailed naming it); best effort."""
-        try:
-            self.store.set(f"failed/{self.rank}", f"{self.name(self.rank)}: {message}")
-        except Exception:  # noqa: BLE001 - the store may be what failed
-            pass
-
-    def blame(self, rank: int, what: str, e: BaseException) -> "NodeFailed":
-        """The error for a transfer with `rank` that broke: that node's own report when it sends one
-        within a few seconds (a node that fails reports, then leaves, which breaks the transfer),
-        else what broke."""
-        deadline = time.monotonic() + _BLAME_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if self.store.check([f"failed/{rank}"]):
-                    return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank), rank)
-            except Exception:  # noqa: BLE001 - the store is the trainer's; from another node it may be gone
-                break
-            time.sleep(0.1)
-        return NodeFailed(f"{what} {self.name(rank)}: {type(e).__name__}: {e}", self.name(rank), rank)
-
-    def beat(self) -> bool:
-        """Move this node's beat counter (the trainer names a node that goes quiet) and read the key
-        "stop". The store lives in the trainer's process: losing it means the trainer node is gone,
-        said as such."""
-        try:
-            self.store.add(f"beat/{self.rank}", 1)
-            return self.has("stop")
-        except Exception as e:  # noqa: BLE001 - any store error: the trainer's process is what holds it
-            raise NodeFailed(f"lost {self.name(0)}: its store does not answer ({type(e).__name__}: {e})",
-                             self.name(0), 0) from e
-
-    def wait_for_stop(self) -> None:
-        """A failed node stays (its workers already stopped) until the trainer has read its report
-        (and checkpointed, where it can), i.e. until "stop" (bounded by dist.timeout): once this process
-        exits, torchrun's agents take the whole job down, the trainer with it."""
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        try:
-            while time.monotonic() < deadline and not self.has("stop"):
-                time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the trainer (and its store) is gone: nothing to wait for
-            pass
-
-    def failure(self) -> NodeFailed | None:
-        """The first failure another node reported, or None."""
-        for r in range(self.world):
-            if r != self.rank and self.store.check([f"failed/{r}"]):
-                return NodeFailed(self.store.get(f"failed/{r}").decode(), self.name(r), r)
-        return None
-
-    def close(self) -> None:
-        """Drop the connections (and the store, where hosted here); idempotent."""
-        self._server, self._local = None, threading.local()
 
 
 class Node(RunKeys):
