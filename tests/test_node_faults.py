@@ -112,6 +112,22 @@ def test_a_killed_rank_on_another_trainer_node_stops_the_run_and_it_resumes(mode
     assert [r["step"] for r in rows] == list(range(1, 15)) and rows[-1]["version"] == 7
 
 
+def test_a_killed_second_trainer_node_is_named_as_silent(model, tmp_path):
+    """Three nodes as above; the second trainer node's process SIGKILLed (its rank dies with it): no
+    one reports, the trainer's collective breaks, and the trainer names the node as silent within
+    the stall timeout, without a checkpoint; nothing is left running."""
+    shm = _shm()
+    procs, logs, pids = _running(tmp_path, model, nnodes=3, trainer_nodes=2)
+    os.kill(pids["node1/node"], signal.SIGKILL)
+    t = time.monotonic()
+    finish(procs, logs, ok=[False, False, True], bound_s=STALL_S + SLACK_S)
+    assert time.monotonic() - t <= STALL_S + SLACK_S
+    out = _trainer_out(logs, 3)
+    assert re.search(r"RankFailed: trainer node \(rank 1.*silent for \d+ s", out), out[-3000:]
+    assert "a trainer rank failed; no checkpoint" in out
+    _all_gone(pids, shm)
+
+
 def test_a_hung_generator_node_stops_the_run_within_the_stall_timeout(model, tmp_path):
     """SIGSTOP: the node's process neither beats nor answers (its generators still run). The trainer
     names it after stall_timeout, checkpoints and leaves; once the node runs again it finds the
@@ -180,6 +196,24 @@ def test_torchrun_restarts_across_two_nodes_continue_the_run(model, tmp_path, re
     assert "torchrun restart 1: continuing from the last checkpoint" in trainer
     assert re.search(r"resumed from \S+step_000002 at step 2", trainer)
     assert trainer.count("[asyncrl] 2 nodes:") == 2  # the world formed twice
+    rows = steps(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
+    assert all(r["staleness_hist"] == {"0": 16} for r in rows)
+
+
+def test_torchrun_restarts_the_trainer_on_two_nodes(model, tmp_path):
+    """torchrun --max-restarts=1, three nodes (static rendezvous), the trainer's ranks on two of them:
+    the generator dies during step 3, the trainer checkpoints (both trainer nodes' ranks write their
+    shards), every node starts again, and both trainer nodes' ranks load the checkpoint: the run
+    finishes in lock-step, every step logged once."""
+    args = [f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
+    logs, port = logs_dir(tmp_path), free_port()
+    cmds = [agent(port, *args, torchrun=("--max-restarts=1",), node_rank=k, nnodes=3, trainer_nodes=2) for k in range(3)]
+    out = finish(start(cmds, logs, NODES_TOY_DIE_AFTER="40"), logs)
+    trainer = next(o for o in out if "[asyncrl] 3 nodes" in o)
+    assert "generator node 0 (rank 2" in trainer and "a worker failed; checkpoint" in trainer, trainer[-3000:]
+    assert re.search(r"resumed from \S+step_000002 at step 2", trainer)
+    assert trainer.count("[asyncrl] 3 nodes:") == 2  # the world formed twice
     rows = steps(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)

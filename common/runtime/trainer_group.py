@@ -97,6 +97,10 @@ class TrainerGroup:
         self.local = tc.trainer_devices
         self.world = self.local * (keys.cfg.trainer_nodes if keys is not None else 1)
         self.device, self.check_nodes = model.device, check_nodes
+        # a whole trainer node lost (its process and ranks) says nothing: its silence is named
+        # after the stall timeout (common/runtime/node_link.py: NodeWatch), so wait that long for it
+        stall = tc.stall_timeout if tc.stall_action == "stop" else 0.0
+        self._blame_s = max(_BLAME_WAIT_S, stall + 1.0) if self.world > self.local else _BLAME_WAIT_S
         self.workers, self.share, self.queues, self._remote = None, None, [], None
         if self.world > 1:
             try:
@@ -216,7 +220,7 @@ class TrainerGroup:
     def _blame(self) -> RankFailed | None:
         """The rank behind a failed collective: dead or raised (exit code, traceback) or hung
         (heartbeat older than the stall timeout, which is also the collective timeout)."""
-        deadline = time.monotonic() + _BLAME_WAIT_S
+        deadline = time.monotonic() + self._blame_s
         while True:
             try:
                 self.check()
@@ -226,19 +230,24 @@ class TrainerGroup:
                 return None
             time.sleep(0.1)
 
-    def close(self) -> None:
-        """Stop ranks 1..N-1 and leave the process group (every exit path; idempotent)."""
+    def close(self, failed: bool = False) -> None:
+        """Stop ranks 1..N-1 and leave the process group (every exit path; idempotent). `failed`:
+        the run stops on an error, which other trainer nodes pass on (their exit code: torchrun
+        restarts a job only when a node failed)."""
         if self.workers is None:
             return
         workers, self.workers = self.workers, None
         with contextlib.suppress(Exception):
+            if self._remote is not None:
+                self.keys.store.set("trainer/end", "failed" if failed else "ok")
             self._send("stop")
         if dist.is_initialized():  # first: a rank still inside a collective gets an error, not a hang
             dist.destroy_process_group()
         workers.shutdown()
         if self._remote is not None:  # the run's store closes after this: let the other nodes read "stop"
             nodes = range(1, self.keys.cfg.trainer_nodes)
-            deadline = time.monotonic() + _REMOTE_STOP_S
+            # after a failure a trainer node may be gone for good: do not wait the whole bound for it
+            deadline = time.monotonic() + (_BLAME_WAIT_S if failed else _REMOTE_STOP_S)
             with contextlib.suppress(Exception):  # a node that failed said so instead: it waits for the run's "stop"
                 while time.monotonic() < deadline and not all(
                         self.keys.store.check([f"done/{j}"]) or self.keys.store.check([f"failed/{j}"]) for j in nodes):
@@ -248,8 +257,8 @@ class TrainerGroup:
     def __enter__(self) -> "TrainerGroup":
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(failed=exc_type is not None)
         return False
 
 

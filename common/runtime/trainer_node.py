@@ -13,7 +13,8 @@ writes its shards into the run's directory, so `run_root` must be one shared fil
 every trainer node (as for any multi-node checkpoint with torch.distributed.checkpoint).
 
 Ends: the trainer's "stop" command ends the ranks (after its final evaluation and checkpoint,
-which need them); then this node says done/<j> and leaves. A rank that dies or hangs stops this
+which need them); then this node says done/<j> and leaves, with an error when the trainer
+stopped on one (the key trainer/end), so that torchrun's `--max-restarts` restarts every node. A rank that dies or hangs stops this
 node: it shuts the others down (no process, no /dev/shm entry left), reports the failure under
 failed/<j> (the trainer raises `RankFailed` naming this node: the shards are lost, the run
 continues with --resume from the last checkpoint) and waits for the trainer's "stop". The
@@ -73,6 +74,9 @@ def trainer_node(cfg) -> dict:
                 keys.table = keys.table or (joined[0].table if joined else None)  # names hosts in reports
                 time.sleep(_POLL_S)
             workers.check()  # a rank that failed after the last look
+            if keys.store.check(["trainer/end"]) and keys.store.get("trainer/end") == b"failed":
+                raise RuntimeError("the trainer stopped on a failure (its own log names it): this node stops "
+                                   "non-zero too, so that torchrun --max-restarts starts the job again")
         keys.store.set(f"done/{keys.rank}", "1")
         print(f"[asyncrl] {keys.name(keys.rank)}: stopped", flush=True)
         return {}
