@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+from common.engine import head
 from common.engine.head import head_logp
 from common.engine.hf_io import load_model
 from common.engine.linear import set_onednn
@@ -20,8 +21,11 @@ def _reference(h, w, y, T):
 
 @pytest.mark.parametrize("chunk", [3, 7, 64])  # several chunks (recomputed backward), uneven, one chunk (kept softmax)
 @pytest.mark.parametrize("T", [1.0, 0.7])
-@pytest.mark.parametrize("onednn", [True, False])  # backward: contiguous copies for oneDNN, views for ATen
-def test_head_logp_matches_unchunked_fp32(chunk, T, onednn):
+@pytest.mark.parametrize("onednn", [True, False])  # backward GEMMs on oneDNN or ATen, both on transposed views
+@pytest.mark.parametrize("block_rows", [None, 3])  # the softmax's row blocks: one, or several (uneven)
+def test_head_logp_matches_unchunked_fp32(chunk, T, onednn, block_rows, monkeypatch):
+    if block_rows:
+        monkeypatch.setattr(head, "_ROW_BLOCK_BYTES", 4 * 50 * block_rows)
     old = set_onednn(onednn)
     try:
         _check_fp32(chunk, T)

@@ -12,6 +12,11 @@ dz = g * (onehot(y) - softmax(z)) / T, then dh = dz W and dW += dz^T h chunk by 
 n positions fit one chunk the softmax is kept from the forward instead (no recompute: the same
 cost as an unchunked head, and the memory of one chunk).
 
+Memory traffic, which is what the (n, V) elementwise work costs: the softmax runs in place a few
+rows at a time (each block's max, exp and sum in cache: one read and one write of the logits), is
+left unnormalised (the division by the row sum joins the backward's one multiplication), and the
+backward's GEMMs read dz and W through transposed views (`linear_dx`, `linear_dw`): no copies.
+
 Precision: the GEMMs run in `dtype` (the autocast dtype when autocast is on, as `F.linear` would;
 else the weight's), logsumexp / softmax / gradients of z in fp32; dW is accumulated in fp32 and
 returned in the weight's dtype (fp32 master weights receive fp32 gradients). CPU fp32 GEMMs go
@@ -22,9 +27,10 @@ from __future__ import annotations
 
 import torch
 
-from common.engine.linear import linear, onednn_enabled
+from common.engine.linear import linear, linear_dw, linear_dx
 
 LOGIT_BUDGET_BYTES = 512 * 2**20  # fp32 logits held at once: chunk = budget // (V * 4) positions
+_ROW_BLOCK_BYTES = 2 * 2**20  # logits one softmax step works on: a few rows, resident in cache
 
 
 def default_chunk(vocab_size: int) -> int:
@@ -36,6 +42,27 @@ def _gemm_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
 
+def _exp_rows(z: torch.Tensor, targets: torch.Tensor, temperature: float, out: torch.Tensor,
+              lse: torch.Tensor) -> torch.Tensor:
+    """In place, a block of rows at a time (so every pass after a block's first read runs in
+    cache): z <- exp(z / T - rowmax), the softmax up to each row's 1 / sum; writes the targets'
+    log-probs into `out` and logsumexp(z / T) into `lse`; returns the rows' 1 / sum (c,)."""
+    n, V = z.shape
+    inv = torch.empty(n, dtype=torch.float32, device=z.device)
+    rows = max(1, _ROW_BLOCK_BYTES // (4 * V))
+    for r in range(0, n, rows):
+        zb = z[r:r + rows]
+        if temperature != 1:
+            zb.div_(temperature)
+        m = zb.amax(-1, keepdim=True)
+        zy = zb.gather(-1, targets[r:r + rows, None])
+        s = zb.sub_(m).exp_().sum(-1)  # one exp per logit; the division by s waits for the backward
+        lse[r:r + rows] = m.squeeze(-1) + s.log()
+        out[r:r + rows] = zy.squeeze(-1) - lse[r:r + rows]
+        inv[r:r + rows] = s.reciprocal_()
+    return inv
+
+
 class _HeadLogp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, temperature: float, chunk: int, dtype: torch.dtype, for_backward: bool):
@@ -43,18 +70,15 @@ class _HeadLogp(torch.autograd.Function):
         w = weight.to(dtype)
         out = torch.empty(n, dtype=torch.float32, device=h.device)
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
-        probs = None
+        ctx.kept = None
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, n, chunk):
                 z = linear(h[i:i + chunk].to(dtype), w).float()  # (c, V)
-                if temperature != 1:
-                    z = z / temperature
-                lse[i:i + chunk] = torch.logsumexp(z, -1)
-                out[i:i + chunk] = z.gather(-1, targets[i:i + chunk, None]).squeeze(-1) - lse[i:i + chunk]
+                inv = _exp_rows(z, targets[i:i + chunk], temperature, out[i:i + chunk], lse[i:i + chunk])
                 if n <= chunk and for_backward:  # one chunk: keep its softmax for backward (no-grad
-                    probs = z.sub_(lse[:, None]).exp_()  # passes, e.g. reference log-probs, skip it)
+                    ctx.kept = (z, inv)  # passes, e.g. reference log-probs, skip it)
         ctx.save_for_backward(h, weight, targets, lse)
-        ctx.probs, ctx.temperature, ctx.chunk, ctx.dtype = probs, temperature, chunk, dtype
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         return out
 
     @staticmethod
@@ -63,36 +87,26 @@ class _HeadLogp(torch.autograd.Function):
         h, weight, targets, lse = ctx.saved_tensors
         dt, T, chunk = ctx.dtype, ctx.temperature, ctx.chunk
         w = weight.to(dt)
-        # dh = dz W and dW = dz^T h: cuBLAS and ATen's CPU fp32 GEMM (MKL) take the transposed
-        # views as they are (and dW accumulates in place); oneDNN's op (`linear`, where this CPU
-        # measured it faster) and CPU bf16 want contiguous operands, so W^T is copied once there
-        views = w.is_cuda or (dt == torch.float32 and not onednn_enabled())
-        w_t = None if views else w.t().contiguous()  # (D, V)
         gh = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        gw = None
         with torch.autocast(h.device.type, enabled=False):
             for i in range(0, h.shape[0], chunk):
-                hc = h[i:i + chunk].to(dt)
-                if ctx.probs is not None:
-                    p = ctx.probs
-                else:
-                    z = linear(hc, w).float()
-                    if T != 1:
-                        z = z / T
-                    p = z.sub_(lse[i:i + chunk, None]).exp_()  # softmax(z), (c, V)
-                gc = g[i:i + chunk].float()
-                # dlogp/dz = onehot(y) - softmax(z); times the incoming gradient and 1/T
-                dz = p.mul_(-gc[:, None]).scatter_add_(-1, targets[i:i + chunk, None], gc[:, None])
-                if T != 1:
-                    dz = dz / T
-                dz = dz.to(dt)
+                hc, y = h[i:i + chunk].to(dt), targets[i:i + chunk]
+                if ctx.kept is not None:
+                    e, inv = ctx.kept
+                else:  # recompute this chunk's logits (the forward's log-probs are rewritten, unchanged)
+                    e = linear(hc, w).float()
+                    inv = _exp_rows(e, y, T, torch.empty_like(lse[i:i + chunk]), torch.empty_like(lse[i:i + chunk]))
+                gc = g[i:i + chunk].float() / T
+                # dlogp/dz = onehot(y) - softmax(z), times the incoming gradient and 1/T: one pass,
+                # the softmax's division by the row sum folded into the same multiplication
+                dz = e.mul_((-gc * inv)[:, None]).scatter_add_(-1, y[:, None], gc[:, None]).to(dt)  # (c, V)
                 if gh is not None:
-                    gh[i:i + chunk] = (dz @ w if views else linear(dz, w_t)).to(h.dtype)  # (c, D)
-                if gw is not None and views and dt == torch.float32:
-                    gw.addmm_(dz.t(), hc)  # (V, D) += (V, c) @ (c, D)
-                elif gw is not None:
-                    gw += (dz.t() @ hc if views else linear(dz.t().contiguous(), hc.t().contiguous())).float()  # (V, D)
-        ctx.probs = None
+                    gh[i:i + chunk] = linear_dx(dz, w).to(h.dtype)  # (c, D) = (c, V) @ (V, D)
+                if ctx.needs_input_grad[1]:
+                    part = linear_dw(dz, hc).float()  # (V, D) = (V, c) @ (c, D), transposed views
+                    gw = part if gw is None else gw.add_(part)
+        ctx.kept = None
         return gh, (gw.to(weight.dtype) if gw is not None else None), None, None, None, None, None
 
 

@@ -105,15 +105,31 @@ def _backward(ctx, gy):
 _linear_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _onednn_for(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a GEMM of these operands goes to oneDNN (module docstring: routing)."""
+    return (_enabled and a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.numel() > 0
+            and not torch.is_autocast_enabled("cpu"))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x (..., K), weight (N, K) -> (..., N)."""
-    if (_enabled and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and x.numel() > 0
-            and not torch.is_autocast_enabled("cpu")):
+    if _onednn_for(x, weight):
         if torch.compiler.is_compiling() or (
                 torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
             return _linear_op(x, weight, bias)
         return _mm(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def linear_dx(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dY W, `linear`'s input gradient, for code with its own backward (common/engine/head.py):
+    (M, N) x (N, K) -> (M, K), W read through a transposed view (never copied)."""
+    return _mm(gy, weight.t()) if _onednn_for(gy, weight) else gy @ weight
+
+
+def linear_dw(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dY^T X, `linear`'s weight gradient: (M, N), (M, K) -> (N, K), both read transposed (no copies)."""
+    return _mm(gy.t(), x.t()) if _onednn_for(gy, x) else gy.t() @ x
 
 
 class Linear(nn.Linear):
