@@ -188,9 +188,11 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     pad_id = (tok.pad_token_id or 0) if tok else 0
     # other nodes (none without torchrun: every call a no-op): what they need to build their store and buffer
     link = TrainerLink(cfg, tc, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id))
-    # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop
-    with sigterm_as_interrupt(), link, TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir, link.keys, link.check) as group, \
-            Workers() as workers:
+    # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop. The group's ranks on other
+    # trainer nodes (dist.trainer_nodes > 1) take their commands through the run's store, link.keys
+    with (sigterm_as_interrupt(), link,
+          TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir, link.keys, link.check) as group,
+          Workers() as workers):
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
         buffer = None
