@@ -1,4 +1,5 @@
-"""The trainer's ranks as one object for rank 0, and the loop that ranks 1..N-1 run.
+"""The trainer's ranks as one object for rank 0 (ranks 1..N-1 run `rank_main`,
+common/runtime/trainer_rank.py).
 
 Processes: `TrainerGroup` lives in the launching process, which is rank 0 and the coordinator
 (it draws batches, runs the algorithm's batch logic, logs, evaluates, checkpoints). With
@@ -34,12 +35,9 @@ collective left halfway would hold the other ranks in it), so the interrupt chec
 from __future__ import annotations
 
 import contextlib
-import pickle
-import queue
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -48,42 +46,23 @@ from common.algorithm import Algorithm
 from common.batch import Batch
 from common.engine.precision import Precision
 from common.micro import set_ranks
-from common.runtime.checkpoint import load_checkpoint, read_state, save_checkpoint, write_state
-from common.runtime.launch import WorkerError, Workers, set_process_defaults
+from common.runtime.checkpoint import load_checkpoint, save_checkpoint
+from common.runtime.launch import WorkerError, Workers
 from common.runtime.pickling import check_sendable, dumps
 from common.runtime.rank_commands import CommandSender
 from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
                                   resolve_reshard, shard, update)
+from common.runtime.trainer_rank import RankSetup, rank_main
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
 _BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the rank that caused it
 _REMOTE_STOP_S = 30.0  # at the end, how long rank 0 waits for the other trainer nodes to see "stop"
-_PHASE = {"step": "training", "publish": "publishing", "gather": "gathering", "save": "checkpointing",
-          "load": "checkpointing"}
 
 
 class RankFailed(WorkerError):
     """A trainer rank died, raised or hung (the message names it). Its shards are gone with it,
     so no checkpoint can be written: --resume continues from the last one."""
-
-
-@dataclass
-class RankSetup:
-    """What ranks 1..N-1 need to build the same model, group and optimizer as rank 0 (picklable)."""
-    world: int                # N
-    port: int                 # rank 0's TCPStore (the process group's rendezvous)
-    host: str                 # its address: 127.0.0.1, or torchrun's MASTER_ADDR with several trainer nodes
-    local: int                # ranks 0..local-1 share rank 0's node and weight store (train.trainer_devices)
-    device: str               # train.device: "cpu", or "cuda" (rank r on cuda:r)
-    timeout_s: float          # collective timeout (the stall timeout; 0 = none)
-    model: str                # the policy's checkpoint (a resume loads the state after)
-    precision: Precision      # resolved by rank 0
-    activation_checkpointing: bool  # train.activation_checkpointing
-    reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks.py)
-    lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
-    weight_decay: float       # AdamW weight decay
-    grad_clip: float          # max global grad norm; 0 = off
 
 
 class TrainerGroup:
@@ -281,56 +260,3 @@ def _deferred_interrupt():
         signal.signal(signal.SIGINT, prev if prev is not None else signal.SIG_DFL)
     if got:  # reached only when the block itself did not raise
         raise KeyboardInterrupt
-
-
-def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore, commands, beat, *, stop_event):
-    """Trainer rank 1..N-1 (a spawned worker): build the same sharded model as rank 0, then
-    run rank 0's commands until "stop" (module docstring). On another trainer node `store` is
-    None (its rows go to rank 0) and `commands` a `StoreCommands`."""
-    algo: Algorithm = pickle.loads(algo_bytes)  # a failure here reaches rank 0 with its traceback
-    beat.start()
-    beat("loading")
-    device = rank_device(setup.device, rank)
-    set_process_defaults(device)
-    setup.precision.apply()
-    model, _ = setup.precision.load(setup.model, device=device, role="trainer", tokenizer=False)
-    model.train()
-    model.checkpoint_layers = setup.activation_checkpointing
-    tcp = dist.TCPStore(setup.host, setup.port, setup.world, is_master=False)
-    tcp.set(f"ready{rank}", "1")
-    mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s)
-    try:
-        shard(model, mesh, setup.reshard)
-        opt = make_optimizer(model, setup.lr, setup.weight_decay)
-        share = Share(model, rank, setup.world, beat=lambda: beat("training"), reshard=setup.reshard)
-        set_ranks(share)
-        while not stop_event.is_set():
-            beat("waiting")
-            try:
-                kind, *args = commands.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if kind == "stop":
-                return
-            beat(_PHASE[kind])
-            if kind == "step":
-                step, lr, batch = args
-                for g in opt.param_groups:
-                    g["lr"] = lr  # rank 0's scheduler decides; ranks hold none
-                update(algo, model, opt, batch.to(device), step, setup.grad_clip, share)
-            elif kind == "publish":
-                publish_shards(model, store, args[0], rank, setup.world, setup.local, setup.precision.torch_dtype)
-            elif kind == "gather":
-                full_model(model)
-            elif kind == "save":
-                for g, lr in zip(opt.param_groups, args[1]):
-                    g["lr"] = lr
-                try:
-                    write_state(args[0], model, opt)
-                except Exception as e:  # DCP raises a failed write on every rank; rank 0 reports it
-                    print(f"[trainer{rank}] checkpoint shards not written: {type(e).__name__}: {e}", flush=True)
-            elif kind == "load":
-                read_state(args[0], model, opt, args[1])
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

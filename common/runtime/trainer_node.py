@@ -33,7 +33,7 @@ from pathlib import Path
 from common.runtime.launch import Workers
 from common.runtime.nodes import join, member_keys
 from common.runtime.rank_commands import StoreCommands
-from common.runtime.trainer_group import rank_main
+from common.runtime.trainer_rank import rank_main
 from common.runtime.watchdog import Heartbeats
 
 _POLL_S = 0.05  # how often the node beats and looks at its ranks
