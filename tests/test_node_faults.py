@@ -168,40 +168,25 @@ def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path)
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart
 
 
-@pytest.mark.parametrize("rendezvous", ["c10d", "static"])
-def test_torchrun_restarts_across_two_nodes_continue_the_run(model, tmp_path, rendezvous):
-    """torchrun --max-restarts=1, two nodes: the generator node's generator dies during step 3, the
-    trainer checkpoints and stops naming it; both agents start their node again (with c10d the
-    trainer's may do so without counting a restart of its own), the new world forms under its own
-    store prefix, and the trainer resumes from the checkpoint by itself: every step once, in lock-step."""
+@pytest.mark.parametrize("rendezvous, nnodes, trainer_nodes", [("c10d", 2, 1), ("static", 2, 1), ("static", 3, 2)])
+def test_torchrun_restarts_across_nodes_continue_the_run(model, tmp_path, rendezvous, nnodes, trainer_nodes):
+    """torchrun --max-restarts=1, two nodes (or three, the trainer's ranks on two of them): the
+    generator node's generator dies during step 3, the trainer checkpoints and stops naming it (on
+    two trainer nodes both nodes' ranks write their shards); every agent starts its node again
+    (with c10d the trainer's may do so without counting a restart of its own), the new world forms
+    under its own store prefix, and the trainer resumes from the checkpoint by itself (every
+    trainer node's ranks load it): every step once, in lock-step."""
     args = [f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
     logs, port = logs_dir(tmp_path), free_port()
-    cmds = [agent(port, *args, torchrun=("--max-restarts=1",), node_rank=None if rendezvous == "c10d" else k)
-            for k in (0, 1)]
+    cmds = [agent(port, *args, torchrun=("--max-restarts=1",), node_rank=None if rendezvous == "c10d" else k,
+                  nnodes=nnodes, trainer_nodes=trainer_nodes) for k in range(nnodes)]
     out = finish(start(cmds, logs, NODES_TOY_DIE_AFTER="40"), logs)
-    trainer = next(o for o in out if "[asyncrl] 2 nodes" in o)
-    assert "generator node 0 (rank 1" in trainer and "a worker failed; checkpoint" in trainer, trainer[-3000:]
+    trainer = next(o for o in out if f"[asyncrl] {nnodes} nodes" in o)
+    assert f"generator node 0 (rank {trainer_nodes}" in trainer and "a worker failed; checkpoint" in trainer, \
+        trainer[-3000:]
     assert "torchrun restart 1: continuing from the last checkpoint" in trainer
     assert re.search(r"resumed from \S+step_000002 at step 2", trainer)
-    assert trainer.count("[asyncrl] 2 nodes:") == 2  # the world formed twice
-    rows = steps(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
-    assert all(r["staleness_hist"] == {"0": 16} for r in rows)
-
-
-def test_torchrun_restarts_the_trainer_on_two_nodes(model, tmp_path):
-    """torchrun --max-restarts=1, three nodes (static rendezvous), the trainer's ranks on two of them:
-    the generator dies during step 3, the trainer checkpoints (both trainer nodes' ranks write their
-    shards), every node starts again, and both trainer nodes' ranks load the checkpoint: the run
-    finishes in lock-step, every step logged once."""
-    args = [f"--run_root={tmp_path}", f"--model={model}", "--train.mode=sync", "--train.steps=4"]
-    logs, port = logs_dir(tmp_path), free_port()
-    cmds = [agent(port, *args, torchrun=("--max-restarts=1",), node_rank=k, nnodes=3, trainer_nodes=2) for k in range(3)]
-    out = finish(start(cmds, logs, NODES_TOY_DIE_AFTER="40"), logs)
-    trainer = next(o for o in out if "[asyncrl] 3 nodes" in o)
-    assert "generator node 0 (rank 2" in trainer and "a worker failed; checkpoint" in trainer, trainer[-3000:]
-    assert re.search(r"resumed from \S+step_000002 at step 2", trainer)
-    assert trainer.count("[asyncrl] 3 nodes:") == 2  # the world formed twice
+    assert trainer.count(f"[asyncrl] {nnodes} nodes:") == 2  # the world formed twice
     rows = steps(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["version"] == 4
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)
