@@ -51,6 +51,16 @@ def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _mm_dx(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN dY W (`linear`'s input gradient), W read through a transposed view."""
+    return _mm(gy, weight.t())
+
+
+def _mm_dw(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """oneDNN dY^T X (`linear`'s weight gradient) over every leading dim, both read transposed."""
+    return _mm(gy.reshape(-1, gy.shape[-1]).t(), x.reshape(-1, x.shape[-1]).t())
+
+
 # The trainer's path, as custom ops: opaque to torch.compile (so `train.compile_blocks` keeps the
 # oneDNN GEMMs and fuses only what lies between them), with an autograd formula whose two GEMMs
 # are custom ops too. Decode and other no-grad eager calls skip the op's dispatch: `_mm` direct.
@@ -63,13 +73,13 @@ def _linear_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 @torch.library.custom_op("asyncrl::onednn_linear_dx", mutates_args=())
 def _dx_op(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dX = dY W: (..., N) x (N, K) -> (..., K). A transposed view, not a copy: oneDNN reads strides."""
-    return _mm(gy, weight.t())
+    return _mm_dx(gy, weight)
 
 
 @torch.library.custom_op("asyncrl::onednn_linear_dw", mutates_args=())
 def _dw_op(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW = dY^T X: (M, N)^T x (M, K) -> (N, K), over every leading dim of gy and x (views, no copies)."""
-    return _mm(gy.reshape(-1, gy.shape[-1]).t(), x.reshape(-1, x.shape[-1]).t())
+    return _mm_dw(gy, x)
 
 
 @_linear_op.register_fake
@@ -124,12 +134,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_dx(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """dY W, `linear`'s input gradient, for code with its own backward (common/engine/head.py):
     (M, N) x (N, K) -> (M, K), W read through a transposed view (never copied)."""
-    return _mm(gy, weight.t()) if _onednn_for(gy, weight) else gy @ weight
+    return _mm_dx(gy, weight) if _onednn_for(gy, weight) else gy @ weight
 
 
 def linear_dw(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dY^T X, `linear`'s weight gradient: (M, N), (M, K) -> (N, K), both read transposed (no copies)."""
-    return _mm(gy.t(), x.t()) if _onednn_for(gy, x) else gy.t() @ x
+    return _mm_dw(gy, x) if _onednn_for(gy, x) else gy.t() @ x
 
 
 class Linear(nn.Linear):

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import traceback
 from pathlib import Path
 
 from common.runtime.buffer import ReplayBuffer
@@ -88,11 +86,9 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
               f"{threads[1].rows} trajectories out", flush=True)
         return {}
     except BaseException as e:
-        node.fail(f"{type(e).__name__}: {e}")
         for t in threads:
             t.halt.set()
-        print(f"[asyncrl] {node.name(node.rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        node.wait_for_stop()
+        node.leave_failed(e)
         raise
     finally:
         node.close()

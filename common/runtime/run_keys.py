@@ -10,8 +10,10 @@ node's main process and in the threads and processes that talk to other nodes.
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -133,6 +135,13 @@ class RunKeys:
                 time.sleep(0.05)
         except Exception:  # noqa: BLE001 - the trainer (and its store) is gone: nothing to wait for
             pass
+
+    def leave_failed(self, e: BaseException) -> None:
+        """This node failed with `e` (inside its `except`): report it to every node, print it with its
+        traceback, then wait for the trainer's "stop" before the caller re-raises."""
+        self.fail(f"{type(e).__name__}: {e}")
+        print(f"[asyncrl] {self.name(self.rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        self.wait_for_stop()
 
     def failure(self) -> NodeFailed | None:
         """The first failure another node reported, or None."""

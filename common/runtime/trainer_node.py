@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 from common.runtime.launch import Workers
@@ -81,9 +79,7 @@ def trainer_node(cfg) -> dict:
         print(f"[asyncrl] {keys.name(keys.rank)}: stopped", flush=True)
         return {}
     except BaseException as e:
-        keys.fail(f"{type(e).__name__}: {e}")
-        print(f"[asyncrl] {keys.name(keys.rank)} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        keys.wait_for_stop()
+        keys.leave_failed(e)
         raise
     finally:
         if joined and not isinstance(joined[0], BaseException):
