@@ -102,7 +102,7 @@ def main():
         ratios = [p[True]["step_s"] / p[False]["step_s"] for p in pairs]
         stream = os.path.join(pairs[-1][True]["dir"], "stream")
         meta = read_meta(stream)
-        prec = Precision(**meta["precision"]).apply()
+        prec = Precision.from_dict(meta["precision"]).apply()
         rep_s, upd_s = [], []
         for r in range(a.reps):
             cfg = replay_config(stream, [f"--run_root={root}", f"--name=replay{r}", "--train.checkpoint_every=0",

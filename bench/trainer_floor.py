@@ -8,6 +8,7 @@ backward, no optimizer step:
   transformers  its own fp32 model (SDPA attention) with `logits_to_keep` = the scored span,
                 log-softmax of logits / T, the targets' log-probs summed, backward: what a careful
                 user of transformers writes
+`--sdpa` adds ours with SDPA's CPU flash kernel for attention (the attention kernel's A/B).
 `--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
@@ -46,6 +47,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench._floor import gemm_floor, work_args  # noqa: E402
+from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
 from common.engine.model import MLP, Attention, RMSNorm  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
@@ -84,6 +86,15 @@ def kind(name: str) -> str:
 def ours_step(model, tokens, mask, T):
     token_logp(model, tokens, T, mask).sum().backward()
     model.zero_grad(set_to_none=True)
+
+
+def ours_sdpa_step(model, tokens, mask, T):
+    """ours with PyTorch's CPU flash kernel for attention (precision.attention=sdpa)."""
+    old = set_kernel(False)
+    try:
+        ours_step(model, tokens, mask, T)
+    finally:
+        set_kernel(old)
 
 
 def hf_step(model, tokens, mask, T):
@@ -203,6 +214,8 @@ def main():
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     ap.add_argument("--compile", action="store_true", help="also ours with train.compile_blocks (its warm-up compiles)")
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--sdpa", action="store_true",
+                    help="also ours with SDPA's CPU flash kernel for attention instead of ours (precision.attention=sdpa)")
     ap.add_argument("--beside-gemm", action="store_true",
                     help="also time ours alone vs beside a process running fp32 GEMMs (compute-bound) on the other core")
     ap.add_argument("--beside-generator", action="store_true",
@@ -213,7 +226,7 @@ def main():
         a.rows, a.tokens, a.reps = 4, 64, 1
     set_process_defaults("cpu")  # one thread, freed memory kept: as the trainer runs
     auto = resolve(PrecisionConfig())
-    prec = Precision("fp32", auto.gemm, "fp32") if a.dtype == "fp32" else auto
+    prec = Precision("fp32", auto.gemm, "fp32", auto.attention) if a.dtype == "fp32" else auto
     prec.apply()
     T = 0.7
     ours, _ = prec.load(a.model, role="trainer", tokenizer=False)
@@ -223,6 +236,8 @@ def main():
     mask = torch.zeros_like(tokens, dtype=torch.bool)
     mask[:, a.tokens // 2:] = True
     runs = {"ours": (ours_step, ours)}
+    if a.sdpa:
+        runs["ours_sdpa"] = (ours_sdpa_step, ours)
     if a.compile:
         compiled, _ = prec.load(a.model, role="trainer", tokenizer=False)
         compiled.train().compile_blocks = True
@@ -254,6 +269,8 @@ def main():
         res["speedup_compiled_vs_eager"] = round(res["ours_s"] / res["ours_compiled_s"], 3)
         if "transformers" in times:
             res["speedup_compiled_vs_transformers"] = round(res["transformers_s"] / res["ours_compiled_s"], 3)
+    if a.sdpa:
+        res["speedup_kernel_vs_sdpa"] = round(res["ours_sdpa_s"] / res["ours_s"], 3)
     if "transformers" in times:
         res["transformers_frac_of_floor"] = round(floor["floor_s"] / res["transformers_s"], 3)
         res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)

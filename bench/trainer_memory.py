@@ -1,6 +1,8 @@
 """Trainer memory: peak memory of one training micro-batch with the head unchunked (the full
 (tokens x vocab) logits, as before `common/engine/head.py`), chunked, and chunked with per-block
-activation checkpointing, on the same work in one run.
+activation checkpointing, on the same work in one run; and `chunked_plain`, chunked with the
+model's MLP, RMSNorm and attention as plain PyTorch operations (no `common/engine/fused.py`,
+SDPA's attention): what those two files save in fp32 on CPU (with bf16 autocast they are not used).
 
 One micro-batch of `--rows` x `--tokens` random tokens (loss on the tokens after `--prompt`,
 as completions), forward + backward + AdamW step on fp32 master weights, at the precision the
@@ -27,11 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from common.engine.causal_attention import set_kernel  # noqa: E402
+from common.engine.fused import set_fused  # noqa: E402
 from common.engine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.ops import logp_from_logits, token_logp  # noqa: E402
 from common.runtime.launch import set_process_defaults  # noqa: E402
 
-VARIANTS = ("full_logits", "chunked", "chunked_checkpointed")
+VARIANTS = ("full_logits", "chunked", "chunked_checkpointed", "chunked_plain")
 
 
 def full_logits_token_logp(model, tokens, temperature, mask):
@@ -48,6 +52,9 @@ def one(args) -> dict:
     set_process_defaults(args.device)  # as the trainer: one CPU thread, freed memory kept
     dev = torch.device(args.device)
     prec = resolve(PrecisionConfig(dtype=args.dtype), args.device).apply()
+    if args.variant == "chunked_plain":
+        set_fused(False)
+        set_kernel(False)
     model, _ = prec.load(args.model, device=dev, role="trainer", tokenizer=False)
     model.train()
     model.checkpoint_layers = args.variant == "chunked_checkpointed"
@@ -105,6 +112,7 @@ def main():
     for v in VARIANTS[1:]:
         out[v]["peak_vs_full"] = out[v]["peak_gib"] / base["peak_gib"]
         out[v]["time_vs_full"] = out[v]["step_s"] / base["step_s"]
+    out["chunked"]["peak_vs_plain"] = out["chunked"]["peak_gib"] / out["chunked_plain"]["peak_gib"]
     print(json.dumps(out))
 
 

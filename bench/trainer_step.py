@@ -158,7 +158,7 @@ def main():
         prec = auto if a.dtype == "auto" else resolve(PrecisionConfig(dtype=a.dtype))
         print(json.dumps(bench_ranks(a, prec.apply())))
         return
-    precs = {"fp32": Precision("fp32", auto.gemm, "fp32"), "auto": auto}
+    precs = {"fp32": Precision("fp32", auto.gemm, "fp32", auto.attention), "auto": auto}
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 49152, (a.rows, a.tokens), generator=g)
     mask = torch.zeros_like(tokens, dtype=torch.bool)

@@ -79,7 +79,7 @@ def replay(stream, algo: Union[None, str, Algorithm, Callable[[RunConfig], Algor
     elif not isinstance(algo, Algorithm):
         algo = algo(cfg)
     rec_prec = load_config(RunConfig, {"precision": meta["config"]["precision"]}).precision
-    precision = Precision(**meta["precision"]) if cfg.precision == rec_prec else None
+    precision = Precision.from_dict(meta["precision"]) if cfg.precision == rec_prec else None
     if precision is None:  # asked for another precision: resolve it here
         precision = resolve(cfg.precision, cfg.train.device)
     last = replay_stream(cfg, algo, stream, precision=precision, evaluate=evaluate, steps=cfg.train.steps)

@@ -25,7 +25,8 @@ from common.runtime.weights import WeightStore
 from tests.tiny import save_hf
 
 FAKE = {"shape": [256, 576, 1536], "fp32_aten_gflops": 100.0, "fp32_onednn_gflops": 200.0,
-        "bf16_gflops": 500.0, "attn_fp32_ms": 1.0, "attn_bf16_ms": 5.0}
+        "bf16_gflops": 500.0, "attn_fp32_ms": 1.0, "attn_bf16_ms": 5.0,
+        "full_attn_kernel_ms": 5.0, "full_attn_sdpa_ms": 8.0}
 
 
 def _fake_machine(monkeypatch, flags, measured=FAKE):
@@ -41,7 +42,7 @@ def _fake_machine(monkeypatch, flags, measured=FAKE):
 def test_auto_picks_bf16_only_with_bf16_hardware_and_a_measured_gain(monkeypatch):
     _fake_machine(monkeypatch, ["avx512f", "amx_bf16"])
     p = resolve(PrecisionConfig())
-    assert (p.dtype, p.gemm, p.kv) == ("bf16", "onednn", "fp32")  # 2.5x GEMM; attention faster in fp32
+    assert (p.dtype, p.gemm, p.kv, p.attention) == ("bf16", "onednn", "fp32", "kernel")  # 2.5x GEMM; decode attention faster in fp32
     assert "2.50x" in p.why and p.measured["bf16_gflops"] == 500.0
     _fake_machine(monkeypatch, ["avx512f", "avx512_bf16"], {**FAKE, "bf16_gflops": 250.0, "attn_bf16_ms": 0.5})
     assert resolve(PrecisionConfig()).dtype == "fp32"  # 1.25x < BF16_MIN_GAIN
@@ -49,13 +50,16 @@ def test_auto_picks_bf16_only_with_bf16_hardware_and_a_measured_gain(monkeypatch
     p = resolve(PrecisionConfig())
     assert (p.dtype, p.gemm, p.kv) == ("fp32", "aten", "fp32") and calls == [False]  # bf16 not even measured
     assert "no AMX-BF16" in p.why
+    _fake_machine(monkeypatch, ["avx2"], {**FAKE, "full_attn_kernel_ms": 9.0})
+    p = resolve(PrecisionConfig())
+    assert p.attention == "sdpa" and "causal attention kernel 9.0 vs SDPA 8.0 ms" in p.why
 
 
 def test_forced_choices_skip_the_measurement(monkeypatch):
     calls = _fake_machine(monkeypatch, ["amx_bf16"])
-    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16"))
-    assert (p.dtype, p.gemm, p.kv, p.why) == ("bf16", "aten", "bf16", "all forced") and calls == []
-    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten"))  # kv auto needs the attention timing
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa"))
+    assert (p.dtype, p.gemm, p.kv, p.attention, p.why) == ("bf16", "aten", "bf16", "sdpa", "all forced") and calls == []
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", attention="kernel"))  # kv auto needs the attention timing
     assert p.kv == "fp32" and calls == [True]
     assert resolve(PrecisionConfig(dtype="fp32"), device="cuda").dtype == "fp32"
     p = resolve(PrecisionConfig(), device="cuda")
@@ -67,6 +71,7 @@ def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
     info = P.cpu_info()
     m = P.measured(info, bf16=True)
     assert m["fp32_aten_gflops"] > 0 and m["bf16_gflops"] > 0 and m["attn_fp32_ms"] > 0 and "cached" not in m
+    assert m["full_attn_kernel_ms"] > 0 and m["full_attn_sdpa_ms"] > 0
     files = list((tmp_path / "precision").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["bf16_gflops"] == m["bf16_gflops"]
     again = P.measured(info, bf16=True)
@@ -74,6 +79,9 @@ def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
     assert "cached" not in P.measured(info, bf16=True, remeasure=True)
     p = resolve(PrecisionConfig())  # on this machine, whatever it is: a valid, explained choice
     assert p.dtype in ("fp32", "bf16") and p.gemm in ("onednn", "aten") and p.why and p.cpu["model"]
+    assert p.attention in ("kernel", "sdpa")
+    old = {k: v for k, v in p.to_dict().items() if k != "attention"}  # saved before the field existed
+    assert Precision.from_dict(old).attention == "sdpa" and Precision.from_dict(p.to_dict()) == p
 
 
 # ------------------------------------------------------------------------------ numerics

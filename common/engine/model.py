@@ -33,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from common.engine.causal_attention import causal_attention
+from common.engine.fused import mlp, rms_norm
 from common.engine.head import head_logp
 from common.engine.linear import Linear
 
@@ -128,10 +130,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalise in fp32 (matters in bf16), scale in the input dtype, as transformers does.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -157,10 +156,10 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.Hkv != self.H)
+            y = causal_attention(q, k, v)  # (B, T, H, hd)
         else:  # the sampler's cache stores k/v and attends in the mode it was given (kv_cache.py)
-            y = cache.attend(self.layer_idx, q, k, v)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.H * self.hd))
+            y = cache.attend(self.layer_idx, q, k, v).transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, self.H * self.hd))
 
 
 class MLP(nn.Module):
@@ -171,6 +170,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, D, bias=b)
 
     def forward(self, x):
+        if self.gate_proj.bias is None and self.down_proj.bias is None:
+            return mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

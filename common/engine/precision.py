@@ -2,7 +2,7 @@
 
 The trainer (main process) calls `resolve` once at start; the resolved `Precision` is printed,
 saved with the run (`precision.json` and the metrics' config) and handed to the generator
-processes, which apply it without measuring again. Three choices, each `auto` or forced:
+processes, which apply it without measuring again. Four choices, each `auto` or forced:
 
   dtype   compute dtype. bf16 means mixed precision as on GPUs: the trainer keeps fp32 master
           weights and optimizer state and runs forward passes under bf16 autocast (log-softmax
@@ -17,9 +17,14 @@ processes, which apply it without measuring again. Three choices, each `auto` or
   kv      dtype of the sampler's KV cache and attention. The CPU flash-attention kernel can be
           much slower in bf16 than in fp32 at decode shapes (one query row); auto on CPU = the
           faster one measured (only asked when dtype is bf16); on CUDA = dtype.
+  attention  CPU fp32 causal attention of full passes (the trainer's, reference and evaluation
+          passes): our kernel (`common/engine/causal_attention.py`) or PyTorch's CPU flash kernel
+          (F.scaled_dot_product_attention); auto = the faster one measured. bf16, autocast and
+          CUDA always take F.scaled_dot_product_attention.
 
 The measurement: three GEMMs of a decoder layer's MLP shape (256 x 576 @ 576 x 1536, about a
-micro-batch slice or a 256-slot decode step) and one decode attention, at the process's thread
+micro-batch slice or a 256-slot decode step), one decode attention and one full causal attention
+forward + backward (2 rows x 200 tokens, 9 query / 3 kv heads of 64), at the process's thread
 count, best of a few repeats (a fraction of a second). The result is cached per machine in
 $ASYNCRL_CACHE/precision/ (keyed by CPU model, flags, torch version and thread count) so that
 reruns on one machine make the same choice; `--precision.remeasure` refreshes it.
@@ -41,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.attention import attend_lse
+from common.engine.causal_attention import causal_attention, set_kernel
 from common.engine.hf_io import cache_root, load_model
 from common.engine.linear import onednn_available, set_onednn
 
@@ -55,6 +61,7 @@ class PrecisionConfig:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"   # compute dtype; auto: bf16 only where the CPU is measured faster in it
     gemm: Literal["auto", "onednn", "aten"] = "auto"  # CPU fp32 GEMM backend; auto: the faster one measured
     kv: Literal["auto", "fp32", "bf16"] = "auto"      # sampler KV cache / attention dtype; auto: measured (CPU), = dtype (CUDA)
+    attention: Literal["auto", "kernel", "sdpa"] = "auto"  # CPU fp32 full-pass attention: ours or the flash kernel; auto: measured
     remeasure: bool = False                           # ignore this machine's cached measurement and measure again
 
 
@@ -64,6 +71,7 @@ class Precision:
     dtype: str = "fp32"      # "fp32" | "bf16"
     gemm: str = "aten"       # "onednn" | "aten" (CPU fp32 GEMMs)
     kv: str = "fp32"         # "fp32" | "bf16"
+    attention: str = "kernel"  # "kernel" | "sdpa" (CPU fp32 full passes)
     why: str = ""            # one line: what decided it
     cpu: dict = field(default_factory=dict)       # model name, bf16-relevant flags, torch capability
     measured: dict = field(default_factory=dict)  # GFLOP/s and attention ms, when measured
@@ -77,8 +85,9 @@ class Precision:
         return _DTYPES[self.kv]
 
     def apply(self) -> "Precision":
-        """Set this process's GEMM backend (call in every process that runs the model)."""
+        """Set this process's GEMM backend and attention kernel (call in every process that runs the model)."""
         set_onednn(self.gemm == "onednn")
+        set_kernel(self.attention == "kernel")
         return self
 
     def load(self, name_or_path: str, device="cpu", role: str = "generator", tokenizer: bool = True):
@@ -107,10 +116,15 @@ class Precision:
         return m
 
     def summary(self) -> str:
-        return f"dtype={self.dtype} gemm={self.gemm} kv={self.kv} ({self.why})"
+        return f"dtype={self.dtype} gemm={self.gemm} kv={self.kv} attention={self.attention} ({self.why})"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Precision":
+        """A saved `to_dict()`. One saved before `attention` existed ran SDPA: replaying it keeps that."""
+        return cls(**{"attention": "sdpa", **d})
 
 
 def cpu_info() -> dict:
@@ -144,9 +158,22 @@ def _best_time(fn, reps: int = 5) -> float:
     return best
 
 
+def _full_attention_ms(kernel: bool) -> float:
+    """ms of one fp32 causal attention forward + backward at a trainer's shape, our kernel or SDPA."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 200, h, 64, generator=g).transpose(1, 2).requires_grad_() for h in (9, 3, 3))
+    dy = torch.randn(2, 200, 9, 64, generator=g)
+    old = set_kernel(kernel)
+    try:
+        return 1e3 * _best_time(lambda: causal_attention(q, k, v).backward(dy), reps=3)
+    finally:
+        set_kernel(old)
+
+
 def measure(bf16: bool = True) -> dict:
-    """GFLOP/s of fp32 GEMMs through ATen and oneDNN (and bf16 if asked), and the ms of one
-    decode-shaped attention in fp32 and bf16. One call, a fraction of a second."""
+    """GFLOP/s of fp32 GEMMs through ATen and oneDNN (and bf16 if asked), the ms of one
+    decode-shaped attention in fp32 and bf16, and of one full causal attention forward +
+    backward in fp32 through our kernel and through SDPA. One call, a fraction of a second."""
     M, K, N = 256, 576, 1536
     flops = 2 * M * K * N
     x, w = torch.randn(M, K), torch.randn(N, K) / K ** 0.5
@@ -154,6 +181,11 @@ def measure(bf16: bool = True) -> dict:
     if onednn_available():
         mm = torch.ops.mkldnn._linear_pointwise
         out["fp32_onednn_gflops"] = flops / _best_time(lambda: mm(x, w, None, "none", [], "")) / 1e9
+    old = set_onednn(out.get("fp32_onednn_gflops", 0.0) > out["fp32_aten_gflops"])  # the kernel's GEMMs as they will run
+    try:
+        out["full_attn_kernel_ms"], out["full_attn_sdpa_ms"] = _full_attention_ms(True), _full_attention_ms(False)
+    finally:
+        set_onednn(old)
     if bf16:
         xb, wb = x.bfloat16(), w.bfloat16()
         out["bf16_gflops"] = flops / _best_time(lambda: F.linear(xb, wb)) / 1e9
@@ -176,7 +208,7 @@ def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
     if not remeasure and path.is_file():
         try:
             m = json.loads(path.read_text())
-            if not bf16 or "bf16_gflops" in m:
+            if (not bf16 or "bf16_gflops" in m) and "full_attn_kernel_ms" in m:
                 return {**m, "cached": str(path)}
         except (OSError, ValueError):
             pass  # unreadable cache: measure again
@@ -197,10 +229,11 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         dtype = "bf16" if cfg.dtype == "auto" else cfg.dtype
         kv = dtype if cfg.kv == "auto" else cfg.kv
         gemm = cfg.gemm if cfg.gemm != "auto" else "aten"
-        return Precision(dtype, gemm, kv, why="CUDA: bf16 autocast with fp32 master weights unless forced")
+        return Precision(dtype, gemm, kv, "sdpa", why="CUDA: bf16 autocast with fp32 master weights unless forced")
     info = cpu_info()
     hw = has_bf16_hardware(info)
-    need = cfg.gemm == "auto" or cfg.dtype == "auto" or (cfg.kv == "auto" and cfg.dtype != "fp32")
+    need = (cfg.gemm == "auto" or cfg.dtype == "auto" or cfg.attention == "auto"
+            or (cfg.kv == "auto" and cfg.dtype != "fp32"))
     m = measured(info, bf16=hw or cfg.dtype == "bf16", remeasure=cfg.remeasure) if need else {}
     why = []
     gemm = cfg.gemm
@@ -225,4 +258,9 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         else:
             kv = "bf16" if m["attn_bf16_ms"] < m["attn_fp32_ms"] else "fp32"
             why.append(f"decode attention bf16 {m['attn_bf16_ms']:.2f} vs fp32 {m['attn_fp32_ms']:.2f} ms")
-    return Precision(dtype, gemm, kv, why="; ".join(why) or "all forced", cpu=info, measured=m)
+    attention = cfg.attention
+    if attention == "auto":
+        ours, sdpa = m["full_attn_kernel_ms"], m["full_attn_sdpa_ms"]
+        attention = "kernel" if ours < sdpa else "sdpa"
+        why.append(f"causal attention kernel {ours:.1f} vs SDPA {sdpa:.1f} ms")
+    return Precision(dtype, gemm, kv, attention, why="; ".join(why) or "all forced", cpu=info, measured=m)

@@ -57,7 +57,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
         raise ValueError(f"replay into {run_dir} would mix with the recorded run: choose another name")
     run_dir = prepare_run_dir(cfg, resume=False)
     (run_dir / "replay_of.json").write_text(json.dumps({"stream": str(stream.resolve()), "steps": n}) + "\n")
-    prec = (precision or Precision(**meta["precision"])).apply()
+    prec = (precision or Precision.from_dict(meta["precision"])).apply()
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
     device = rank_device(tc.device, 0) if tc.trainer_devices > 1 else tc.device
     model, tok = prec.load(cfg.model, device=device, role="trainer")
