@@ -3,11 +3,11 @@
 
 `common/engine/model.py` calls `mlp` and `rms_norm` in every process; this file's path runs for
 fp32 CPU tensors outside torch.compile (a compiled block fuses the same work itself), the plain
-expressions everywhere else (CUDA, bf16, autocast). Why: written as separate PyTorch operations,
-each elementwise step of these two reads and writes whole (rows x width) tensors in DRAM, and
-their autograd saves extra full-size intermediates. Here each block of rows goes through every
-step while it is in cache, and the backward recomputes what it needs from the inputs: per
-layer, autograd would keep silu(a) and h (MLP) and x r (RMSNorm) as well.
+expressions everywhere else (CUDA, bf16, autocast). Why: memory. Written as separate PyTorch
+operations, their autograd keeps full-size intermediates for backward (silu(a) and h per MLP,
+x r per RMSNorm); here only the inputs are kept and the backward recomputes the rest, each block
+of rows going through every elementwise step while it is in cache, so the recomputation costs
+no time (a training step's peak memory and speed: BENCHMARKS.md).
 
     MLP      y = h W_down^T,  h = silu(a) * b,  a = x W_gate^T,  b = x W_up^T,  silu(a) = a sigmoid(a)
              dh = dy W_down,  db = dh * silu(a),  da = silu'(a) (dh * b)   (silu's own backward)

@@ -5,7 +5,8 @@ Used by every process: the trainer (full causal forward for log-probs) and the g
 (the KV-cache sampler in `common/engine/sampler.py`). Module names follow Hugging Face's so that a
 checkpoint's state dict loads without a name map. The model knows no file format: the loader
 (`common/engine/hf_io.py`) builds it and fills its weights from outside, and `hf_save.py` reads
-them back out.
+them back out. Attention of full causal passes is `causal_attention.py`, the MLP and RMSNorm are
+`fused.py` (CPU fp32 kernels there; the plain PyTorch expressions elsewhere).
 
 Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
 S cache length, V vocab.
@@ -170,7 +171,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, D, bias=b)
 
     def forward(self, x):
-        if self.gate_proj.bias is None and self.down_proj.bias is None:
+        if self.gate_proj.bias is None and self.up_proj.bias is None and self.down_proj.bias is None:
             return mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
