@@ -88,8 +88,8 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torc
             m = s.amax(-1, keepdim=True)
             s.sub_(m).exp2_()                                   # unnormalised P, in cache
             denom = s.sum(-1, keepdim=True)
-            o = linear(s, v[b, j].t()).div_(denom)              # (T*G, hd)
-            out[b, :, j * G:(j + 1) * G].copy_(o.view(T, G, hd))
+            o = linear(s, v[b, j].t())                          # (T*G, hd), unnormalised
+            torch.div(o.view(T, G, hd), denom.view(T, G, 1), out=out[b, :, j * G:(j + 1) * G])
             torch.add(m, denom.log2_(), out=lse[b, j])
     return out, lse
 
