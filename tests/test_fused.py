@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import common.engine.fused as fused
 from common.engine.fused import mlp, rms_norm, set_fused
-from common.engine.linear import onednn_available, set_onednn
+from common.engine.linear import linear, onednn_available, set_onednn
 
 
 def _mlp_ref(x, wg, wu, wd):
@@ -92,3 +92,10 @@ def test_bf16_and_autocast_take_the_plain_expressions():
     w = torch.randn(8)
     assert torch.equal(rms_norm(xb, w, 1e-5), w * (xb.float() * torch.rsqrt(xb.float().pow(2).mean(-1, keepdim=True)
                                                                                  + 1e-5)).bfloat16())
+
+
+def test_biases_take_the_plain_expression():
+    x, wg, wu, wd = (t.detach() for t in _leaves((2, 3, 8), (16, 8), (16, 8), (8, 16)))
+    bg, bu, bd = torch.randn(16), torch.randn(16), torch.randn(8)
+    y = mlp(x, wg, wu, wd, bg, bu, bd)  # as the model's Linear modules compute it (common/engine/linear.py)
+    assert torch.equal(y, linear(F.silu(linear(x, wg, bg)) * linear(x, wu, bu), wd, bd))

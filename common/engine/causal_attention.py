@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from common.engine.linear import linear
+from common.engine.linear import cpu_fp32, linear
 
 _LOG2E = 1.0 / math.log(2.0)
 _enabled = True
@@ -44,8 +44,7 @@ def set_kernel(enabled: bool) -> bool:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) + causal mask) v. q (B, H, T, hd), k/v (B, Hkv, T, hd) with H a
     multiple of Hkv, any strides -> (B, T, H, hd), contiguous on the kernel's path."""
-    if (_enabled and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
-            and not torch.is_autocast_enabled("cpu")):
+    if _enabled and cpu_fp32(q, k, v):
         return _forward_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0]
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return y.transpose(1, 2)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from common.engine.linear import linear, linear_dw, linear_dx
+from common.engine.linear import cpu_fp32, linear, linear_dw, linear_dx
 
 _BLOCK = 1 << 16  # elements per row block and temporary (256 KB in fp32): several fit in L2
 _enabled = True
@@ -34,8 +34,7 @@ def set_fused(enabled: bool) -> bool:
 
 
 def _fast_path(*xs: torch.Tensor) -> bool:
-    return (_enabled and all(x.device.type == "cpu" and x.dtype == torch.float32 for x in xs)
-            and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling())
+    return _enabled and cpu_fp32(*xs) and not torch.compiler.is_compiling()
 
 
 def _blocks(n_rows: int, width: int):
@@ -44,12 +43,14 @@ def _blocks(n_rows: int, width: int):
     return ((r, min(r + step, n_rows)) for r in range(0, n_rows, step))
 
 
-def mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The gated MLP without biases: down(silu(gate(x)) * up(x)); x (..., D), w_gate/w_up (I, D),
-    w_down (D, I)."""
-    if _fast_path(x, w_gate, w_up, w_down):
+def mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+        b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
+        b_down: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated MLP down(silu(gate(x)) * up(x)); x (..., D), w_gate/w_up (I, D), w_down (D, I),
+    optional biases (the blocked path is for none)."""
+    if b_gate is None and b_up is None and b_down is None and _fast_path(x, w_gate, w_up, w_down):
         return _MLP.apply(x, w_gate, w_up, w_down)
-    return linear(F.silu(linear(x, w_gate)) * linear(x, w_up), w_down)
+    return linear(F.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

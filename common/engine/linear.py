@@ -115,10 +115,15 @@ def _backward(ctx, gy):
 _linear_op.register_autograd(_backward, setup_context=_setup)
 
 
+def cpu_fp32(*xs: torch.Tensor) -> bool:
+    """Whether these tensors are computed in plain fp32 on CPU: all CPU fp32, no CPU autocast (which
+    would cast inside F.linear). Where the CPU fp32 paths (this file, causal_attention.py, fused.py) apply."""
+    return all(x.device.type == "cpu" and x.dtype == torch.float32 for x in xs) and not torch.is_autocast_enabled("cpu")
+
+
 def _onednn_for(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a GEMM of these operands goes to oneDNN (module docstring: routing)."""
-    return (_enabled and a.device.type == "cpu" and a.dtype == b.dtype == torch.float32 and a.numel() > 0
-            and not torch.is_autocast_enabled("cpu"))
+    return _enabled and a.numel() > 0 and cpu_fp32(a, b)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -132,13 +137,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_dx(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """dY W, `linear`'s input gradient, for code with its own backward (common/engine/head.py):
+    """dY W, `linear`'s input gradient, for code with its own backward (head.py, fused.py):
     (M, N) x (N, K) -> (M, K), W read through a transposed view (never copied)."""
     return _mm_dx(gy, weight) if _onednn_for(gy, weight) else gy @ weight
 
 
 def linear_dw(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dY^T X, `linear`'s weight gradient: (M, N), (M, K) -> (N, K), both read transposed (no copies)."""
+    """dY^T X, `linear`'s weight gradient: (M, N), (M, K) -> (N, K), both passed as transposed views
+    (no copy of ours; oneDNN itself copies a transposed first operand: BENCHMARKS.md)."""
     return _mm_dw(gy, x) if _onednn_for(gy, x) else gy.t() @ x
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.engine.causal_attention import causal_attention
@@ -171,9 +170,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(I, D, bias=b)
 
     def forward(self, x):
-        if self.gate_proj.bias is None and self.up_proj.bias is None and self.down_proj.bias is None:
-            return mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        return mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
 
 
 class Block(nn.Module):
