@@ -12,8 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.engine.fused as fused
-from common.engine.fused import set_fused
 from common.engine.hf_io import load_model
 from common.log import read_metrics
 from common.replay import main as replay_main
@@ -104,6 +102,30 @@ def test_replay_under_other_losses_and_cli(tmp_path, capsys):
     assert replay_main([str(tmp_path / "nowhere")]) == 2 and "not a recorded stream" in capsys.readouterr().err
 
 
+def test_replay_runs_with_the_recorded_threads(tmp_path, monkeypatch):
+    """The CPU thread count decides how a GEMM splits its sums: the stream records the trainer's,
+    the replay runs with it (and ranks it spawns would), both give the caller's count back."""
+    monkeypatch.setenv("ASYNCRL_NUM_THREADS", "2")
+    cfg = _record_cfg(tmp_path, steps=3)
+    train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=())
+    assert torch.get_num_threads() == 1  # tests/conftest.py's, restored
+    run = Path(cfg.run_root) / cfg.name
+    assert [seg["threads"] for seg in read_meta(run / "stream")["segments"]] == [2]
+    monkeypatch.delenv("ASYNCRL_NUM_THREADS")
+    seen = []
+
+    class Watched(TBA):
+        def backward(self, model, batch, step):
+            seen.append((torch.get_num_threads(), os.environ.get("ASYNCRL_NUM_THREADS")))
+            return super().backward(model, batch, step)
+
+    replay(run, lambda c: Watched(c.tba, c.train.prompts_per_step, c.gen.n, c.gen.temperature,
+                                  c.train.micro_batch_tokens), name="again")
+    assert seen == [(2, "2")] * 3
+    assert torch.get_num_threads() == 1 and "ASYNCRL_NUM_THREADS" not in os.environ
+    _assert_same_weights(_final_weights(Path(cfg.run_root) / "again"), _final_weights(run), atol=0.0)
+
+
 def test_bad_streams_are_refused(tmp_path):
     cfg = _record_cfg(tmp_path, steps=2)
     train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=())
@@ -131,28 +153,16 @@ class DiesAtStep5(TBA):
         return super().backward(model, batch, step)
 
 
-def _cross_process_cfg(tmp_path, **train_kw):
-    """ATen's GEMMs and the plain attention, MLP and RMSNorm: the steps before the kill run in
-    another process than the replay, and two processes do not always compute a step to the same
-    bits: oneDNN's fp32 GEMMs, and the blocked CPU kernels (causal_attention.py, fused.py) enlarge
-    what differs (README, record and replay). The caller turns fused.py off (`set_fused`)."""
-    cfg = _record_cfg(tmp_path, **train_kw)
-    cfg.precision.gemm, cfg.precision.attention = "aten", "sdpa"
-    return cfg
-
-
 def killed_run(tmp: str) -> None:
     """Run in a child process by the test below."""
-    set_fused(False)
-    cfg = _cross_process_cfg(Path(tmp), checkpoint_every=3)
+    cfg = _record_cfg(Path(tmp), checkpoint_every=3)
     cfg.train.steps = 8
     c = cfg.tba
     train(cfg, DiesAtStep5(c, cfg.train.prompts_per_step, cfg.gen.n, cfg.gen.temperature,
                            cfg.train.micro_batch_tokens), _prompts(), toy_reward, stop_token_ids=())
 
 
-def test_stream_survives_kill_and_resume(tmp_path, monkeypatch):
-    monkeypatch.setattr(fused, "_enabled", False)
+def test_stream_survives_kill_and_resume(tmp_path):
     out = subprocess.run([sys.executable, "-c", f"from tests.test_replay import killed_run; killed_run({str(tmp_path)!r})"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 9, out.stderr[-2000:]
@@ -161,15 +171,15 @@ def test_stream_survives_kill_and_resume(tmp_path, monkeypatch):
     assert latest_checkpoint(run).name == "step_000003"
     (run / "stream" / ".tmp_step_000005.safetensors").write_bytes(b"half a step")  # as a crash mid-write leaves it
 
-    cfg = _cross_process_cfg(tmp_path)
+    cfg = _record_cfg(tmp_path)
     cfg.train.steps = 8
     train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=(), resume=True)
     assert [s.step for s in read_steps(run / "stream")] == list(range(1, 9))
     assert [p.name for p in (run / "stream" / "discarded").rglob("*.safetensors")] == ["step_000004.safetensors"]
     assert not list((run / "stream").glob(".tmp_*"))
     assert [s["start_step"] for s in read_meta(run / "stream")["segments"]] == [0, 3]
-    replay(run, name="after_resume")
-    _assert_same_weights(_final_weights(tmp_path / "runs" / "after_resume"), _final_weights(run))
+    replay(run, name="after_resume")  # steps 1-3 ran in another process: the same bits all the same
+    _assert_same_weights(_final_weights(tmp_path / "runs" / "after_resume"), _final_weights(run), atol=0.0)
 
 
 def test_record_needs_the_stream_from_step_1(tmp_path):

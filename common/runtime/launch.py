@@ -94,6 +94,28 @@ def _cap_threads() -> None:
     torch.set_num_threads(int(os.environ.get("ASYNCRL_NUM_THREADS", 1)))
 
 
+@contextlib.contextmanager
+def trainer_process(device: str, threads: int | None = None):
+    """Run a trainer in the caller's process (`train`, a replay) as a worker runs: with
+    `set_process_defaults(device)`, and `threads` intra-op threads if given (a replay: the
+    recording's), also in the trainer ranks spawned meanwhile (they read ASYNCRL_NUM_THREADS).
+    Yields the thread count. The count and that variable are restored after, so a notebook's
+    kernel or a script keeps its own. Why a fixed count: it decides how a CPU GEMM splits its
+    sums, so a run computed with another count than its replay differs in the last bits."""
+    before, env = torch.get_num_threads(), os.environ.get("ASYNCRL_NUM_THREADS")
+    if threads is not None:
+        os.environ["ASYNCRL_NUM_THREADS"] = str(threads)
+    try:
+        set_process_defaults(device)
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+        if env is None:
+            os.environ.pop("ASYNCRL_NUM_THREADS", None)
+        else:
+            os.environ["ASYNCRL_NUM_THREADS"] = env
+
+
 def keep_freed_memory() -> bool:
     """Make glibc's malloc keep freed memory in this process (ASYNCRL_MALLOC=system leaves its
     defaults). By default glibc serves every block above its mmap threshold (32 MiB at most)

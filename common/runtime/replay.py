@@ -7,8 +7,8 @@ training, `common/runtime/trainer_group.py`).
        train.lr / warmup_steps / decay_steps differ from the recording's)
        -> group.update(batch_s, s - 1, lr) -> scheduler step -> log / eval / checkpoint
 
-Same update, same batches, same learning rates: with the recording's algorithm, config and
-precision the weights follow the recorded run's exactly (async runs become reproducible). With
+Same update, same batches, same learning rates, same CPU threads: with the recording's algorithm,
+config and precision the weights follow the recorded run's exactly (async runs become reproducible). With
 another algorithm or loss it is an ablation on identical data, but off-policy for every step
 after the first: the data were sampled by the recorded run's policy, not this one (the batch's
 `behav_logp` and `versions` are the behaviour policy's, for losses that correct for it).
@@ -32,7 +32,8 @@ from common.config import to_dict
 from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
 from common.runtime.ranks import rank_device
-from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, stream_steps
+from common.runtime.launch import trainer_process
+from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
 from common.runtime.trainer import check_config, lr_lambda
 from common.runtime.trainer_group import TrainerGroup
@@ -69,7 +70,9 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     rec_train = meta["config"]["train"]
     recorded_lr = all(rec_train.get(k) == getattr(tc, k) for k in _LR_KEYS)
     generation = meta.get("generation")
-    with TrainerGroup(model, tc, prec, cfg.model, algo, None, run_dir) as group:
+    # the recording's CPU threads, also for ranks spawned by the group (same GEMM sums, same bits)
+    with trainer_process(tc.device, recorded_threads(meta)), \
+            TrainerGroup(model, tc, prec, cfg.model, algo, None, run_dir) as group:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
                                wandb_project=cfg.log.wandb_project,

@@ -7,6 +7,7 @@ Layout of `runs/<name>/stream/`:
     stream.json                 format, the run's resolved config and precision, the policy it
                                 started from (path + fingerprint of its fp32 weights), the stop
                                 tokens / sampling settings, and one entry per start or resume
+                                (its first step, time, and the trainer's CPU threads)
     step_000001.safetensors     the batch of trainer step 1, and so on: one file per step
     discarded/<time>/           steps a resume threw away (trained after the checkpoint it
                                 resumed from, so no longer part of the model's history)
@@ -182,7 +183,9 @@ class StreamWriter:
         else:
             meta = read_meta(w.dir)
         meta.update(config=to_dict(cfg), precision=precision)
-        meta["segments"].append({"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        # the trainer's CPU threads: a replay reproduces the bits only with the same count (recorded_threads)
+        meta["segments"].append({"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                                 "threads": torch.get_num_threads()})
         tmp = w.dir / ".tmp_stream.json"
         tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
         os.replace(tmp, meta_path)
@@ -225,6 +228,17 @@ class StreamWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def recorded_threads(meta: dict) -> int | None:
+    """The CPU threads the recorded trainer ran with, for a replay to run with (the count decides
+    how a GEMM splits its sums); None where the stream does not say (written before it was
+    recorded) or its segments ran with different counts (printed: no count replays all of them)."""
+    counts = {seg["threads"] for seg in meta["segments"] if "threads" in seg}
+    if len(counts) > 1:
+        print(f"[asyncrl] replay: the recorded run's segments used {sorted(counts)} CPU threads; "
+              f"the replay uses one count, so it may differ from the run in the last bits")
+    return counts.pop() if len(counts) == 1 else None
 
 
 def read_meta(d) -> dict:

@@ -49,7 +49,7 @@ from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.generator_node import generator_node
-from common.runtime.launch import WorkerError, Workers, sigterm_as_interrupt
+from common.runtime.launch import WorkerError, Workers, sigterm_as_interrupt, trainer_process
 from common.runtime.node_link import TrainerLink
 from common.runtime.nodes import is_generator_node, is_trainer_member_node, join, restarted
 from common.runtime.pickling import check_sendable
@@ -145,7 +145,15 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
 
     reward_fn(text, meta) -> float runs inside the generators. For expensive rewards set
     train.reward_workers > 0 and pass `reward_factory`, a function (sent by value, may be a notebook's) that builds
-    fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py)."""
+    fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py).
+    The trainer runs in the calling process with ASYNCRL_NUM_THREADS CPU threads (default 1, as
+    every worker; the caller's count is restored after): `launch.trainer_process`."""
+    with trainer_process(cfg.train.device):
+        return _train(cfg, algo, prompts, reward_fn, stop_token_ids, evaluate, resume, reward_factory)
+
+
+def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate, resume: bool,
+           reward_factory) -> dict:
     tc = check_config(cfg.train)
     if tc.reward_workers > 0 and reward_factory is None:
         raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
