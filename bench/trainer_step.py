@@ -49,6 +49,7 @@ from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
 from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.ranks import make_optimizer  # noqa: E402
 from common.runtime.trainer import TrainConfig  # noqa: E402
 from common.runtime.trainer_group import TrainerGroup  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
@@ -168,7 +169,7 @@ def main():
         p.apply()
         m, tok = p.load(a.model, role="trainer")
         m.train()
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-7)
+        opt = make_optimizer(m, 1e-7, 0.0)  # the trainer's AdamW
         step_times(m, opt, tokens, mask)  # warm-up (oneDNN kernel creation, AdamW state)
         models[name] = (m, opt)
     times = {n: {"fwd_bwd_s": [], "opt_s": []} for n in precs}

@@ -194,14 +194,14 @@ if __name__ == "__main__":
 """
 
 
-def _run_script(tmp_path):
+def _run_script(tmp_path, script_text=_CTRL_C_SCRIPT, preexec_fn=None):
     """Start the script in its own session (so a group signal reaches only it and its workers);
     return (Popen, worker pids) once both workers are running."""
     script = tmp_path / "launch_script.py"
-    script.write_text(textwrap.dedent(_CTRL_C_SCRIPT))
+    script.write_text(textwrap.dedent(script_text))
     env = dict(os.environ, PYTHONPATH=ROOT, ASYNCRL_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                            start_new_session=True,
+                            start_new_session=True, preexec_fn=preexec_fn,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         pids = [int(x) for x in proc.stdout.readline().split()]
@@ -226,6 +226,26 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait(5)
+
+
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_sigterm_is_a_ctrl_c_to_the_trainer(tmp_path, sigint):
+    """In `sigterm_as_interrupt` a SIGTERM to the parent alone stops it as a Ctrl-C would, also
+    where the process started with SIGINT ignored (a background job of a script, nohup)."""
+    script = _CTRL_C_SCRIPT.replace("    with Workers(join_timeout=5) as w:",
+                                    "    from common.runtime.launch import sigterm_as_interrupt\n"
+                                    "    with sigterm_as_interrupt(), Workers(join_timeout=5) as w:")
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
+    proc, pids = _run_script(tmp_path, script, ignore)
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+        assert "KeyboardInterrupt" in err, err[-2000:]
+        assert [_pid_state(pid) for pid in pids] == [None, None]  # the shutdown ran: workers reaped
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
 
 

@@ -143,15 +143,25 @@ def keep_freed_memory() -> bool:
 def sigterm_as_interrupt():
     """In the block (main thread only), a SIGTERM to this process acts as a Ctrl-C to it alone:
     SIGINT is raised in this process, not in its workers' (they are stopped by the shutdown that
-    follows), and whatever defers or handles a Ctrl-C handles it."""
+    follows), and whatever defers or handles a Ctrl-C handles it. Where SIGINT is ignored (a
+    process started in the background by a script, `nohup`, some batch systems: Python then keeps
+    it ignored) or has no Python handler, KeyboardInterrupt is raised directly: otherwise the
+    SIGTERM would be lost and the run would go on."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    prev = signal.signal(signal.SIGTERM, lambda *a: signal.raise_signal(signal.SIGINT))
+    prev = signal.signal(signal.SIGTERM, _term_as_interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, prev if prev is not None else signal.SIG_DFL)
+
+
+def _term_as_interrupt(*_) -> None:
+    if callable(signal.getsignal(signal.SIGINT)):  # Python's Ctrl-C handler, or one holding it back
+        signal.raise_signal(signal.SIGINT)
+    else:  # SIG_IGN or SIG_DFL: a raised SIGINT would be dropped, or kill us without a checkpoint
+        raise KeyboardInterrupt
 
 
 def _die_with_parent() -> None:
