@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from common.engine.hf_io import load_model  # noqa: E402
 from common.engine.precision import cpu_info  # noqa: E402
-from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.process import set_process_defaults  # noqa: E402
 
 
 def main():

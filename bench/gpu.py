@@ -52,7 +52,7 @@ from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa
 from bench._gpu_util import (SMOLLM2_135M, TINY, Ctx, build_checkpoint, free_memory, machine,  # noqa: E402
                              random_prompts, write_json)
 from common.engine.precision import PrecisionConfig, resolve  # noqa: E402
-from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.process import set_process_defaults  # noqa: E402
 
 SECTIONS = {"sampler": sampler_section, "decode": decode_section, "trainer": trainer_section,
             "ipc": ipc_section, "async": async_section}

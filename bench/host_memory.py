@@ -1,5 +1,5 @@
 """Host memory policy: a trainer's micro-batches with freed memory kept in the process
-(`common/runtime/launch.py: keep_freed_memory`, the default) against glibc's malloc defaults
+(`common/runtime/process.py: keep_freed_memory`, the default) against glibc's malloc defaults
 (`ASYNCRL_MALLOC=system`), on the same work in one run.
 
 Each policy runs in a fresh process (malloc settings and peaks are per process), one thread:
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from common.engine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.ops import token_logp  # noqa: E402
-from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.process import set_process_defaults  # noqa: E402
 
 POLICIES = ("keep", "system")
 

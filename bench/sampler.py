@@ -40,7 +40,7 @@ from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
-from common.runtime.launch import keep_freed_memory  # noqa: E402
+from common.runtime.process import keep_freed_memory  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
 from tests.tiny import save_hf  # noqa: E402
 

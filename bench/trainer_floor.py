@@ -55,7 +55,7 @@ from common.engine.linear import linear  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
-from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.process import set_process_defaults  # noqa: E402
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
 _COPY = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::cat", "aten::contiguous", "aten::index",

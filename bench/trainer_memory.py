@@ -33,7 +33,7 @@ from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.ops import logp_from_logits, token_logp  # noqa: E402
-from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.process import set_process_defaults  # noqa: E402
 
 VARIANTS = ("full_logits", "chunked", "chunked_checkpointed", "chunked_plain")
 

@@ -48,7 +48,7 @@ from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolv
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
-from common.runtime.launch import set_process_defaults  # noqa: E402
+from common.runtime.process import set_process_defaults  # noqa: E402
 from common.runtime.ranks import make_optimizer  # noqa: E402
 from common.runtime.trainer import TrainConfig  # noqa: E402
 from common.runtime.trainer_group import TrainerGroup  # noqa: E402

@@ -234,7 +234,7 @@ def test_sigterm_is_a_ctrl_c_to_the_trainer(tmp_path, sigint):
     """In `sigterm_as_interrupt` a SIGTERM to the parent alone stops it as a Ctrl-C would, also
     where the process started with SIGINT ignored (a background job of a script, nohup)."""
     script = _CTRL_C_SCRIPT.replace("    with Workers(join_timeout=5) as w:",
-                                    "    from common.runtime.launch import sigterm_as_interrupt\n"
+                                    "    from common.runtime.process import sigterm_as_interrupt\n"
                                     "    with sigterm_as_interrupt(), Workers(join_timeout=5) as w:")
     ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
     proc, pids = _run_script(tmp_path, script, ignore)
@@ -299,7 +299,7 @@ def test_worker_releases_its_arguments_before_teardown():
 _FAULTS = textwrap.dedent("""
     import resource, sys, torch
     sys.path.insert(0, {root!r})
-    from common.runtime.launch import keep_freed_memory
+    from common.runtime.process import keep_freed_memory
     took = keep_freed_memory()
     def faults():
         x = torch.empty(64 << 18); x.fill_(1.0); del x  # 64 MiB of fp32, every page touched
@@ -331,7 +331,7 @@ def test_freed_memory_is_kept_so_a_reallocation_faults_no_pages():
 
 
 def test_a_bad_malloc_setting_is_an_error(monkeypatch):
-    from common.runtime.launch import keep_freed_memory
+    from common.runtime.process import keep_freed_memory
     monkeypatch.setenv("ASYNCRL_MALLOC", "jemalloc")
     with pytest.raises(ValueError, match="ASYNCRL_MALLOC='jemalloc'"):
         keep_freed_memory()

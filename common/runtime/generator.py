@@ -30,7 +30,7 @@ from common.engine.precision import Precision
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import reference_seq_logp
-from common.runtime.launch import set_process_defaults
+from common.runtime.process import set_process_defaults
 from common.runtime.reward_service import RewardClient
 from common.runtime.watchdog import Beat
 

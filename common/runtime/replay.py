@@ -32,7 +32,7 @@ from common.config import to_dict
 from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
 from common.runtime.ranks import rank_device
-from common.runtime.launch import trainer_process
+from common.runtime.process import trainer_process
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
 from common.runtime.trainer import check_config, lr_lambda

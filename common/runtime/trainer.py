@@ -49,7 +49,8 @@ from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.generator_node import generator_node
-from common.runtime.launch import WorkerError, Workers, sigterm_as_interrupt, trainer_process
+from common.runtime.launch import WorkerError, Workers
+from common.runtime.process import sigterm_as_interrupt, trainer_process
 from common.runtime.node_link import TrainerLink
 from common.runtime.nodes import is_generator_node, is_trainer_member_node, join, restarted
 from common.runtime.pickling import check_sendable
@@ -147,7 +148,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     train.reward_workers > 0 and pass `reward_factory`, a function (sent by value, may be a notebook's) that builds
     fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py).
     The trainer runs in the calling process with ASYNCRL_NUM_THREADS CPU threads (default 1, as
-    every worker; the caller's count is restored after): `launch.trainer_process`."""
+    every worker; the caller's count is restored after): `process.trainer_process`."""
     with trainer_process(cfg.train.device):
         return _train(cfg, algo, prompts, reward_fn, stop_token_ids, evaluate, resume, reward_factory)
 
