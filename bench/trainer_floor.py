@@ -9,6 +9,9 @@ backward, no optimizer step:
                 log-softmax of logits / T, the targets' log-probs summed, backward: what a careful
                 user of transformers writes
 `--sdpa` adds ours with SDPA's CPU flash kernel for attention (the attention kernel's A/B).
+`--no-fused`: ours (every variant) with fused.py off, the plain MLP and RMSNorm expressions;
+compare two invocations, not both within one: alternated in one process, the two paths' different
+memory peaks made the plain one's times swing by 40% (BENCHMARKS.md), the allocator's state, not the code.
 `--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
@@ -48,6 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench._floor import gemm_floor, work_args  # noqa: E402
 from common.engine.causal_attention import set_kernel  # noqa: E402
+from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
 from common.engine.model import MLP, Attention, RMSNorm  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
@@ -216,6 +220,8 @@ def main():
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--sdpa", action="store_true",
                     help="also ours with SDPA's CPU flash kernel for attention instead of ours (precision.attention=sdpa)")
+    ap.add_argument("--no-fused", action="store_true",
+                    help="fused.py off: the plain MLP and RMSNorm expressions (compare two invocations)")
     ap.add_argument("--beside-gemm", action="store_true",
                     help="also time ours alone vs beside a process running fp32 GEMMs (compute-bound) on the other core")
     ap.add_argument("--beside-generator", action="store_true",
@@ -225,6 +231,7 @@ def main():
     if a.quick:
         a.rows, a.tokens, a.reps = 4, 64, 1
     set_process_defaults("cpu")  # one thread, freed memory kept: as the trainer runs
+    set_fused(not a.no_fused)
     auto = resolve(PrecisionConfig())
     prec = Precision("fp32", auto.gemm, "fp32", auto.attention) if a.dtype == "fp32" else auto
     prec.apply()
@@ -256,7 +263,7 @@ def main():
     scored = int(mask[:, 1:].sum())  # targets: token t+1 scored at position t
     floor = gemm_floor(ours.cfg, a.rows, a.tokens, scored)
     res = {"bench": "trainer_floor", "model": a.model, "cpu": auto.cpu.get("model"), "flags": auto.cpu.get("flags"),
-           "threads": torch.get_num_threads(), "rows": a.rows, "tokens": a.tokens, "scored": scored, "reps": a.reps,
+           "threads": torch.get_num_threads(), "fused": not a.no_fused, "rows": a.rows, "tokens": a.tokens, "scored": scored, "reps": a.reps,
            "precision": prec.summary(), "tflop": round(floor["tflop"], 3),
            "floor_s": round(floor["floor_s"], 3), "floor_parts_s": {k: round(v, 3) for k, v in floor["parts_s"].items()},
            "floor_backend": floor["backend"], "gemm_gflops_best": round(floor["gemm_gflops_best"], 1)}
