@@ -31,11 +31,11 @@ from common.algorithm import Algorithm
 from common.config import to_dict
 from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
-from common.runtime.ranks import rank_device
 from common.runtime.process import trainer_process
-from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
+from common.runtime.ranks import rank_device
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
-from common.runtime.trainer import check_config, lr_lambda
+from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
+from common.runtime.train_config import check_config, lr_lambda
 from common.runtime.trainer_group import TrainerGroup
 
 _LR_KEYS = ("lr", "warmup_steps", "decay_steps")

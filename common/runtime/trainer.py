@@ -22,7 +22,8 @@ generators may start exactly one batch of prompts per published version, and the
 consumes exactly that batch, so sync and async runs do equal work per step.
 
 A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
-train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig).
+train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig); the first two
+of those four live in `train_config.py`.
 
 Precision (`common/engine/precision.py`): resolved once here (measured per machine when `auto`),
 printed, saved as runs/<name>/precision.json and handed to the generators. bf16 keeps the
@@ -36,8 +37,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -50,86 +50,21 @@ from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
 from common.runtime.generator_node import generator_node
 from common.runtime.launch import WorkerError, Workers
-from common.runtime.process import sigterm_as_interrupt, trainer_process
 from common.runtime.node_link import TrainerLink
 from common.runtime.nodes import is_generator_node, is_trainer_member_node, join, restarted
 from common.runtime.pickling import check_sendable
+from common.runtime.process import sigterm_as_interrupt, trainer_process
 from common.runtime.ranks import rank_device
 from common.runtime.reward_service import start_reward_workers
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
 from common.runtime.stream import StreamWriter
+from common.runtime.train_config import LogConfig, TrainConfig, check_config, lr_lambda
 from common.runtime.trainer_group import RankFailed, TrainerGroup
 from common.runtime.trainer_node import trainer_node
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
-
-@dataclass
-class TrainConfig:
-    steps: int = 100                  # trainer steps (one batch each; an optimizer update per minibatch)
-    lr: float = 1e-5                  # peak learning rate (AdamW)
-    warmup_steps: int = 5             # linear warm-up steps
-    decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps
-    weight_decay: float = 0.0         # AdamW weight decay
-    grad_clip: float = 1.0            # max global grad norm; 0 = off
-    micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
-    activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
-    compile_blocks: bool = False      # torch.compile the blocks (one rank): fused norms/RoPE/SiLU, ATen GEMMs; costs a compile at start
-    memory_fraction: float = 0.0      # CUDA: cap on the trainer's share of its GPU (shared with generators); 0 = no cap
-    prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
-    sync_every: int = 2               # k: publish weights to generators every k steps
-    mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
-    max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
-    n_generators: int = 1             # generator processes; 0 = one per GPU the trainer leaves (at least 1)
-    trainer_devices: int = 1          # N trainer ranks, FSDP2-sharded (rank r on cuda:r; CPU: N processes, gloo); 1 = no process group
-    reshard: Literal["auto", "pass", "update"] = "auto"  # N > 1: free gathered weights after every pass (least memory) or once per update (least traffic); auto: update on CPU (gloo), pass on GPUs
-    reward_workers: int = 0           # processes hosting an expensive reward (needs train(reward_factory=...))
-    min_buffer: int = 64              # async: trajectories in the buffer before the first step
-    buffer_capacity: int = 4096       # ring size in trajectories
-    checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 2         # how many checkpoints to keep
-    eval_every: int = 0               # steps between evaluations; 0 = before and after only
-    device: str = "cpu"               # trainer device ("cuda": rank r on cuda:r); generator r uses cuda:(N + r) % n_gpus
-    stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
-    stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
-    record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/stream.py)
-
-
-@dataclass
-class LogConfig:
-    tensorboard: bool = False         # also write TensorBoard events (if installed)
-    wandb: bool = False               # also log to Weights & Biases (if installed)
-    wandb_project: str = "asyncrl"    # W&B project name
-
-
-def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    def f(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.decay_steps and step >= cfg.steps - cfg.decay_steps:
-            return max(0.0, (cfg.steps - step) / cfg.decay_steps)
-        return 1.0
-    return f
-
-
-def check_config(cfg: TrainConfig) -> TrainConfig:
-    if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
-        cfg.max_staleness, cfg.sync_every = 0, 1
-    if cfg.sync_every < 1 or cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.trainer_devices < 1:
-        raise ValueError(f"train: sync_every, steps, prompts_per_step, trainer_devices must be >= 1, got {cfg}")
-    if cfg.n_generators < 0:
-        raise ValueError(f"train.n_generators={cfg.n_generators}: need >= 1, or 0 for one per GPU left")
-    gpus = torch.cuda.device_count() if cfg.device.startswith("cuda") else 0
-    if gpus and cfg.trainer_devices > gpus:
-        raise ValueError(f"train.trainer_devices={cfg.trainer_devices}: this machine has {gpus} GPUs")
-    if cfg.n_generators == 0:  # the GPUs the trainer leaves; with none left, one that shares
-        cfg.n_generators = max(1, gpus - cfg.trainer_devices)
-    if cfg.max_staleness is not None and cfg.max_staleness < 0:
-        raise ValueError(f"train.max_staleness={cfg.max_staleness}: need >= 0 or none")
-    if cfg.compile_blocks and cfg.trainer_devices > 1:
-        raise ValueError("train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
-                         "hooks are not traced here): use one of them")
-    return cfg
+__all__ = ["train", "TrainConfig", "LogConfig", "check_config", "lr_lambda"]  # the configs live in train_config.py
 
 
 def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:

@@ -1,0 +1,82 @@
+"""The trainer's config section (`train`, with `log`) and the two rules read from it: the learning
+rate schedule and the checks (and sync mode's settings) applied before a run starts. Read by the
+trainer (`trainer.py`, which re-exports them) and by a replay (`replay.py`); no process of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal, Optional
+
+import torch
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100                  # trainer steps (one batch each; an optimizer update per minibatch)
+    lr: float = 1e-5                  # peak learning rate (AdamW)
+    warmup_steps: int = 5             # linear warm-up steps
+    decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps
+    weight_decay: float = 0.0         # AdamW weight decay
+    grad_clip: float = 1.0            # max global grad norm; 0 = off
+    micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
+    compile_blocks: bool = False      # torch.compile the blocks (one rank): fused norms/RoPE/SiLU, ATen GEMMs; costs a compile at start
+    memory_fraction: float = 0.0      # CUDA: cap on the trainer's share of its GPU (shared with generators); 0 = no cap
+    prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
+    sync_every: int = 2               # k: publish weights to generators every k steps
+    mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
+    max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
+    n_generators: int = 1             # generator processes; 0 = one per GPU the trainer leaves (at least 1)
+    trainer_devices: int = 1          # N trainer ranks, FSDP2-sharded (rank r on cuda:r; CPU: N processes, gloo); 1 = no process group
+    reshard: Literal["auto", "pass", "update"] = "auto"  # N > 1: free gathered weights after every pass (least memory) or once per update (least traffic); auto: update on CPU (gloo), pass on GPUs
+    reward_workers: int = 0           # processes hosting an expensive reward (needs train(reward_factory=...))
+    min_buffer: int = 64              # async: trajectories in the buffer before the first step
+    buffer_capacity: int = 4096       # ring size in trajectories
+    checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int = 2         # how many checkpoints to keep
+    eval_every: int = 0               # steps between evaluations; 0 = before and after only
+    device: str = "cpu"               # trainer device ("cuda": rank r on cuda:r); generator r uses cuda:(N + r) % n_gpus
+    stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
+    stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
+    record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/stream.py)
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False         # also write TensorBoard events (if installed)
+    wandb: bool = False               # also log to Weights & Biases (if installed)
+    wandb_project: str = "asyncrl"    # W&B project name
+
+
+def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    """The LR multiplier of step `step` (0-based): linear warm-up, flat, then a linear decay to 0
+    over the last `decay_steps` (warmup-stable-decay)."""
+    def f(step):
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.decay_steps and step >= cfg.steps - cfg.decay_steps:
+            return max(0.0, (cfg.steps - step) / cfg.decay_steps)
+        return 1.0
+    return f
+
+
+def check_config(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` checked (errors name the field) and completed: sync mode's eta = 0 and k = 1, the
+    generator count when 0; returns it."""
+    if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
+        cfg.max_staleness, cfg.sync_every = 0, 1
+    if cfg.sync_every < 1 or cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.trainer_devices < 1:
+        raise ValueError(f"train: sync_every, steps, prompts_per_step, trainer_devices must be >= 1, got {cfg}")
+    if cfg.n_generators < 0:
+        raise ValueError(f"train.n_generators={cfg.n_generators}: need >= 1, or 0 for one per GPU left")
+    gpus = torch.cuda.device_count() if cfg.device.startswith("cuda") else 0
+    if gpus and cfg.trainer_devices > gpus:
+        raise ValueError(f"train.trainer_devices={cfg.trainer_devices}: this machine has {gpus} GPUs")
+    if cfg.n_generators == 0:  # the GPUs the trainer leaves; with none left, one that shares
+        cfg.n_generators = max(1, gpus - cfg.trainer_devices)
+    if cfg.max_staleness is not None and cfg.max_staleness < 0:
+        raise ValueError(f"train.max_staleness={cfg.max_staleness}: need >= 0 or none")
+    if cfg.compile_blocks and cfg.trainer_devices > 1:
+        raise ValueError("train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
+                         "hooks are not traced here): use one of them")
+    return cfg
