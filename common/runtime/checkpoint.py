@@ -1,7 +1,7 @@
 """Resumable training checkpoints: model (HF format), model and optimizer state (sharded),
 scheduler, RNG, counters, replay buffer, run config. Written and read by the trainer: rank 0
 (the launching process) writes everything but the other ranks' shards, which each rank writes
-itself when rank 0 tells it to (`notify`, common/runtime/trainer_group.py).
+itself when rank 0 tells it to (`notify`, common/runtime/trainer_group.py; `rank_state.py`).
 
 Layout (one directory per checkpoint, named by the trainer step):
 
@@ -34,13 +34,11 @@ Crash-safety rules:
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,14 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from common.config import save_config
 from common.engine.hf_save import save_pretrained
 from common.engine.model import ModelConfig
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.ranks import full_model, group_of
+from common.runtime.rank_state import read_state, write_state
 
 FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
 _PREFIX, _TMP = "step_", ".tmp_"
@@ -148,46 +145,7 @@ def _set_rng_state(s: dict) -> None:
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-# ---------------------------------------------------------------- model + optimizer state (every rank)
-@contextlib.contextmanager
-def _one_process_ok():
-    """DCP warns whenever it runs without a process group; one trainer rank is meant to."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)")
-        yield
-
-
-def _dcp_ranks(model) -> dict:
-    """DCP's arguments for `model`: a sharded model meets the trainer's other ranks in its own
-    group; an unsharded trainer is one rank that writes alone."""
-    return {"no_dist": False, "process_group": group_of(model)} if isinstance(model, FSDPModule) else {"no_dist": True}
-
-
-def write_state(d: Path, model, optimizer):
-    """Model and optimizer state into directory `d` (DCP, one file per rank), then the whole
-    model as a plain module for the export (`common/runtime/ranks.py: full_model`: rank 0 gets
-    it, other ranks None). Sharded, every rank calls this at the same point."""
-    fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
-    msd, osd = get_state_dict(model, optimizer)
-    with _one_process_ok():
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, **_dcp_ranks(model))
-    if fresh:
-        optimizer.state.clear()  # ... which would change its first update's bias correction
-    return full_model(model)
-
-
-def read_state(d: Path, model, optimizer, stepped: bool) -> None:
-    """Load `write_state`'s files into the model and optimizer, in place, whatever number of
-    ranks wrote them (DCP reshards). Sharded, every rank calls this at the same point."""
-    msd, osd = get_state_dict(model, optimizer)
-    state = {"model": msd, "optimizer": osd}
-    with _one_process_ok():
-        dcp.load(state, checkpoint_id=d, **_dcp_ranks(model))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    if not stepped:  # saved before the first update: keep the optimizer fresh (see write_state)
-        optimizer.state.clear()
-
-
+# ---------------------------------------------------------------- model + optimizer state
 def _check_state(d: Path, model, stepped: bool) -> None:
     """The saved tensor names and shapes against the model's, before anything is loaded."""
     try:

@@ -10,8 +10,8 @@ drives them with commands, one queue per rank:
     ("step", step, lr, batch)   every rank: ranks.update on the whole batch, its share of micro-batches
     ("publish", version)        every rank copies its rows into the weight store
     ("gather",)                 every rank helps gather the full model onto rank 0 (evaluation)
-    ("save", dir, lrs)          every rank writes its shards of a checkpoint (checkpoint.write_state)
-    ("load", dir, stepped)      every rank loads its shards (checkpoint.read_state)
+    ("save", dir, lrs)          every rank writes its shards of a checkpoint (rank_state.write_state)
+    ("load", dir, stepped)      every rank loads its shards (rank_state.read_state)
     ("stop",)
 
 Rank 0 sends a command, then does its own part of the same collective work; the batch travels

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from common.algorithm import Algorithm
 from common.engine.precision import Precision
 from common.micro import set_ranks
-from common.runtime.checkpoint import read_state, write_state
 from common.runtime.process import set_process_defaults
+from common.runtime.rank_state import read_state, write_state
 from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device, shard,
                                   update)
 from common.runtime.weights import WeightStore
