@@ -8,8 +8,8 @@ training, `common/runtime/trainer_group.py`).
        -> group.update(batch_s, s - 1, lr) -> scheduler step -> log / eval / checkpoint
 
 Same update, same batches, same learning rates, same CPU threads: with the recording's algorithm,
-config and precision the weights follow the recorded run's exactly (async runs become reproducible). With
-another algorithm or loss it is an ablation on identical data, but off-policy for every step
+config and precision the weights follow the recorded run's exactly (async runs become
+reproducible). With another algorithm or loss it is an ablation on identical data, but off-policy for every step
 after the first: the data were sampled by the recorded run's policy, not this one (the batch's
 `behav_logp` and `versions` are the behaviour policy's, for losses that correct for it).
 

@@ -22,8 +22,8 @@ generators may start exactly one batch of prompts per published version, and the
 consumes exactly that batch, so sync and async runs do equal work per step.
 
 A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
-train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig); the first two
-of those four live in `train_config.py`.
+train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig); TrainConfig and
+LogConfig live in `train_config.py`.
 
 Precision (`common/engine/precision.py`): resolved once here (measured per machine when `auto`),
 printed, saved as runs/<name>/precision.json and handed to the generators. bf16 keeps the
