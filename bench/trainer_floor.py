@@ -11,7 +11,7 @@ backward, no optimizer step:
 `--sdpa` adds ours with SDPA's CPU flash kernel for attention (the attention kernel's A/B).
 `--no-fused`: ours (every variant) with fused.py off, the plain MLP and RMSNorm expressions;
 compare two invocations, not both within one: alternated in one process, the two paths' different
-memory peaks made the plain one's times swing by 40% (BENCHMARKS.md), the allocator's state, not the code.
+memory peaks made the plain one's times swing widely (BENCHMARKS.md), the allocator's state, not the code.
 `--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape

@@ -158,6 +158,11 @@ def _best_time(fn, reps: int = 5) -> float:
     return best
 
 
+def _onednn_faster(m: dict) -> bool:
+    """Whether `measure()`'s fp32 GEMMs ran faster through oneDNN than ATen (absent: not available)."""
+    return m.get("fp32_onednn_gflops", 0.0) > m["fp32_aten_gflops"]
+
+
 def _full_attention_ms(kernel: bool) -> float:
     """ms of one fp32 causal attention forward + backward at a trainer's shape, our kernel or SDPA."""
     g = torch.Generator().manual_seed(0)
@@ -181,7 +186,7 @@ def measure(bf16: bool = True) -> dict:
     if onednn_available():
         mm = torch.ops.mkldnn._linear_pointwise
         out["fp32_onednn_gflops"] = flops / _best_time(lambda: mm(x, w, None, "none", [], "")) / 1e9
-    old = set_onednn(out.get("fp32_onednn_gflops", 0.0) > out["fp32_aten_gflops"])  # the kernel's GEMMs as they will run
+    old = set_onednn(_onednn_faster(out))  # the kernel's GEMMs as auto will run them
     try:
         out["full_attn_kernel_ms"], out["full_attn_sdpa_ms"] = _full_attention_ms(True), _full_attention_ms(False)
     finally:
@@ -238,9 +243,8 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
     why = []
     gemm = cfg.gemm
     if gemm == "auto":
-        one = m.get("fp32_onednn_gflops", 0.0)
-        gemm = "onednn" if one > m["fp32_aten_gflops"] else "aten"
-        why.append(f"fp32 GEMM oneDNN {one:.0f} vs ATen {m['fp32_aten_gflops']:.0f} GFLOP/s")
+        gemm = "onednn" if _onednn_faster(m) else "aten"
+        why.append(f"fp32 GEMM oneDNN {m.get('fp32_onednn_gflops', 0.0):.0f} vs ATen {m['fp32_aten_gflops']:.0f} GFLOP/s")
     dtype = cfg.dtype
     if dtype == "auto":
         fp32_best = max(m["fp32_aten_gflops"], m.get("fp32_onednn_gflops", 0.0))
