@@ -13,12 +13,21 @@ two CPU fp32 GEMM backends (`common/engine/linear.py`), and the attention's FLOP
 the fastest of those GEMMs. A step cannot beat it without fewer FLOPs or a faster GEMM; the
 fraction reached (floor / measured) is what elementwise work, copies and the allocator cost.
 Runs in the benchmark's own process, one thread.
+
+`gemms_in_place(step)`: the other question, whether the step's GEMMs run at their own rate where
+they stand (cold operands, the allocator, the layouts the step uses) or below it. One step runs
+under a dispatch mode that times every GEMM call and runs the same call again at once on the same
+operands; the two times of each call are taken seconds apart, so a machine whose speed drifts
+(shared hosts: the same GEMM moves 56-80 GFLOP/s over tens of seconds on one dev box) cannot pass
+for a slow layout. GEMMs inside the attention kernel are not seen (the floor counts attention apart).
 """
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.engine.linear import linear, onednn_available, set_onednn
 
@@ -94,3 +103,61 @@ def gemm_floor(cfg, rows: int, tokens: int, scored: int, reps: int = 3) -> dict:
     out["tflop"] = sum(flops.values()) / 1e12
     out["flops"] = flops
     return out
+
+
+def _gemm_flops(func, args) -> float | None:
+    """FLOPs of one GEMM call, or None if `func` is not one of the step's GEMMs (functional overloads
+    only: an in-place or out= GEMM run twice would change its result)."""
+    name, t = func.name(), [a for a in args if torch.is_tensor(a)]
+    if name in ("aten::mm", "aten::bmm") and func._overloadname == "default":
+        return 2.0 * t[0].numel() * t[1].shape[-1]                   # (.., m, k) @ (.., k, n)
+    if name == "aten::addmm" and func._overloadname == "default":
+        return 2.0 * t[1].numel() * t[2].shape[-1]
+    if name in ("mkldnn::_linear_pointwise", "asyncrl::onednn_linear"):
+        return 2.0 * t[0].numel() * t[1].shape[0]                    # x (.., K), w (N, K)
+    if name == "asyncrl::onednn_linear_dx":
+        return 2.0 * t[0].numel() * t[1].shape[1]                    # dY (.., N), W (N, K)
+    if name == "asyncrl::onednn_linear_dw":
+        return 2.0 * t[0].numel() * t[1].shape[-1]                   # dY (.., N), X (.., K)
+    return None
+
+
+class _GemmTimer(TorchDispatchMode):
+    """Times each GEMM call, then runs it again at once (`gemms_in_place`)."""
+    def __init__(self):
+        super().__init__()
+        self.by_shape = defaultdict(lambda: [0, 0.0, 0.0, 0.0])  # key -> [calls, in place s, again s, FLOPs]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flops = _gemm_flops(func, args)
+        if flops is None:
+            return func(*args, **kwargs)
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        t1 = time.perf_counter()
+        func(*args, **kwargs)
+        t2 = time.perf_counter()
+        ts = [a for a in args if torch.is_tensor(a)]
+        key = (func.name(), tuple(tuple(a.shape) for a in ts), tuple(tuple(a.stride()) for a in ts))
+        rec = self.by_shape[key]
+        rec[0] += 1
+        rec[1] += t1 - t0
+        rec[2] += t2 - t1
+        rec[3] += flops
+        return out
+
+
+def gemms_in_place(step, top: int = 12) -> dict:
+    """Run `step()` once with every GEMM timed where it stands and again at once (module docstring).
+    Returns the totals (s, FLOPs), in_place / again, and the `top` shapes by time, each as
+    [op, shapes, strides, calls, in place s, again s, GFLOP/s in place]."""
+    timer = _GemmTimer()
+    with timer:
+        step()
+    recs = sorted(timer.by_shape.items(), key=lambda kv: -kv[1][1])
+    in_place, again = sum(r[1] for _, r in recs), sum(r[2] for _, r in recs)
+    return {"in_place_s": in_place, "again_s": again, "in_place_over_again": in_place / max(again, 1e-12),
+            "flops": sum(r[3] for _, r in recs), "calls": sum(r[0] for _, r in recs),
+            "by_shape": [[k[0], k[1], k[2], r[0], round(r[1], 3), round(r[2], 3), round(r[3] / r[1] / 1e9, 1)]
+                         for k, r in recs[:top]]}

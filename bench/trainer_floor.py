@@ -15,7 +15,11 @@ memory peaks made the plain one's times swing widely (BENCHMARKS.md), the alloca
 `--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
-on this machine; `frac_of_floor` = floor / ours.
+on this machine, measured again before every rep; `frac_of_floor` is the median of each rep's
+floor / ours, so a machine whose speed drifts between reps moves both alike (on a shared host the
+same GEMM was seen to drift 56-80 GFLOP/s within a minute: one floor for all reps misled by 10%).
+`--gemm-check`: one more step of ours with every GEMM also run again at once where it stands
+(bench/_floor.py: gemms_in_place): whether the step's GEMMs run below their own rate in place.
 
 `--beside-generator`: ours alone and with a generator process decoding on the other core (fp32
 sampler, one thread), alternating: what memory bandwidth and caches shared with a generator cost.
@@ -49,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench._floor import gemm_floor, work_args  # noqa: E402
+from bench._floor import gemm_floor, gemms_in_place, work_args  # noqa: E402
 from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
@@ -226,6 +230,8 @@ def main():
                     help="also time ours alone vs beside a process running fp32 GEMMs (compute-bound) on the other core")
     ap.add_argument("--beside-generator", action="store_true",
                     help="also ours alone vs with a decoding generator process on the other core")
+    ap.add_argument("--gemm-check", action="store_true",
+                    help="also time every GEMM of one step in place and again at once (are they below their rate?)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
@@ -257,34 +263,41 @@ def main():
     times = {k: [] for k in runs}
     for fn, m in runs.values():
         fn(m, tokens, mask, T)  # warm-up
+    scored = int(mask[:, 1:].sum())  # targets: token t+1 scored at position t
+    floors = []
     for _ in range(a.reps):
+        floors.append(gemm_floor(ours.cfg, a.rows, a.tokens, scored, reps=2))  # beside each rep: drift hits both
         for k, (fn, m) in runs.items():
             times[k].append(_timed(fn, m, tokens, mask, T))
-    scored = int(mask[:, 1:].sum())  # targets: token t+1 scored at position t
-    floor = gemm_floor(ours.cfg, a.rows, a.tokens, scored)
+    floor = sorted(floors, key=lambda f: f["floor_s"])[len(floors) // 2]  # the median rep's floor
+
+    def frac(k: str) -> float:  # median over reps of that rep's floor / step
+        return round(statistics.median(f["floor_s"] / t for f, t in zip(floors, times[k])), 3)
     res = {"bench": "trainer_floor", "model": a.model, "cpu": auto.cpu.get("model"), "flags": auto.cpu.get("flags"),
            "threads": torch.get_num_threads(), "fused": not a.no_fused, "rows": a.rows, "tokens": a.tokens, "scored": scored, "reps": a.reps,
            "precision": prec.summary(), "tflop": round(floor["tflop"], 3),
-           "floor_s": round(floor["floor_s"], 3), "floor_parts_s": {k: round(v, 3) for k, v in floor["parts_s"].items()},
+           "floor_s": round(floor["floor_s"], 3), "floor_all": [round(f["floor_s"], 3) for f in floors], "floor_parts_s": {k: round(v, 3) for k, v in floor["parts_s"].items()},
            "floor_backend": floor["backend"], "gemm_gflops_best": round(floor["gemm_gflops_best"], 1)}
     for k, ts in times.items():
         res[f"{k}_s"] = round(statistics.median(ts), 3)
         res[f"{k}_all"] = [round(t, 3) for t in ts]
-    res["frac_of_floor"] = round(floor["floor_s"] / res["ours_s"], 3)
+    res["frac_of_floor"] = frac("ours")
     if a.compile:
-        res["compiled_frac_of_floor"] = round(floor["floor_s"] / res["ours_compiled_s"], 3)
+        res["compiled_frac_of_floor"] = frac("ours_compiled")
         res["speedup_compiled_vs_eager"] = round(res["ours_s"] / res["ours_compiled_s"], 3)
         if "transformers" in times:
             res["speedup_compiled_vs_transformers"] = round(res["transformers_s"] / res["ours_compiled_s"], 3)
     if a.sdpa:
         res["speedup_kernel_vs_sdpa"] = round(res["ours_sdpa_s"] / res["ours_s"], 3)
     if "transformers" in times:
-        res["transformers_frac_of_floor"] = round(floor["floor_s"] / res["transformers_s"], 3)
+        res["transformers_frac_of_floor"] = frac("transformers")
         res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)
     if a.beside_generator:
         res["beside_generator"] = beside(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps)
     if a.beside_gemm:
         res["beside_gemm"] = beside(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps, _gemm_forever)
+    if a.gemm_check:
+        res["gemms_in_place"] = gemms_in_place(lambda: ours_step(ours, tokens, mask, T))
     if not a.no_profile:
         res["profile_s"] = {k: round(v, 3) for k, v in profile(ours, tokens, mask, T).items() if v >= 0.005}
         if a.compile:  # by kind only: blocks are "rest", their fused kernels "other" (inductor's names)

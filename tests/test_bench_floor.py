@@ -1,8 +1,12 @@
 """bench/_floor.py: the FLOPs counted from a config agree with the model's own parameter count, and
 the floor measures every GEMM of a step (tiny shapes)."""
-from bench._floor import _gemm_shapes, gemm_floor, step_flops
+import pytest
+import torch
+
+from bench._floor import _gemm_shapes, gemm_floor, gemms_in_place, step_flops
 from common.engine.hf_io import load_model
-from common.engine.linear import Linear
+from common.engine.linear import Linear, onednn_available, set_onednn
+from common.ops import token_logp
 from tests.tiny import save_hf
 
 
@@ -22,3 +26,34 @@ def test_linear_flops_are_six_per_parameter_per_token_and_the_floor_covers_every
     floor = gemm_floor(cfg, rows, tokens, scored, reps=1)
     assert set(floor["parts_s"]) == {"linear", "head", "attention"} and floor["floor_s"] > 0
     assert floor["gemm_gflops_best"] > 0 and abs(floor["tflop"] - sum(f.values()) / 1e12) < 1e-12
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_gemms_in_place_sees_every_gemm_of_a_step_once(tmp_path, onednn):
+    """The in-place check times the step's block and head GEMMs (exactly the FLOPs the floor counts
+    for them: the attention kernel's own GEMMs are its part), and its re-runs leave the gradients
+    as a plain step computes them."""
+    if onednn and not onednn_available():
+        pytest.skip("no oneDNN linear in this torch build")
+    save_hf("llama3_untied", tmp_path)
+    model = load_model(str(tmp_path), tokenizer=False)[0]
+    rows, tokens = 3, 10
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, model.cfg.vocab_size, (rows, tokens), generator=g)
+    mask = torch.zeros_like(x, dtype=torch.bool)
+    mask[:, 4:] = True
+    old = set_onednn(onednn)
+    try:
+        def step():
+            model.zero_grad(set_to_none=True)
+            token_logp(model, x, 0.7, mask).sum().backward()
+        step()
+        want = [p.grad.clone() for p in model.parameters()]
+        res = gemms_in_place(step)
+    finally:
+        set_onednn(old)
+    f = step_flops(model.cfg, rows, tokens, int(mask[:, 1:].sum()))
+    assert res["flops"] == f["linear"] + f["head"]
+    assert res["in_place_s"] > 0 and res["again_s"] > 0 and res["by_shape"]
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
