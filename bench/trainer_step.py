@@ -11,7 +11,8 @@ at T = 0.7; the trainer recomputes the same tokens' log-probs with its weights; 
 mean and max |difference| per token and the mean exp(diff) - 1 (the importance weight's bias).
 For fp32 both sides are fp32 and the difference is kernel rounding only. The fp32 forward +
 backward is also set against its FLOP floor on this machine (`floor_s`, `frac_of_floor`:
-bench/_floor.py; bench/trainer_floor.py has the profile). Prints one JSON line.
+bench/_floor.py, measured beside every rep; the fraction is the median of the reps' own;
+bench/trainer_floor.py has the profile). Prints one JSON line.
 
     python bench/trainer_step.py              # 16 x 200 tokens, 3 reps (~4 min on 2 cores)
     python bench/trainer_step.py --quick      # 4 x 64 tokens, 1 rep
@@ -173,7 +174,9 @@ def main():
         step_times(m, opt, tokens, mask)  # warm-up (oneDNN kernel creation, AdamW state)
         models[name] = (m, opt)
     times = {n: {"fwd_bwd_s": [], "opt_s": []} for n in precs}
+    floors = []  # the fp32 step's FLOP floor (bench/_floor.py), beside every rep: drift hits both alike
     for _ in range(a.reps):
+        floors.append(gemm_floor(models["fp32"][0].cfg, a.rows, a.tokens, int(mask[:, 1:].sum()), reps=2))
         for name, p in precs.items():  # alternate, so drift on a shared machine hits both alike
             p.apply()
             fb, o = step_times(*models[name], tokens, mask)
@@ -191,10 +194,11 @@ def main():
                      "tok_s": int(mask.sum()) / (fb + o), "fwd_bwd_all": times[name]["fwd_bwd_s"],
                      "mismatch": mismatch(p, a.model, models[name][0], prompts)}
     res["speedup_step"] = res["fp32"]["step_s"] / res["auto"]["step_s"]
-    # the fp32 step against its FLOP floor on this machine (bench/_floor.py; bf16 has none measured)
-    floor = gemm_floor(models["fp32"][0].cfg, a.rows, a.tokens, int(mask[:, 1:].sum()))
-    res["fp32"].update(floor_s=floor["floor_s"], tflop=floor["tflop"], gemm_gflops_best=floor["gemm_gflops_best"],
-                       frac_of_floor=floor["floor_s"] / res["fp32"]["fwd_bwd_s"])
+    # the fp32 step against its FLOP floor on this machine (bf16 has none measured): median of each rep's ratio
+    fracs = [f["floor_s"] / t for f, t in zip(floors, times["fp32"]["fwd_bwd_s"])]
+    res["fp32"].update(floor_s=statistics.median(f["floor_s"] for f in floors), floor_all=[f["floor_s"] for f in floors],
+                       tflop=floors[0]["tflop"], gemm_gflops_best=max(f["gemm_gflops_best"] for f in floors),
+                       frac_of_floor=statistics.median(fracs))
     print(json.dumps(res))
 
 
