@@ -14,8 +14,6 @@ no time (a training step's peak memory and speed: BENCHMARKS.md).
              dW_gate = da^T x, dW_up = db^T x, dW_down = dy^T h,  dx = da W_gate + db W_up
     RMSNorm  y = w * x r,      r = 1 / sqrt(mean(x^2) + eps)   (per row; r saved, (rows, 1))
              dw = sum_rows(dy * x r),  dx = r (g - x r * mean(g * x r)),  g = dy * w
-             computed from one product p = dy * x:  dw = p^T r,  dx = r (dy * w) - x r^3 (p w) / D
-             (two matrix-vector products and three passes per block instead of ten passes)
 """
 from __future__ import annotations
 
@@ -117,10 +115,10 @@ class _RMSNorm(torch.autograd.Function):
         dx = torch.empty_like(x)
         dw = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for r0, r1 in _blocks(*x.shape):
-            xb, gb, rb = x[r0:r1], dy[r0:r1], r[r0:r1]
-            p = gb * xb                                                    # dy x
+            xn = x[r0:r1] * r[r0:r1]                                       # x r
+            g = dy[r0:r1] * weight
             if dw is not None:
-                dw.addmv_(p.t(), rb.view(-1))                              # sum_rows dy x r
-            coef = rb.pow(3).mul_((p @ weight).unsqueeze(-1)).div_(-x.shape[-1])  # -r^3 (dy x . w) / D
-            torch.mul(gb, weight, out=dx[r0:r1]).mul_(rb).addcmul_(xb, coef)
+                dw.add_((dy[r0:r1] * xn).sum(0))
+            c = (g * xn).mean(-1, keepdim=True)
+            torch.mul(g.sub_(xn.mul_(c)), r[r0:r1], out=dx[r0:r1])
         return dx.view(ctx.shape), dw, None
