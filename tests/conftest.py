@@ -1,6 +1,10 @@
-"""Shared test setup: one thread, fp32, deterministic seeds; skip `gpu` tests without CUDA."""
+"""Shared test setup: one thread, fp32, deterministic seeds, default kernels; skip `gpu` tests without CUDA."""
 import pytest
 import torch
+
+from common.engine.causal_attention import set_kernel
+from common.engine.fused import set_fused
+from common.engine.linear import set_onednn
 
 torch.set_num_threads(1)
 
@@ -17,6 +21,18 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _default_kernels():
+    """Every test starts on the process-wide defaults: oneDNN routing where available, our attention
+    kernel, the blocked MLP/RMSNorm. A test that runs a trainer in this process applies the precision
+    this machine resolves (`Precision.apply`), and on a CPU where `auto` picks ATen or SDPA that
+    choice would otherwise stay for every later test."""
+    set_kernel(True)
+    set_onednn(True)
+    set_fused(True)
+    yield
 
 
 @pytest.fixture(scope="module")

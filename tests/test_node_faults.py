@@ -19,7 +19,10 @@ from tests.nodes_run import SCRIPT, agent, alive, finish, free_port, logs_dir, o
     two_nodes, wait_for
 from tests.tiny import save_hf
 
-STALL_S = 8  # train.stall_timeout in these runs
+# train.stall_timeout in these runs. A node is silent until its main loop beats, so this must also
+# cover a node's start (imports, model, the world): 8 s was too short for three nodes on a 2-core
+# AVX2 box, where a resumed run named its generator node silent before it had started.
+STALL_S = 20
 SLACK_S = 25  # what a stop may take past the stall timeout: checkpoint, leaving the world, the agents' exit
 
 
@@ -49,7 +52,7 @@ def _running(tmp_path, model, *more, nnodes: int = 2, trainer_nodes: int = 1):
     procs = start([agent(port, *_args(tmp_path, model, *more), node_rank=k, nnodes=nnodes, trainer_nodes=trainer_nodes)
                    for k in range(nnodes)], logs, NODES_TOY_STEP_S="0.5")
     try:
-        wait_for(lambda: len(steps(tmp_path)) >= 3, 120)
+        wait_for(lambda: len(steps(tmp_path)) >= 3, 300)
         pids = wait_for(lambda: (p := run_pids(tmp_path / "toy")) and "node1/node" in p and p, 30)
     except BaseException:
         for p in procs:  # the agents' sessions; the workers' own sessions end with their agents
@@ -198,7 +201,7 @@ def test_sigterm_checkpoints_the_last_step_and_the_run_resumes(model, tmp_path):
     logs, shm = logs_dir(tmp_path), _shm()
     args = [str(SCRIPT), *_args(tmp_path, model, "--train.checkpoint_every=0")]
     procs = start([[sys.executable, *args]], logs, NODES_TOY_STEP_S="0.5")
-    wait_for(lambda: len(steps(tmp_path)) >= 3, 120)
+    wait_for(lambda: len(steps(tmp_path)) >= 3, 300)
     pids = run_pids(tmp_path / "toy")
     os.kill(pids["trainer"], signal.SIGTERM)
     out = finish(procs, logs, ok=False, bound_s=SLACK_S)[0]
