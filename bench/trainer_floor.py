@@ -16,8 +16,8 @@ memory peaks made the plain one's times swing widely (BENCHMARKS.md), the alloca
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
 on this machine, measured again before every rep; `frac_of_floor` is the median of each rep's
-floor / ours, so a machine whose speed drifts between reps moves both alike (on a shared host the
-same GEMM was seen to drift 56-80 GFLOP/s within a minute: one floor for all reps misled by 10%).
+floor / ours, so a machine whose speed drifts between reps moves both alike (on a shared host one
+floor for all reps misled by several points: BENCHMARKS.md, the AVX2 EPYC section).
 `--gemm-check`: one more step of ours with every GEMM also run again at once where it stands
 (bench/_floor.py: gemms_in_place): whether the step's GEMMs run below their own rate in place.
 
