@@ -17,8 +17,9 @@ Runs in the benchmark's own process, one thread.
 `gemms_in_place(step)`: the other question, whether the step's GEMMs run at their own rate where
 they stand (cold operands, the allocator, the layouts the step uses) or below it. One step runs
 under a dispatch mode that times every GEMM call and runs the same call again at once on the same
-operands; the two times of each call are taken moments apart, so a machine whose speed drifts
-over seconds (shared hosts: BENCHMARKS.md) cannot pass for a slow layout. GEMMs inside the attention kernel are not seen (the floor counts attention apart).
+operands (now warm in cache); the two times of each call are taken moments apart, so a machine
+whose speed drifts over seconds (shared hosts: BENCHMARKS.md) cannot pass for a slow layout.
+GEMMs inside the attention kernel are not seen (the floor counts attention apart).
 """
 from __future__ import annotations
 
