@@ -23,6 +23,7 @@ GEMMs inside the attention kernel are not seen (the floor counts attention apart
 """
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 
@@ -103,6 +104,12 @@ def gemm_floor(cfg, rows: int, tokens: int, scored: int, reps: int = 3) -> dict:
     out["tflop"] = sum(flops.values()) / 1e12
     out["flops"] = flops
     return out
+
+
+def frac_of_floor(floors: list[dict], times: list[float]) -> float:
+    """The median over reps of each rep's floor / step seconds: `floors[i]` (a `gemm_floor` result)
+    measured beside `times[i]`, so a machine whose speed drifts between reps moves both alike."""
+    return statistics.median(f["floor_s"] / t for f, t in zip(floors, times, strict=True))
 
 
 def _gemm_flops(func, args) -> float | None:

@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench._floor import gemm_floor, gemms_in_place, work_args  # noqa: E402
+from bench._floor import frac_of_floor, gemm_floor, gemms_in_place, work_args  # noqa: E402
 from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
@@ -271,8 +271,8 @@ def main():
             times[k].append(_timed(fn, m, tokens, mask, T))
     floor = sorted(floors, key=lambda f: f["floor_s"])[len(floors) // 2]  # the median rep's floor
 
-    def frac(k: str) -> float:  # median over reps of that rep's floor / step
-        return round(statistics.median(f["floor_s"] / t for f, t in zip(floors, times[k])), 3)
+    def frac(k: str) -> float:
+        return round(frac_of_floor(floors, times[k]), 3)
     res = {"bench": "trainer_floor", "model": a.model, "cpu": auto.cpu.get("model"), "flags": auto.cpu.get("flags"),
            "threads": torch.get_num_threads(), "fused": not a.no_fused, "rows": a.rows, "tokens": a.tokens, "scored": scored, "reps": a.reps,
            "precision": prec.summary(), "tflop": round(floor["tflop"], 3),

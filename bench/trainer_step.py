@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench._floor import gemm_floor, work_args  # noqa: E402
+from bench._floor import frac_of_floor, gemm_floor, work_args  # noqa: E402
 from common.batch import Trajectory, collate  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
@@ -174,9 +174,9 @@ def main():
         step_times(m, opt, tokens, mask)  # warm-up (oneDNN kernel creation, AdamW state)
         models[name] = (m, opt)
     times = {n: {"fwd_bwd_s": [], "opt_s": []} for n in precs}
-    floors = []  # the fp32 step's FLOP floor (bench/_floor.py), beside every rep: drift hits both alike
+    floors, scored = [], int(mask[:, 1:].sum())  # the fp32 step's FLOP floor (bench/_floor.py), beside every rep
     for _ in range(a.reps):
-        floors.append(gemm_floor(models["fp32"][0].cfg, a.rows, a.tokens, int(mask[:, 1:].sum()), reps=2))
+        floors.append(gemm_floor(models["fp32"][0].cfg, a.rows, a.tokens, scored, reps=2))
         for name, p in precs.items():  # alternate, so drift on a shared machine hits both alike
             p.apply()
             fb, o = step_times(*models[name], tokens, mask)
@@ -195,10 +195,9 @@ def main():
                      "mismatch": mismatch(p, a.model, models[name][0], prompts)}
     res["speedup_step"] = res["fp32"]["step_s"] / res["auto"]["step_s"]
     # the fp32 step against its FLOP floor on this machine (bf16 has none measured): median of each rep's ratio
-    fracs = [f["floor_s"] / t for f, t in zip(floors, times["fp32"]["fwd_bwd_s"])]
     res["fp32"].update(floor_s=statistics.median(f["floor_s"] for f in floors), floor_all=[f["floor_s"] for f in floors],
                        tflop=floors[0]["tflop"], gemm_gflops_best=max(f["gemm_gflops_best"] for f in floors),
-                       frac_of_floor=statistics.median(fracs))
+                       frac_of_floor=frac_of_floor(floors, times["fp32"]["fwd_bwd_s"]))
     print(json.dumps(res))
 
 

@@ -3,7 +3,7 @@ the floor measures every GEMM of a step (tiny shapes)."""
 import pytest
 import torch
 
-from bench._floor import _gemm_shapes, gemm_floor, gemms_in_place, step_flops
+from bench._floor import _gemm_shapes, frac_of_floor, gemm_floor, gemms_in_place, step_flops
 from common.engine.hf_io import load_model
 from common.engine.linear import Linear, onednn_available, set_onednn
 from common.ops import token_logp
@@ -57,3 +57,12 @@ def test_gemms_in_place_sees_every_gemm_of_a_step_once(tmp_path, onednn):
     assert res["in_place_s"] > 0 and res["again_s"] > 0 and res["by_shape"]
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w, rtol=0, atol=0)
+
+
+def test_frac_of_floor_is_the_median_of_each_reps_own_ratio():
+    """A floor measured in a slow moment pairs with the step beside it, not with the median step."""
+    floors = [{"floor_s": 1.0}, {"floor_s": 2.0}, {"floor_s": 3.0}]
+    assert frac_of_floor(floors, [2.0, 2.0, 3.0]) == 1.0  # ratios 0.5, 1, 1 (median floor / median step: 2/2 too)
+    assert frac_of_floor(floors, [1.25, 4.0, 3.0]) == 0.8  # ratios 0.8, 0.5, 1 (median floor / median step: 2/3)
+    with pytest.raises(ValueError):
+        frac_of_floor(floors, [1.0, 2.0])
