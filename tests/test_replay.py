@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.engine.causal_attention import kernel_enabled
 from common.engine.hf_io import load_model
+from common.engine.linear import onednn_available, onednn_enabled
 from common.log import read_metrics
 from common.replay import main as replay_main
 from common.replay import replay, replay_config
@@ -104,11 +106,16 @@ def test_replay_under_other_losses_and_cli(tmp_path, capsys):
 
 def test_replay_runs_with_the_recorded_threads(tmp_path, monkeypatch):
     """The CPU thread count decides how a GEMM splits its sums: the stream records the trainer's,
-    the replay runs with it (and ranks it spawns would), both give the caller's count back."""
+    the replay runs with it (and ranks it spawns would), both give the caller's count back, and
+    the caller's kernels too (the run applies its own precision: here SDPA, not our attention)."""
     monkeypatch.setenv("ASYNCRL_NUM_THREADS", "2")
     cfg = _record_cfg(tmp_path, steps=3)
+    cfg.precision.attention, cfg.precision.gemm = "sdpa", "aten"
+    caller = (kernel_enabled(), onednn_enabled())
+    assert caller == (True, onednn_available())  # tests/conftest.py's defaults
     train(cfg, make_algo(cfg), _prompts(), toy_reward, stop_token_ids=())
     assert torch.get_num_threads() == 1  # tests/conftest.py's, restored
+    assert (kernel_enabled(), onednn_enabled()) == caller
     run = Path(cfg.run_root) / cfg.name
     assert [seg["threads"] for seg in read_meta(run / "stream")["segments"]] == [2]
     monkeypatch.delenv("ASYNCRL_NUM_THREADS")
@@ -116,13 +123,15 @@ def test_replay_runs_with_the_recorded_threads(tmp_path, monkeypatch):
 
     class Watched(TBA):
         def backward(self, model, batch, step):
-            seen.append((torch.get_num_threads(), os.environ.get("ASYNCRL_NUM_THREADS")))
+            seen.append((torch.get_num_threads(), os.environ.get("ASYNCRL_NUM_THREADS"),
+                         kernel_enabled(), onednn_enabled()))
             return super().backward(model, batch, step)
 
     replay(run, lambda c: Watched(c.tba, c.train.prompts_per_step, c.gen.n, c.gen.temperature,
                                   c.train.micro_batch_tokens), name="again")
-    assert seen == [(2, "2")] * 3
+    assert seen == [(2, "2", False, False)] * 3  # the recording's precision, applied
     assert torch.get_num_threads() == 1 and "ASYNCRL_NUM_THREADS" not in os.environ
+    assert (kernel_enabled(), onednn_enabled()) == caller
     _assert_same_weights(_final_weights(Path(cfg.run_root) / "again"), _final_weights(run), atol=0.0)
 
 

@@ -41,6 +41,10 @@ def set_kernel(enabled: bool) -> bool:
     return old
 
 
+def kernel_enabled() -> bool:
+    return _enabled
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) + causal mask) v. q (B, H, T, hd), k/v (B, Hkv, T, hd) with H a
     multiple of Hkv, any strides -> (B, T, H, hd), contiguous on the kernel's path."""

@@ -31,6 +31,7 @@ reruns on one machine make the same choice; `--precision.remeasure` refreshes it
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -46,9 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.attention import attend_lse
-from common.engine.causal_attention import causal_attention, set_kernel
+from common.engine.causal_attention import causal_attention, kernel_enabled, set_kernel
 from common.engine.hf_io import cache_root, load_model
-from common.engine.linear import onednn_available, set_onednn
+from common.engine.linear import onednn_available, onednn_enabled, set_onednn
 
 BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
 # autocast adds a weight cast per micro-batch, so a smaller GEMM gain would not pay for them
@@ -125,6 +126,19 @@ class Precision:
     def from_dict(cls, d: dict) -> "Precision":
         """A saved `to_dict()`. One saved before `attention` existed ran SDPA: replaying it keeps that."""
         return cls(**{"attention": "sdpa", **d})
+
+
+@contextlib.contextmanager
+def kernels_kept():
+    """Give the process its GEMM backend and attention kernel back after the block, whatever
+    `Precision.apply` chose inside it: `train` or a replay run in a notebook's or a script's
+    process leaves that process's later model calls on the kernels it had."""
+    gemm, attention = onednn_enabled(), kernel_enabled()
+    try:
+        yield
+    finally:
+        set_onednn(gemm)
+        set_kernel(attention)
 
 
 def cpu_info() -> dict:

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from common.engine.precision import kernels_kept
+
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 
 
@@ -33,19 +35,23 @@ def cap_threads() -> None:
 
 
 @contextlib.contextmanager
-def trainer_process(device: str, threads: int | None = None):
+def trainer_process(device: str, threads: int | None = None, precision=None):
     """Run a trainer in the caller's process (`train`, a replay) as a worker runs: with
     `set_process_defaults(device)`, and `threads` intra-op threads if given (a replay: the
     recording's), also in the trainer ranks spawned meanwhile (they read ASYNCRL_NUM_THREADS).
-    Yields the thread count. The count and that variable are restored after, so a notebook's
-    kernel or a script keeps its own. Why a fixed count: it decides how a CPU GEMM splits its
-    sums, so a run computed with another count than its replay differs in the last bits."""
+    Yields the thread count. The count, that variable, and the GEMM backend and attention kernel
+    (`precision` applied here if given; `train` applies its own inside) are restored after, so a
+    notebook's kernel or a script keeps its own. Why a fixed count: it decides how a CPU GEMM
+    splits its sums, so a run computed with another count than its replay differs in the last bits."""
     before, env = torch.get_num_threads(), os.environ.get("ASYNCRL_NUM_THREADS")
     if threads is not None:
         os.environ["ASYNCRL_NUM_THREADS"] = str(threads)
     try:
-        set_process_defaults(device)
-        yield torch.get_num_threads()
+        with kernels_kept():
+            set_process_defaults(device)
+            if precision is not None:
+                precision.apply()
+            yield torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
         if env is None:

@@ -58,7 +58,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
         raise ValueError(f"replay into {run_dir} would mix with the recorded run: choose another name")
     run_dir = prepare_run_dir(cfg, resume=False)
     (run_dir / "replay_of.json").write_text(json.dumps({"stream": str(stream.resolve()), "steps": n}) + "\n")
-    prec = (precision or Precision.from_dict(meta["precision"])).apply()
+    prec = precision or Precision.from_dict(meta["precision"])  # applied in `trainer_process`, restored after
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
     device = rank_device(tc.device, 0) if tc.trainer_devices > 1 else tc.device
     model, tok = prec.load(cfg.model, device=device, role="trainer")
@@ -71,7 +71,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     recorded_lr = all(rec_train.get(k) == getattr(tc, k) for k in _LR_KEYS)
     generation = meta.get("generation")
     # the recording's CPU threads, also for ranks spawned by the group (same GEMM sums, same bits)
-    with trainer_process(tc.device, recorded_threads(meta)), \
+    with trainer_process(tc.device, recorded_threads(meta), prec), \
             TrainerGroup(model, tc, prec, cfg.model, algo, None, run_dir) as group:
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         logger = MetricsLogger(run_dir, use_tensorboard=cfg.log.tensorboard, use_wandb=cfg.log.wandb,
