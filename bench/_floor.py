@@ -8,9 +8,11 @@ completion tokens), L layers, hidden D, heads H / Hkv of width hd, MLP width I, 
                                                                 PV, backward dV, dP, dQ, dK and the
                                                                 recomputed QK^T (2 + 5 GEMMs)
   head       6 * n * D * V                                      on the scored positions only
-The floor: every GEMM of the step timed alone at its own shape, on the faster of this machine's
-two CPU fp32 GEMM backends (`common/engine/linear.py`), and the attention's FLOPs at the rate of
-the fastest of those GEMMs. A step cannot beat it without fewer FLOPs or a faster GEMM; the
+The floor: every GEMM of the step timed alone at its own shape in `linear`'s layout (x W^T), on
+the faster of this machine's two CPU fp32 GEMM backends (`common/engine/linear.py`) for each part,
+and the attention's FLOPs at the rate of the fastest of those GEMMs. The backend the floor names
+can differ from the step's: the step's dX and dW run as dY W and dY^T X, whose rates differ by
+backend (BENCHMARKS.md, the AVX2 EPYC section). A step cannot beat it without fewer FLOPs or a faster GEMM; the
 fraction reached (floor / measured) is what elementwise work, copies and the allocator cost.
 Runs in the benchmark's own process, one thread.
 
@@ -85,15 +87,13 @@ def gemm_floor(cfg, rows: int, tokens: int, scored: int, reps: int = 3) -> dict:
     out, best_rate = {"parts_s": {}, "backend": {}}, 0.0
     try:
         for part, shapes in _gemm_shapes(cfg, rows * tokens, scored).items():
-            per = {}
-            for on in backends:
-                set_onednn(on)
-                s = 0.0
-                for m, k, nout, count in shapes:
+            per = {"onednn" if on else "aten": 0.0 for on in backends}
+            for m, k, nout, count in shapes:
+                for on in backends:  # both backends at one shape moments apart: drift hits them alike
+                    set_onednn(on)
                     t = _time_gemm(m, k, nout, reps)
                     best_rate = max(best_rate, 2 * m * k * nout / t)
-                    s += count * t
-                per["onednn" if on else "aten"] = s
+                    per["onednn" if on else "aten"] += count * t
             win = min(per, key=per.get)
             out["parts_s"][part], out["backend"][part] = per[win], win
     finally:
