@@ -32,7 +32,7 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.engine.linear import linear, onednn_available, set_onednn
+from common.engine.linear import linear, linear_dw, linear_dx, onednn_available, set_onednn
 
 
 def work_args(ap) -> None:
@@ -54,15 +54,21 @@ def step_flops(cfg, rows: int, tokens: int, scored: int) -> dict[str, float]:
             "head": 6.0 * scored * D * cfg.vocab_size}
 
 
+def _weights(cfg, M: int, n: int) -> dict[str, list[tuple[int, int, int, int]]]:
+    """part -> [(m, k, nout, count)]: every weight's forward GEMM of a step as linear(x (m, k),
+    w (nout, k)), `count` such weights per step."""
+    D, H, Hkv, hd, I, L, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                              cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
+    lin = [(M, k, nout, count * L) for k, nout, count in [(D, H * hd, 1), (D, Hkv * hd, 2), (H * hd, D, 1),
+                                                          (D, I, 2), (I, D, 1)]]
+    return {"linear": lin, "head": [(n, D, V, 1)]}
+
+
 def _gemm_shapes(cfg, M: int, n: int) -> dict[str, list[tuple[int, int, int, int]]]:
     """part -> [(m, k, nout, count)]: every GEMM of a step as linear(x (m, k), w (nout, k)),
     forward (x W^T), dX (dY W) and dW (dY^T X), `count` times each per step."""
-    D, H, Hkv, hd, I, L, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                              cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
-    lin = []
-    for k, nout, count in [(D, H * hd, 1), (D, Hkv * hd, 2), (H * hd, D, 1), (D, I, 2), (I, D, 1)]:
-        lin += [(M, k, nout, count * L), (M, nout, k, count * L), (nout, M, k, count * L)]
-    return {"linear": lin, "head": [(n, D, V, 1), (n, V, D, 1), (V, n, D, 1)]}
+    return {part: [s for m, k, nout, c in ws for s in ((m, k, nout, c), (m, nout, k, c), (nout, m, k, c))]
+            for part, ws in _weights(cfg, M, n).items()}
 
 
 def _time_gemm(m: int, k: int, nout: int, reps: int) -> float:
@@ -104,6 +110,40 @@ def gemm_floor(cfg, rows: int, tokens: int, scored: int, reps: int = 3) -> dict:
     out["tflop"] = sum(flops.values()) / 1e12
     out["flops"] = flops
     return out
+
+
+def backend_ab(cfg, rows: int, tokens: int, scored: int, pairs: int = 7) -> dict:
+    """The step's GEMMs in the layouts the step runs them (forward x W^T through `linear`, dX = dY W
+    through `linear_dx`, dW = dY^T X through `linear_dw`), oneDNN and ATen alternating call by
+    call, `pairs` times each: seconds per step on each backend (medians times counts), and the
+    median per-call ratio for each GEMM. What the floor's forward-layout timing cannot say: which
+    backend the step itself should run. Needs oneDNN."""
+    if not onednn_available():
+        raise RuntimeError("backend_ab: this PyTorch has no oneDNN linear (nothing to compare)")
+    g = torch.Generator().manual_seed(0)
+    total, by_gemm = {"onednn": 0.0, "aten": 0.0}, {}
+    old = set_onednn(True)
+    try:
+        for part, ws in _weights(cfg, rows * tokens, scored).items():
+            for i, (m, k, nout, count) in enumerate(ws):
+                x, w, dy = (torch.randn(*s, generator=g) for s in ((m, k), (nout, k), (m, nout)))
+                for name, fn in (("fwd", lambda: linear(x, w)), ("dx", lambda: linear_dx(dy, w)),
+                                 ("dw", lambda: linear_dw(dy, x))):
+                    t = {True: [], False: []}
+                    for on in (True, False, *[o for _ in range(pairs) for o in (True, False)]):
+                        set_onednn(on)
+                        t0 = time.perf_counter()
+                        fn()
+                        t[on].append(time.perf_counter() - t0)
+                    one, at = t[True][1:], t[False][1:]  # the first of each: warm-up
+                    total["onednn"] += count * statistics.median(one)
+                    total["aten"] += count * statistics.median(at)
+                    by_gemm[f"{part}[{i}] {m}x{k}->{nout} {name}"] = round(statistics.median(
+                        [a / b for a, b in zip(one, at)]), 3)
+    finally:
+        set_onednn(old)
+    return {"onednn_s": round(total["onednn"], 3), "aten_s": round(total["aten"], 3),
+            "onednn_over_aten": round(total["onednn"] / total["aten"], 3), "by_gemm_onednn_over_aten": by_gemm}
 
 
 def frac_of_floor(floors: list[dict], times: list[float]) -> float:

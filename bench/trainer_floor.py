@@ -18,6 +18,8 @@ alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alo
 on this machine, measured again before every rep; `frac_of_floor` is the median of each rep's
 floor / ours, so a machine whose speed drifts between reps moves both alike (on a shared host one
 floor for all reps misled by several points: BENCHMARKS.md, the AVX2 EPYC section).
+`--backend-ab`: the step's GEMMs in their own layouts (forward, dX, dW) on oneDNN and ATen alternating
+call by call (bench/_floor.py: backend_ab): the floor times every GEMM in the forward layout only.
 `--gemm-check`: one more step of ours with every GEMM also run again at once where it stands
 (bench/_floor.py: gemms_in_place): whether the step's GEMMs run below their own rate in place.
 
@@ -53,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench._floor import frac_of_floor, gemm_floor, gemms_in_place, work_args  # noqa: E402
+from bench._floor import backend_ab, frac_of_floor, gemm_floor, gemms_in_place, work_args  # noqa: E402
 from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
@@ -232,6 +234,8 @@ def main():
                     help="also ours alone vs with a decoding generator process on the other core")
     ap.add_argument("--gemm-check", action="store_true",
                     help="also time every GEMM of one step in place and again at once (are they below their rate?)")
+    ap.add_argument("--backend-ab", action="store_true",
+                    help="also the step's GEMMs in their own layouts on oneDNN vs ATen, alternating (which should it run?)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
@@ -298,6 +302,8 @@ def main():
         res["beside_gemm"] = beside(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps, _gemm_forever)
     if a.gemm_check:
         res["gemms_in_place"] = gemms_in_place(lambda: ours_step(ours, tokens, mask, T))
+    if a.backend_ab:
+        res["backend_ab"] = backend_ab(ours.cfg, a.rows, a.tokens, scored)
     if not a.no_profile:
         res["profile_s"] = {k: round(v, 3) for k, v in profile(ours, tokens, mask, T).items() if v >= 0.005}
         if a.compile:  # by kind only: blocks are "rest", their fused kernels "other" (inductor's names)

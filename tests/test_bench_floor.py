@@ -3,7 +3,7 @@ the floor measures every GEMM of a step (tiny shapes)."""
 import pytest
 import torch
 
-from bench._floor import _gemm_shapes, frac_of_floor, gemm_floor, gemms_in_place, step_flops
+from bench._floor import _gemm_shapes, backend_ab, frac_of_floor, gemm_floor, gemms_in_place, step_flops
 from common.engine.hf_io import load_model
 from common.engine.linear import Linear, onednn_available, set_onednn
 from common.ops import token_logp
@@ -66,3 +66,22 @@ def test_frac_of_floor_is_the_median_of_each_reps_own_ratio():
     assert frac_of_floor(floors, [1.25, 4.0, 3.0]) == 0.8  # ratios 0.8, 0.5, 1 (median floor / median step: 2/3)
     with pytest.raises(ValueError):
         frac_of_floor(floors, [1.0, 2.0])
+
+
+def test_backend_ab_times_each_weights_three_gemms_on_both_backends(tmp_path):
+    """Every weight's forward, dX and dW GEMM (blocks and head) gets a per-call ratio, and the totals
+    are the two backends' seconds of a step; the caller's backend is left as it was."""
+    if not onednn_available():
+        pytest.skip("no oneDNN linear in this torch build")
+    save_hf("llama3_untied", tmp_path)
+    cfg = load_model(str(tmp_path), tokenizer=False)[0].cfg
+    old = set_onednn(False)
+    try:
+        res = backend_ab(cfg, 3, 10, 12, pairs=2)
+        assert set_onednn(False) is False  # restored
+    finally:
+        set_onednn(old)
+    by = res["by_gemm_onednn_over_aten"]
+    assert len(by) == 3 * (5 + 1) and all(v > 0 for v in by.values())  # 5 block weights + the head, x3
+    assert sum(k.endswith(" dw") for k in by) == 6 and any(k.startswith("head[0] ") for k in by)
+    assert res["onednn_s"] > 0 and res["aten_s"] > 0 and res["onednn_over_aten"] > 0
