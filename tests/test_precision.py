@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from common.engine.hf_io import load_model
-from common.engine.linear import Linear, set_onednn
+from common.engine.linear import Linear, onednn_available, onednn_enabled, set_onednn
+import common.engine.machine as machine
 import common.engine.precision as P
 from common.engine.precision import Precision, PrecisionConfig, resolve
 from common.engine.sampler import Sampler
@@ -25,6 +26,7 @@ from common.runtime.weights import WeightStore
 from tests.tiny import save_hf
 
 FAKE = {"shape": [256, 576, 1536], "fp32_aten_gflops": 100.0, "fp32_onednn_gflops": 200.0,
+        "fp32_aten_train_ms": 20.0, "fp32_onednn_train_ms": 10.0, "fp32_onednn_over_aten_train": 0.5,
         "bf16_gflops": 500.0, "attn_fp32_ms": 1.0, "attn_bf16_ms": 5.0,
         "full_attn_kernel_ms": 5.0, "full_attn_sdpa_ms": 8.0}
 
@@ -46,13 +48,33 @@ def test_auto_picks_bf16_only_with_bf16_hardware_and_a_measured_gain(monkeypatch
     assert "2.50x" in p.why and p.measured["bf16_gflops"] == 500.0
     _fake_machine(monkeypatch, ["avx512f", "avx512_bf16"], {**FAKE, "bf16_gflops": 250.0, "attn_bf16_ms": 0.5})
     assert resolve(PrecisionConfig()).dtype == "fp32"  # 1.25x < BF16_MIN_GAIN
-    calls = _fake_machine(monkeypatch, ["avx512f", "avx2"], {**FAKE, "fp32_aten_gflops": 300.0})
+    calls = _fake_machine(monkeypatch, ["avx512f", "avx2"], {**FAKE, "fp32_onednn_over_aten_train": 1.2})
     p = resolve(PrecisionConfig())
     assert (p.dtype, p.gemm, p.kv) == ("fp32", "aten", "fp32") and calls == [False]  # bf16 not even measured
     assert "no AMX-BF16" in p.why
     _fake_machine(monkeypatch, ["avx2"], {**FAKE, "full_attn_kernel_ms": 9.0})
     p = resolve(PrecisionConfig())
     assert p.attention == "sdpa" and "causal attention kernel 9.0 vs SDPA 8.0 ms" in p.why
+
+
+def test_the_gemm_backend_is_the_faster_on_the_trainers_gemms(monkeypatch):
+    """Not the faster forward GEMM: a backend can win x W^T and lose the backward's layouts (an
+    AVX2 EPYC: oneDNN ahead on forward GEMMs, its training step far behind ATen's)."""
+    _fake_machine(monkeypatch, ["avx2"], {**FAKE, "fp32_aten_train_ms": 10.0, "fp32_onednn_train_ms": 12.0,
+                                          "fp32_onednn_over_aten_train": 1.18})  # forward: oneDNN 200 vs 100
+    p = resolve(PrecisionConfig())
+    assert p.gemm == "aten" and "trainer fp32 GEMMs oneDNN 12.0 vs ATen 10.0 ms" in p.why
+    no_onednn = {k: v for k, v in FAKE.items() if "onednn" not in k}  # a torch build without oneDNN's linear
+    _fake_machine(monkeypatch, ["avx2"], no_onednn)
+    assert resolve(PrecisionConfig()).gemm == "aten"
+
+
+def test_trainer_gemms_are_timed_alternating_on_both_backends():
+    m = machine._trainer_gemms(rounds=2)
+    assert m["fp32_aten_train_ms"] > 0
+    if onednn_available():
+        assert m["fp32_onednn_train_ms"] > 0 and m["fp32_onednn_over_aten_train"] > 0
+    assert onednn_enabled() == onednn_available()  # the caller's backend (tests/conftest.py's default) given back
 
 
 def test_forced_choices_skip_the_measurement(monkeypatch):
@@ -71,6 +93,7 @@ def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
     info = P.cpu_info()
     m = P.measured(info, bf16=True)
     assert m["fp32_aten_gflops"] > 0 and m["bf16_gflops"] > 0 and m["attn_fp32_ms"] > 0 and "cached" not in m
+    assert m["fp32_aten_train_ms"] > 0
     assert m["full_attn_kernel_ms"] > 0 and m["full_attn_sdpa_ms"] > 0
     files = list((tmp_path / "precision").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["bf16_gflops"] == m["bf16_gflops"]

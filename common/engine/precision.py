@@ -12,8 +12,8 @@ processes, which apply it without measuring again. Four choices, each `auto` or 
           (AMX-BF16 or AVX512-BF16) AND a measured bf16 GEMM beats the best fp32 GEMM by
           BF16_MIN_GAIN; otherwise fp32. auto on CUDA: bf16.
   gemm    backend of CPU fp32 GEMMs (`common/engine/linear.py`): oneDNN or ATen's F.linear (MKL or
-          OpenBLAS); auto = the faster one measured (which wins differs between CPUs:
-          `common/engine/linear.py`). bf16 GEMMs already run on oneDNN.
+          OpenBLAS); auto = the faster one on the trainer's GEMMs (which wins differs between
+          CPUs: `common/engine/linear.py`). bf16 GEMMs already run on oneDNN.
   kv      dtype of the sampler's KV cache and attention. The CPU flash-attention kernel can be
           much slower in bf16 than in fp32 at decode shapes (one query row); auto on CPU = the
           faster one measured (only asked when dtype is bf16); on CUDA = dtype.
@@ -22,45 +22,33 @@ processes, which apply it without measuring again. Four choices, each `auto` or 
           (F.scaled_dot_product_attention); auto = the faster one measured. bf16, autocast and
           CUDA always take F.scaled_dot_product_attention.
 
-The measurement: three GEMMs of a decoder layer's MLP shape (256 x 576 @ 576 x 1536, about a
-micro-batch slice or a 256-slot decode step), one decode attention and one full causal attention
-forward + backward (2 rows x 200 tokens, 9 query / 3 kv heads of 64), at the process's thread
-count, best of a few repeats (a fraction of a second). The result is cached per machine in
-$ASYNCRL_CACHE/precision/ (keyed by CPU model, flags, torch version and thread count) so that
-reruns on one machine make the same choice; `--precision.remeasure` refreshes it.
+The measurements behind `auto` (and their per-machine cache) are `common/engine/machine.py`'s.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
-import hashlib
-import json
-import os
-import platform
-import time
+import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 
-from common.engine.attention import attend_lse
-from common.engine.causal_attention import causal_attention, kernel_enabled, set_kernel
-from common.engine.hf_io import cache_root, load_model
-from common.engine.linear import onednn_available, onednn_enabled, set_onednn
+from common.engine.causal_attention import kernel_enabled, set_kernel
+from common.engine.hf_io import load_model
+from common.engine.linear import onednn_enabled, set_onednn
+from common.engine.machine import cpu_info, has_bf16_hardware, measured, onednn_faster
 
 BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
 # autocast adds a weight cast per micro-batch, so a smaller GEMM gain would not pay for them
-_FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
 class PrecisionConfig:
     dtype: Literal["auto", "fp32", "bf16"] = "auto"   # compute dtype; auto: bf16 only where the CPU is measured faster in it
-    gemm: Literal["auto", "onednn", "aten"] = "auto"  # CPU fp32 GEMM backend; auto: the faster one measured
+    gemm: Literal["auto", "onednn", "aten"] = "auto"  # CPU fp32 GEMM backend; auto: the faster on the trainer's GEMMs, measured
     kv: Literal["auto", "fp32", "bf16"] = "auto"      # sampler KV cache / attention dtype; auto: measured (CPU), = dtype (CUDA)
     attention: Literal["auto", "kernel", "sdpa"] = "auto"  # CPU fp32 full-pass attention: ours or the flash kernel; auto: measured
     remeasure: bool = False                           # ignore this machine's cached measurement and measure again
@@ -141,107 +129,6 @@ def kernels_kept():
         set_kernel(attention)
 
 
-def cpu_info() -> dict:
-    """CPU model name, the flags that matter for bf16, and the ISA torch dispatches to."""
-    name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, val = line.partition(":")
-            if key.strip() == "model name":
-                name = val.strip()
-            elif key.strip() == "flags":
-                flags = set(val.split())
-                break
-    except OSError:
-        pass
-    return {"model": name, "flags": [f for f in _FLAGS if f in flags],
-            "capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads()}
-
-
-def has_bf16_hardware(info: dict) -> bool:
-    return any(f in info["flags"] for f in ("amx_bf16", "avx512_bf16"))
-
-
-def _best_time(fn, reps: int = 5) -> float:
-    fn()  # warm-up: oneDNN builds its kernel on the first call
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-def _onednn_faster(m: dict) -> bool:
-    """Whether `measure()`'s fp32 GEMMs ran faster through oneDNN than ATen (absent: not available)."""
-    return m.get("fp32_onednn_gflops", 0.0) > m["fp32_aten_gflops"]
-
-
-def _full_attention_ms(kernel: bool) -> float:
-    """ms of one fp32 causal attention forward + backward at a trainer's shape, our kernel or SDPA."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 200, h, 64, generator=g).transpose(1, 2).requires_grad_() for h in (9, 3, 3))
-    dy = torch.randn(2, 200, 9, 64, generator=g)
-    old = set_kernel(kernel)
-    try:
-        return 1e3 * _best_time(lambda: causal_attention(q, k, v).backward(dy), reps=3)
-    finally:
-        set_kernel(old)
-
-
-def measure(bf16: bool = True) -> dict:
-    """GFLOP/s of fp32 GEMMs through ATen and oneDNN (and bf16 if asked), the ms of one
-    decode-shaped attention in fp32 and bf16, and of one full causal attention forward +
-    backward in fp32 through our kernel and through SDPA. One call, a fraction of a second."""
-    M, K, N = 256, 576, 1536
-    flops = 2 * M * K * N
-    x, w = torch.randn(M, K), torch.randn(N, K) / K ** 0.5
-    out = {"shape": [M, K, N], "fp32_aten_gflops": flops / _best_time(lambda: F.linear(x, w)) / 1e9}
-    if onednn_available():
-        mm = torch.ops.mkldnn._linear_pointwise
-        out["fp32_onednn_gflops"] = flops / _best_time(lambda: mm(x, w, None, "none", [], "")) / 1e9
-    old = set_onednn(_onednn_faster(out))  # the kernel's GEMMs as auto will run them
-    try:
-        out["full_attn_kernel_ms"], out["full_attn_sdpa_ms"] = _full_attention_ms(True), _full_attention_ms(False)
-    finally:
-        set_onednn(old)
-    if bf16:
-        xb, wb = x.bfloat16(), w.bfloat16()
-        out["bf16_gflops"] = flops / _best_time(lambda: F.linear(xb, wb)) / 1e9
-        # one layer's decode attention: 64 rows, 9 query / 3 kv heads, 256 cached tokens
-        for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            q, k = torch.randn(64, 9, 1, 64, dtype=dt), torch.randn(64, 3, 256, 64, dtype=dt)
-            mask = torch.zeros(64, 1, 1, 256, dtype=dt)
-            out[f"attn_{name}_ms"] = 1e3 * _best_time(lambda: attend_lse(q, k, k, mask))
-    return out
-
-
-def _cache_file(info: dict) -> Path:
-    key = json.dumps([info, torch.__version__], sort_keys=True)
-    return cache_root() / "precision" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
-
-
-def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
-    """`measure()` through the per-machine cache (a file per CPU/flags/torch/threads key)."""
-    path = _cache_file(info)
-    if not remeasure and path.is_file():
-        try:
-            m = json.loads(path.read_text())
-            if (not bf16 or "bf16_gflops" in m) and "full_attn_kernel_ms" in m:
-                return {**m, "cached": str(path)}
-        except (OSError, ValueError):
-            pass  # unreadable cache: measure again
-    m = measure(bf16)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(m))
-        os.replace(tmp, path)  # atomic: concurrent runs never read half a file
-    except OSError:
-        pass  # read-only home: the choice still holds for this run
-    return m
-
-
 def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
     """Turn `auto`s into concrete choices for this machine (see the module docstring)."""
     if torch.device(device).type == "cuda":
@@ -257,8 +144,10 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
     why = []
     gemm = cfg.gemm
     if gemm == "auto":
-        gemm = "onednn" if _onednn_faster(m) else "aten"
-        why.append(f"fp32 GEMM oneDNN {m.get('fp32_onednn_gflops', 0.0):.0f} vs ATen {m['fp32_aten_gflops']:.0f} GFLOP/s")
+        gemm = "onednn" if onednn_faster(m) else "aten"
+        why.append(f"trainer fp32 GEMMs oneDNN {m.get('fp32_onednn_train_ms', math.nan):.1f} vs ATen "
+                   f"{m['fp32_aten_train_ms']:.1f} ms (forward GEMM {m.get('fp32_onednn_gflops', 0.0):.0f} vs "
+                   f"{m['fp32_aten_gflops']:.0f} GFLOP/s)")
     dtype = cfg.dtype
     if dtype == "auto":
         fp32_best = max(m["fp32_aten_gflops"], m.get("fp32_onednn_gflops", 0.0))
