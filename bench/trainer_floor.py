@@ -18,6 +18,7 @@ alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alo
 on this machine, measured again before every rep; `frac_of_floor` is the median of each rep's
 floor / ours, so a machine whose speed drifts between reps moves both alike (on a shared host one
 floor for all reps misled by several points: BENCHMARKS.md, the AVX2 EPYC section).
+`--other-gemm` adds ours on the fp32 GEMM backend `precision` did not pick (its choice's A/B on the whole step).
 `--backend-ab`: the step's GEMMs in their own layouts (forward, dX, dW) on oneDNN and ATen alternating
 call by call (bench/_floor.py: backend_ab): the floor times every GEMM in the forward layout only.
 `--gemm-check`: one more step of ours with every GEMM also run again at once where it stands
@@ -31,7 +32,7 @@ generator's prefill and reference passes): what sharing the arithmetic units cos
 The profile (unless `--no-profile`): one more pass of ours under torch.profiler, each operator's own time by kind
 (GEMM, attention kernel, elementwise, copies, allocation, other) and by model part (attention
 block, MLP, norms, head, the rest: embedding, RoPE tables, loss glue), forward and backward
-apart. Parts come from module hooks installed by this script only (the model has none).
+apart (bench/_profile.py).
 
     python bench/trainer_floor.py                  # 16 x 200 tokens, 3 reps, with the profile
     python bench/trainer_floor.py --quick          # 4 x 64 tokens, 1 rep
@@ -48,7 +49,6 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,42 +56,16 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from bench._floor import backend_ab, frac_of_floor, gemm_floor, gemms_in_place, work_args  # noqa: E402
+from bench._profile import profile  # noqa: E402
 from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
-from common.engine.model import MLP, Attention, RMSNorm  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
-from common.engine.linear import linear  # noqa: E402
+from common.engine.linear import linear, onednn_available, onednn_enabled, set_onednn  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
-
-_GEMM = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
-_COPY = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::cat", "aten::contiguous", "aten::index",
-         "aten::masked_scatter_", "aten::index_put_", "aten::gather", "aten::scatter_add_", "aten::embedding_dense_backward")
-_ALLOC = ("aten::empty", "aten::empty_strided", "aten::zeros", "aten::zero_", "aten::fill_", "aten::empty_like",
-          "aten::resize_", "aten::new_zeros")
-
-
-def kind(name: str) -> str:
-    if name in _GEMM:
-        return "gemm"
-    if "flash_attention" in name or "scaled_dot_product" in name:
-        return "attention_kernel"
-    if name in _COPY:
-        return "copy"
-    if name in _ALLOC:
-        return "alloc"
-    if "cpp_fused" in name or name.startswith(("CompiledFunction", "Torch-Compiled", "## Call CompiledFxGraph")):
-        return "compiled"
-    if name.startswith("aten::"):
-        return "elementwise" if name not in ("aten::view", "aten::reshape", "aten::t", "aten::transpose",
-                                             "aten::as_strided", "aten::expand", "aten::slice", "aten::select",
-                                             "aten::unsqueeze", "aten::squeeze", "aten::permute", "aten::split",
-                                             "aten::chunk", "aten::detach", "aten::alias", "aten::_unsafe_view") else "views"
-    return "other"
-
 
 def ours_step(model, tokens, mask, T):
     token_logp(model, tokens, T, mask).sum().backward()
@@ -105,6 +79,15 @@ def ours_sdpa_step(model, tokens, mask, T):
         ours_step(model, tokens, mask, T)
     finally:
         set_kernel(old)
+
+
+def ours_other_gemm_step(model, tokens, mask, T):
+    """ours on the fp32 GEMM backend `precision` did not pick (oneDNN <-> ATen)."""
+    old = set_onednn(not onednn_enabled())
+    try:
+        ours_step(model, tokens, mask, T)
+    finally:
+        set_onednn(old)
 
 
 def hf_step(model, tokens, mask, T):
@@ -167,56 +150,6 @@ def _timed(fn, *args) -> float:
     return time.perf_counter() - t
 
 
-def profile(model, tokens, mask, T) -> dict:
-    """Own time by (direction, part, kind), in seconds (module docstring)."""
-    enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
-    handles, open_ = [], {}
-    for mod in model.modules() if not model.compile_blocks else ():  # no hooks inside compiled code
-        part = {Attention: "attention", MLP: "mlp", RMSNorm: "norm"}.get(type(mod))
-        if part is None:
-            continue
-
-        def pre(m, args, part=part, direction="fwd"):
-            open_.setdefault(id(m), []).append(enter(f"part:{direction}:{part}"))
-
-        def post(m, args, out):
-            leave(open_[id(m)].pop())
-        handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post),
-                    mod.register_full_backward_pre_hook(lambda m, g, part=part: pre(m, None, part, "bwd")),
-                    mod.register_full_backward_hook(lambda m, gi, go: post(m, None, None))]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        with torch.profiler.record_function("part:fwd:rest"):
-            lp = token_logp(model, tokens, T, mask).sum()
-        with torch.profiler.record_function("part:bwd:rest"):
-            lp.backward()
-    for h in handles:
-        h.remove()
-    model.zero_grad(set_to_none=True)
-    out: dict[str, float] = defaultdict(float)
-    for e in prof.events():
-        if e.name.startswith("part:"):
-            continue
-        p, label = e.cpu_parent, None
-        while p is not None and label is None:
-            if p.name.startswith("part:") and not p.name.endswith(":rest"):
-                label = p.name[5:]
-            elif "_HeadLogp" in p.name:
-                label = None
-                break
-            p = p.cpu_parent
-        if label is None:  # head (inside _HeadLogp) or the rest: which pass from the outer range
-            q, head = e.cpu_parent, False
-            while q is not None:
-                head = head or "_HeadLogp" in q.name
-                if q.name in ("part:fwd:rest", "part:bwd:rest"):
-                    break
-                q = q.cpu_parent
-            direction = "bwd" if (q is not None and "bwd" in q.name) or "Backward" in e.name else "fwd"
-            label = f"{direction}:{'head' if head else 'rest'}"
-        out[f"{label}:{kind(e.name)}"] += e.self_cpu_time_total / 1e6
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     work_args(ap)
@@ -234,6 +167,8 @@ def main():
                     help="also ours alone vs with a decoding generator process on the other core")
     ap.add_argument("--gemm-check", action="store_true",
                     help="also time every GEMM of one step in place and again at once (are they below their rate?)")
+    ap.add_argument("--other-gemm", action="store_true",
+                    help="also ours on the other fp32 GEMM backend (precision.gemm's A/B on the whole step)")
     ap.add_argument("--backend-ab", action="store_true",
                     help="also the step's GEMMs in their own layouts on oneDNN vs ATen, alternating (which should it run?)")
     ap.add_argument("--quick", action="store_true")
@@ -255,6 +190,10 @@ def main():
     runs = {"ours": (ours_step, ours)}
     if a.sdpa:
         runs["ours_sdpa"] = (ours_sdpa_step, ours)
+    if a.other_gemm:
+        if not onednn_available():
+            raise SystemExit("--other-gemm: this PyTorch has no oneDNN linear (one backend only)")
+        runs["ours_other_gemm"] = (ours_other_gemm_step, ours)
     if a.compile:
         compiled, _ = prec.load(a.model, role="trainer", tokenizer=False)
         compiled.train().compile_blocks = True
@@ -291,6 +230,9 @@ def main():
         res["speedup_compiled_vs_eager"] = round(res["ours_s"] / res["ours_compiled_s"], 3)
         if "transformers" in times:
             res["speedup_compiled_vs_transformers"] = round(res["transformers_s"] / res["ours_compiled_s"], 3)
+    if a.other_gemm:
+        res["other_gemm"] = "aten" if prec.gemm == "onednn" else "onednn"
+        res["other_gemm_over_ours"] = round(statistics.median(o / t for o, t in zip(times["ours_other_gemm"], times["ours"])), 3)
     if a.sdpa:
         res["speedup_kernel_vs_sdpa"] = round(res["ours_sdpa_s"] / res["ours_s"], 3)
     if "transformers" in times:
