@@ -4,7 +4,8 @@ Every process uses it through `common/engine/model.py`: the generators' sampler,
 eval passes, and the trainer's forward and backward. Why it exists: PyTorch's CPU `F.linear`
 calls MKL sgemm, and MKL may pick its AVX2 kernels on AMD CPUs that have AVX-512, while oneDNN
 chooses kernels by CPU feature flags. Which one is faster depends on the machine, so
-`common/engine/precision.py` measures both at start (`gemm` auto|onednn|aten) and every process
+`common/engine/precision.py` measures both at start on the trainer's GEMMs (`gemm` auto|onednn|aten;
+`common/engine/machine.py`) and every process
 calls `set_onednn` with the choice (figures per machine: BENCHMARKS.md, "Precision per machine").
 Results are ordinary fp32: nothing is down-converted. At one row (batch-1 decode) weights stream
 from DRAM, so a benchmark that repeats one small, cache-hot matrix misleads.
