@@ -26,7 +26,6 @@ The measurements behind `auto` (and their per-machine cache) are `common/engine/
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
@@ -35,9 +34,9 @@ from typing import Literal
 
 import torch
 
-from common.engine.causal_attention import kernel_enabled, set_kernel
+from common.engine.causal_attention import set_kernel
 from common.engine.hf_io import load_model
-from common.engine.linear import onednn_enabled, set_onednn
+from common.engine.linear import set_onednn
 from common.engine.machine import cpu_info, has_bf16_hardware, measured, onednn_faster
 
 BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
@@ -114,19 +113,6 @@ class Precision:
     def from_dict(cls, d: dict) -> "Precision":
         """A saved `to_dict()`. One saved before `attention` existed ran SDPA: replaying it keeps that."""
         return cls(**{"attention": "sdpa", **d})
-
-
-@contextlib.contextmanager
-def kernels_kept():
-    """Give the process its GEMM backend and attention kernel back after the block, whatever
-    `Precision.apply` chose inside it: `train` or a replay run in a notebook's or a script's
-    process leaves that process's later model calls on the kernels it had."""
-    gemm, attention = onednn_enabled(), kernel_enabled()
-    try:
-        yield
-    finally:
-        set_onednn(gemm)
-        set_kernel(attention)
 
 
 def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
