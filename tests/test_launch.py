@@ -194,9 +194,15 @@ if __name__ == "__main__":
 """
 
 
-def _run_script(tmp_path, script_text=_CTRL_C_SCRIPT, preexec_fn=None):
+def _sigint_default():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _run_script(tmp_path, script_text=_CTRL_C_SCRIPT, preexec_fn=_sigint_default):
     """Start the script in its own session (so a group signal reaches only it and its workers);
-    return (Popen, worker pids) once both workers are running."""
+    return (Popen, worker pids) once both workers are running. By default with SIGINT's default
+    action, as a terminal's foreground job has it, whatever this process inherited (pytest run in
+    the background of a non-interactive shell has SIGINT ignored, and a child inherits that)."""
     script = tmp_path / "launch_script.py"
     script.write_text(textwrap.dedent(script_text))
     env = dict(os.environ, PYTHONPATH=ROOT, ASYNCRL_NUM_THREADS="1")
@@ -236,7 +242,7 @@ def test_sigterm_is_a_ctrl_c_to_the_trainer(tmp_path, sigint):
     script = _CTRL_C_SCRIPT.replace("    with Workers(join_timeout=5) as w:",
                                     "    from common.runtime.process import sigterm_as_interrupt\n"
                                     "    with sigterm_as_interrupt(), Workers(join_timeout=5) as w:")
-    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else None
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint == "ignored" else _sigint_default
     proc, pids = _run_script(tmp_path, script, ignore)
     try:
         os.kill(proc.pid, signal.SIGTERM)
