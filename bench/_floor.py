@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from common.engine.linear import linear, linear_dw, linear_dx, onednn_available, set_onednn
+from common.engine.machine import backend_times
 
 
 def work_args(ap) -> None:
@@ -122,26 +123,16 @@ def backend_ab(cfg, rows: int, tokens: int, scored: int, pairs: int = 7) -> dict
         raise RuntimeError("backend_ab: this PyTorch has no oneDNN linear (nothing to compare)")
     g = torch.Generator().manual_seed(0)
     total, by_gemm = {"onednn": 0.0, "aten": 0.0}, {}
-    old = set_onednn(True)
-    try:
-        for part, ws in _weights(cfg, rows * tokens, scored).items():
-            for i, (m, k, nout, count) in enumerate(ws):
-                x, w, dy = (torch.randn(*s, generator=g) for s in ((m, k), (nout, k), (m, nout)))
-                for name, fn in (("fwd", lambda: linear(x, w)), ("dx", lambda: linear_dx(dy, w)),
-                                 ("dw", lambda: linear_dw(dy, x))):
-                    t = {True: [], False: []}
-                    for on in (True, False, *[o for _ in range(pairs) for o in (True, False)]):
-                        set_onednn(on)
-                        t0 = time.perf_counter()
-                        fn()
-                        t[on].append(time.perf_counter() - t0)
-                    one, at = t[True][1:], t[False][1:]  # the first of each: warm-up
-                    total["onednn"] += count * statistics.median(one)
-                    total["aten"] += count * statistics.median(at)
-                    by_gemm[f"{part}[{i}] {m}x{k}->{nout} {name}"] = round(statistics.median(
-                        [a / b for a, b in zip(one, at)]), 3)
-    finally:
-        set_onednn(old)
+    for part, ws in _weights(cfg, rows * tokens, scored).items():
+        for i, (m, k, nout, count) in enumerate(ws):
+            x, w, dy = (torch.randn(*s, generator=g) for s in ((m, k), (nout, k), (m, nout)))
+            for name, fn in (("fwd", lambda: linear(x, w)), ("dx", lambda: linear_dx(dy, w)),
+                             ("dw", lambda: linear_dw(dy, x))):
+                t = backend_times(fn, pairs)
+                total["onednn"] += count * statistics.median(t[True])
+                total["aten"] += count * statistics.median(t[False])
+                by_gemm[f"{part}[{i}] {m}x{k}->{nout} {name}"] = round(statistics.median(
+                    [a / b for a, b in zip(t[True], t[False])]), 3)
     return {"onednn_s": round(total["onednn"], 3), "aten_s": round(total["aten"], 3),
             "onednn_over_aten": round(total["onednn"] / total["aten"], 3), "by_gemm_onednn_over_aten": by_gemm}
 

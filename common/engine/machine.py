@@ -78,6 +78,26 @@ def onednn_faster(m: dict) -> bool:
     return m.get("fp32_onednn_over_aten_train", math.inf) < 1.0
 
 
+def backend_times(fn, rounds: int) -> dict[bool, list[float]]:
+    """Seconds of `fn()` on ATen (False) and oneDNN (True, where available), the two alternating call
+    by call, `rounds` calls each after a warm-up round (oneDNN builds its kernels on a first call);
+    the caller's backend is given back. Alternating: module docstring."""
+    sides = (False, True) if onednn_available() else (False,)
+    times = {on: [] for on in sides}
+    old = set_onednn(False)
+    try:
+        for r in range(rounds + 1):
+            for on in sides:
+                set_onednn(on)
+                t = time.perf_counter()
+                fn()
+                if r:
+                    times[on].append(time.perf_counter() - t)
+    finally:
+        set_onednn(old)
+    return times
+
+
 def _trainer_gemms(rounds: int = 5) -> dict:
     """ms of one MLP's GEMMs as the trainer runs them (forward, dX, dW of the gate (D -> I) and the
     down (I -> D) projections, 512 rows) on ATen and oneDNN alternating, and the median of the
@@ -89,19 +109,7 @@ def _trainer_gemms(rounds: int = 5) -> dict:
     def step():
         for x, w, dy in ops:
             linear(x, w), linear_dx(dy, w), linear_dw(dy, x)
-    sides = (False, True) if onednn_available() else (False,)
-    times = {on: [] for on in sides}
-    old = set_onednn(False)
-    try:
-        for r in range(rounds + 1):  # round 0: warm-up (oneDNN builds its kernels)
-            for on in sides:
-                set_onednn(on)
-                t = time.perf_counter()
-                step()
-                if r:
-                    times[on].append(time.perf_counter() - t)
-    finally:
-        set_onednn(old)
+    times = backend_times(step, rounds)
     out = {f"fp32_{'onednn' if on else 'aten'}_train_ms": 1e3 * statistics.median(ts) for on, ts in times.items()}
     if True in times:
         out["fp32_onednn_over_aten_train"] = statistics.median(a / b for a, b in zip(times[True], times[False]))
