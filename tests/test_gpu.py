@@ -24,12 +24,32 @@ def test_bf16_sampler_logp_matches_trainer(tmp_path):
         torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)  # bf16 kernels differ
 
 
-def test_train_on_cuda_with_ipc_weights(tmp_path):
+@pytest.mark.parametrize("dtype,graphs", [("fp32", False), ("auto", True)])
+def test_train_on_cuda_with_ipc_weights(tmp_path, dtype, graphs):
+    """TBA on one GPU: trainer and generator share cuda:0, weights through CUDA IPC; `auto` is bf16
+    on CUDA, the generator decodes through captured graphs, each process under its memory cap."""
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
     from common.runtime.trainer import train
     cfg = _cfg(tmp_path, steps=6, device="cuda")
+    cfg.precision.dtype, cfg.gen.cuda_graphs = dtype, graphs
+    if graphs:  # the one-GPU preset's memory caps (common/task.py: gpu_defaults), on device "cuda" without an index
+        cfg.train.memory_fraction, cfg.gen.memory_fraction = 0.6, 0.25
     last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     assert last["version"] == 3 and last["gen_syncs"] >= 1
+
+
+def test_areal_on_cuda_interrupts_within_the_staleness_bound(tmp_path):
+    """AReaL on one GPU, bf16, captured decode: weight updates interrupt in-flight samples (re-prefill
+    under the new weights) and no trained sample is staler than eta."""
+    from common.runtime.trainer import train
+    from tests.test_areal_e2e import _algo, _areal_cfg, _steps
+    from tests.test_e2e import _prompts, toy_reward
+    cfg = _areal_cfg(tmp_path, eta=1, steps=8, device="cuda")
+    cfg.precision.dtype, cfg.gen.cuda_graphs = "auto", True
+    last = train(cfg, _algo(cfg), _prompts(), toy_reward, stop_token_ids=())
+    rows = _steps(cfg)
+    assert last["version"] == 8 and len(rows) == 8
+    assert max(int(s) for r in rows for s in r["staleness_hist"]) <= 1
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.0, n=2), dict(temperature=0.8, n=3, seed=4),
@@ -95,7 +115,7 @@ def test_head_backward_on_cuda_equals_cpu():
     y = torch.randint(0, 101, (37,), generator=g)
     grads = []
     for dev in ("cpu", "cuda"):
-        hd, wd = h.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+        hd, wd = h.to(dev).detach().requires_grad_(), w.to(dev).detach().requires_grad_()  # leaves on each device
         (head_logp(hd, wd, y.to(dev), temperature=0.7, chunk=8) * torch.linspace(0, 1, 37, device=dev)).sum().backward()
         grads.append((hd.grad.cpu(), wd.grad.cpu()))
     for a, b in zip(*grads):

@@ -108,7 +108,9 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
         raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     run_dir = prepare_run_dir(cfg, resume)
     if tc.memory_fraction > 0 and torch.device(tc.device).type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(tc.memory_fraction, torch.device(tc.device))
+        dev = torch.device(tc.device)  # the GPU preset says "cuda": the cap wants an index, the current GPU's
+        torch.cuda.set_per_process_memory_fraction(tc.memory_fraction,
+                                                   torch.cuda.current_device() if dev.index is None else dev.index)
     prec = resolve(cfg.precision, tc.device).apply()
     print(f"[asyncrl] precision: {prec.summary()}")
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The checks for one call on a lent CUDA machine, in order of value, each under its own time limit:
+# the machine, the `gpu`-marked tests, bench/gpu.py at smoke sizes on CUDA (every CUDA call of every
+# section, transformers' compile included), what `precision=auto` picks on the host CPU, then
+# bench/gpu.py's full-size sections. Logs and JSON go to $OUT (default gpu_out/); the last lines
+# printed are a short summary (a remote call returns only the tail of the output).
+#
+#   bash bench/gpu_check.sh                                   # tests, smoke, decode/trainer/ipc
+#   SECTIONS=async,sampler TESTS=0 SMOKE=0 T_sampler=200 ARGS_async="--async-steps 6" bash bench/gpu_check.sh
+#
+# Variables: TESTS / SMOKE / HOSTCPU = 0 to skip a phase; TEST_K (pytest -k); SECTIONS (bench/gpu.py
+# sections, comma-separated, each its own process; empty: none); BENCH_ARGS (flags for every
+# section), ARGS_<section> (for one); T_TESTS / T_SMOKE / T_BENCH / T_<section> (seconds).
+set -u
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+PY=${PY:-python3}
+t0=$(date +%s)
+stamp() { echo "[gpu_check] $(( $(date +%s) - t0 )) s: $*"; }
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+  lscpu | grep -E "^Model name|^CPU\(s\)"; grep -o -w -E "avx512f|avx512_bf16|amx_bf16|amx_tile" /proc/cpuinfo | sort -u | tr '\n' ' '; echo
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+if [ "${TESTS:-1}" = 1 ]; then
+  stamp "gpu tests"
+  per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # a hung test fails alone
+  timeout -k 10 "${T_TESTS:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider $per_test ${TEST_K:+-k "$TEST_K"} \
+    tests/test_gpu.py tests/test_weights.py > "$OUT/tests.log" 2>&1
+  echo "tests rc=$?"; grep -E "passed|failed|skipped|error|Error|assert" "$OUT/tests.log" | tail -25
+fi
+
+if [ "${SMOKE:-1}" = 1 ]; then
+  stamp "bench smoke on cuda"
+  timeout -k 10 "${T_SMOKE:-150}" $PY bench/gpu.py --smoke --device cuda --hf-compile \
+    --out "$OUT/smoke.json" > /dev/null 2> "$OUT/smoke.log"
+  echo "smoke rc=$?"
+fi
+
+if [ "${HOSTCPU:-1}" = 1 ]; then
+  stamp "precision auto on the host CPU"
+  timeout -k 5 60 $PY -c "
+import torch; torch.set_num_threads(1)
+from common.engine.precision import PrecisionConfig, resolve
+p = resolve(PrecisionConfig(remeasure=True), 'cpu'); print(p.summary())" 2>&1 | tail -3
+fi
+
+# one bench/gpu.py process per section, each under its own limit (T_<section>, default T_BENCH) with
+# its own flags (ARGS_<section>, after BENCH_ARGS): a section that hangs costs only its own time
+for s in $(echo "${SECTIONS=decode,trainer,ipc}" | tr ',' ' '); do
+  lim="T_$s"; args="ARGS_$s"
+  stamp "bench section $s"
+  timeout -k 10 "${!lim:-${T_BENCH:-120}}" $PY bench/gpu.py --only "$s" ${BENCH_ARGS:-} ${!args:-} \
+    --out "$OUT/$s.json" > /dev/null 2>> "$OUT/gpu.log"
+  echo "bench $s rc=$?"
+done
+
+stamp "summary"
+$PY - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+for p in sorted(Path(sys.argv[1]).glob("*.json")):
+    name = p.name
+    r = json.loads(p.read_text())
+    print(f"== {name}: complete={r.get('complete')} section_s={r.get('section_s')}")
+    for s in r.get("sections", []):
+        d = r.get(s)
+        if isinstance(d, dict) and "error" in d:
+            print(f"  {s} ERROR {d['error'][:300]}\n{d['traceback'][-1200:]}")
+    for k, v in r.get("targets", {}).items():
+        print(f"  target {k}: {json.dumps(v)[:300]}")
+EOF
