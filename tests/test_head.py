@@ -33,6 +33,15 @@ def test_head_logp_matches_unchunked_fp32(chunk, T, onednn, block_rows, monkeypa
         set_onednn(old)
 
 
+def test_softmax_row_blocks_only_on_cpu():
+    """Cache-sized row blocks are a CPU matter; on a GPU each block is ~10 kernel launches, so the
+    softmax takes a chunk in one step (at V = 49152: 273 steps per chunk otherwise)."""
+    V = 49152
+    assert head.row_block(2730, V, torch.device("cpu")) == head._ROW_BLOCK_BYTES // (4 * V) == 10
+    assert head.row_block(2730, V, torch.device("cuda")) == 2730
+    assert head.row_block(3, 10**9, torch.device("cpu")) == 1
+
+
 def _check_fp32(chunk, T):
     g = torch.Generator().manual_seed(0)
     h = torch.randn(20, 16, generator=g, requires_grad=True)

@@ -42,6 +42,13 @@ def _gemm_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else weight.dtype
 
 
+def row_block(n: int, V: int, device: torch.device) -> int:
+    """Rows of logits per softmax step: a cache-sized block on the CPU; elsewhere the whole chunk
+    (a GPU has no cache to fit, and each block costs ~10 kernel launches: with V = 49k, 2 MiB
+    blocks of 10 rows made a training step's head thousands of launches)."""
+    return max(1, _ROW_BLOCK_BYTES // (4 * V)) if torch.device(device).type == "cpu" else max(1, n)
+
+
 def _exp_rows(z: torch.Tensor, targets: torch.Tensor, temperature: float, out: torch.Tensor,
               lse: torch.Tensor) -> torch.Tensor:
     """In place, a block of rows at a time (so every pass after a block's first read runs in
@@ -49,7 +56,7 @@ def _exp_rows(z: torch.Tensor, targets: torch.Tensor, temperature: float, out: t
     log-probs into `out` and logsumexp(z / T) into `lse`; returns the rows' 1 / sum (c,)."""
     n, V = z.shape
     inv = torch.empty(n, dtype=torch.float32, device=z.device)
-    rows = max(1, _ROW_BLOCK_BYTES // (4 * V))
+    rows = row_block(n, V, z.device)
     for r in range(0, n, rows):
         zb = z[r:r + rows]
         if temperature != 1:
