@@ -276,6 +276,10 @@ def _device_ms(prof, cuda: bool) -> tuple[float, int]:
     return busy / 1e3, len(spans)
 
 
+def _captures(s: Sampler) -> int | None:
+    return s.graphed.stats["captures"] if s.graphed is not None else None
+
+
 def decode_one(ctx: Ctx, model, kw: dict) -> dict:
     a = ctx.args
     s = _new_sampler(ctx, model, kw)
@@ -288,7 +292,7 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
     s.step()  # admits every prompt (prefill), then the first decode
     for _ in range(a.decode_warmup):
         s.step()
-    walls = []
+    walls, caps0 = [], _captures(s)
     for _ in range(a.decode_steps):
         assert s.num_active == rows, (s.num_active, rows)
         sync(ctx.device)
@@ -308,7 +312,9 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            "gpu_ms": gpu if n_ev else None,
            "gpu_ms_source": "union of CUDA kernel/memcpy intervals (torch profiler)" if ctx.cuda else
            "CPU: summed self time of aten ops (torch profiler)", "device_events_per_step": n_ev / a.decode_profile,
-           "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile, **kw}
+           "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
+           # a timed step whose cache columns crossed into a new bucket captured a graph (~10x a replay)
+           "captures_in_timed_steps": None if caps0 is None else _captures(s) - caps0, **kw}
     res["wall_over_gpu"] = wall / gpu if n_ev and gpu > 0 else None
     res["launch_bound"] = None if res["wall_over_gpu"] is None else res["wall_over_gpu"] > LAUNCH_BOUND
     s.abort_all()
