@@ -117,9 +117,11 @@ def test_two_node_async_tba(model, tmp_path):
 def test_two_node_async_areal_keeps_eta(model, tmp_path):
     """An async AReaL run to the end on two nodes with eta = 2, one generator on each node (the
     trainer node's beside the trainer, claiming on the same store): no trained row is staler, and
-    both generators generated."""
+    both generators generated. The trainer step is paced to 1 s: unpaced, the 6 toy steps (~40 ms
+    each) could end before the trainer node's generator had loaded its model on a busy 2-core box
+    (seen once in CI: tokens per generator [864, 0]); real steps take seconds."""
     out = two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--algo=areal", "--train.steps=6",
-                    "--train.max_staleness=2", "--dist.trainer_node_generators=1")
+                    "--train.max_staleness=2", "--dist.trainer_node_generators=1", NODES_TOY_STEP_S="1.0")
     rows = steps(tmp_path)
     assert len(rows) == 6 and rows[-1]["version"] == 6
     assert max(int(s) for r in rows for s in r["staleness_hist"]) <= 2  # eta holds across nodes
