@@ -12,8 +12,9 @@ dz = g * (onehot(y) - softmax(z)) / T, then dh = dz W and dW += dz^T h chunk by 
 n positions fit one chunk the softmax is kept from the forward instead (no recompute: the same
 cost as an unchunked head, and the memory of one chunk).
 
-Memory traffic, which is what the (n, V) elementwise work costs: the softmax runs in place a few
-rows at a time (each block's max, exp and sum in cache: one read and one write of the logits), is
+Memory traffic, which is what the (n, V) elementwise work costs: the softmax runs in place, on
+the CPU a few rows at a time (each block's max, exp and sum in cache: one read and one write of
+the logits; on a GPU a chunk at once, `row_block`), is
 left unnormalised (the division by the row sum joins the backward's one multiplication), and the
 backward's GEMMs read dz and W through transposed views (`linear_dx`, `linear_dw`): no copies.
 
