@@ -43,10 +43,9 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench._gpu_util import FIRST_ID, Ctx, free_memory, median, random_prompts, sync
+from bench._gpu_util import FIRST_ID, Ctx, device_ms, free_memory, median, random_prompts, sync, top_kernels
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 
@@ -206,6 +205,7 @@ def _hf_runs(ctx: Ctx, wl: Workload, names) -> dict:
             out[name] = {"skipped": "no torch.compile (--no-hf-compile, the --smoke default)"}
         else:
             out[name] = run_hf(ctx, comp, static, wl)
+            ctx.progress(f"{wl.name} {name}", {wl.name: out})
     return out
 
 
@@ -214,6 +214,7 @@ def _ours(ctx: Ctx, model, wl: Workload) -> dict:
     for name, kw in _variants(ctx).items():
         out[name] = run_ours(ctx, model, kw, wl) if isinstance(kw, dict) else {"skipped": kw}
         free_memory(ctx.device)
+        ctx.progress(f"{wl.name} {name}", {wl.name: out})
     out["ours_best"] = max((v["tok_s"], k) for k, v in out.items() if "tok_s" in v)[1]
     return out
 
@@ -245,35 +246,18 @@ def sampler_section(ctx: Ctx) -> dict:
                         "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)}
     del model
     free_memory(ctx.device)
-    out.update(_hf_runs(ctx, d, HF_SETTINGS))
+    out.update(_hf_runs(ctx, d, [h.strip() for h in a.hf_settings.split(",") if h.strip()]))
     _ratios(out)
     for name in HF_SETTINGS:
-        if "tok_s" in out[name]:
+        if "tok_s" in out.get(name, {}):
             eng[f"ours_no_sharing_over_{name}"] = eng["ours_no_sharing"]["tok_s"] / out[name]["tok_s"]
     out["engine"] = eng
-    gsm.update(_hf_runs(ctx, g, ("hf_static", "hf_static_compiled")))
+    gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in a.hf_settings]))
     _ratios(gsm)
     out["gsm8k"] = gsm
     out["ratios"] = {"ours_over_hf_*": "system (prompt sharing and slot refill included)",
                      "engine.ours_no_sharing_over_hf_*": "engine (no sharing, equal rows and lengths)"}
     return out
-
-
-def _device_ms(prof, cuda: bool) -> tuple[float, int]:
-    """(busy ms, events): union of device intervals (CUDA), or summed aten self time (CPU)."""
-    ev = prof.events()
-    if not cuda:
-        ops = [e for e in ev if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
-        return sum(e.self_cpu_time_total for e in ops) / 1e3, len(ops)
-    # kernels, memcpy, memset; not user-annotation spans (they cover the gaps between kernels)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in ev
-                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
-    busy, end = 0.0, float("-inf")
-    for s, e in spans:  # union: overlapping kernels (several streams) count once
-        if e > end:
-            busy += e - max(s, end)
-            end = e
-    return busy / 1e3, len(spans)
 
 
 def _captures(s: Sampler) -> int | None:
@@ -306,7 +290,7 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
             assert s.num_active == rows, (s.num_active, rows)
             s.step()
         sync(ctx.device)
-    dev_ms, n_ev = _device_ms(prof, ctx.cuda)
+    dev_ms, n_ev = device_ms(prof, ctx.cuda)
     wall, gpu = 1e3 * median(walls), dev_ms / a.decode_profile
     res = {"rows": rows, "wall_ms": wall, "wall_ms_all": [round(1e3 * w, 3) for w in walls],
            "gpu_ms": gpu if n_ev else None,
@@ -315,6 +299,8 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
            # a timed step whose cache columns crossed into a new bucket captured a graph (~10x a replay)
            "captures_in_timed_steps": None if caps0 is None else _captures(s) - caps0, **kw}
+    # where a step's device time goes (CUDA; empty on CPU): a few µs per kernel add up at thousands per step
+    res["top_kernels_ms_launches"] = top_kernels(prof, 12, a.decode_profile)
     res["wall_over_gpu"] = wall / gpu if n_ev and gpu > 0 else None
     res["launch_bound"] = None if res["wall_over_gpu"] is None else res["wall_over_gpu"] > LAUNCH_BOUND
     s.abort_all()
@@ -331,7 +317,7 @@ def schedule_gpu(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
     with profile(activities=acts) as prof:
         s.generate(wl.prompts, _params(ctx, 0, wl))
         sync(ctx.device)
-    dev_ms, _ = _device_ms(prof, ctx.cuda)
+    dev_ms, _ = device_ms(prof, ctx.cuda)
     st = {k: s.stats[k] - before[k] for k in ("decode_steps", *PADDING)}
     return {"device_ms_per_step": dev_ms / st["decode_steps"], **st, **kw}
 
@@ -342,11 +328,15 @@ def decode_section(ctx: Ctx) -> dict:
     for name, kw in _variants(ctx).items():
         out[name] = decode_one(ctx, model, kw) if isinstance(kw, dict) else {"skipped": kw}
         free_memory(ctx.device)
+        ctx.progress(name, out)
+    if not ctx.args.decode_schedule:
+        return out
     # the captured step's shapes vs the live ones over a ragged schedule (on CPU: the bucket shapes
     # run eagerly, the same kernels a graph replays)
     wl = workloads(ctx)["gsm8k"]
     captured = {"cuda_graphs": True} if ctx.cuda and has_cuda_graphs() else {"static_shapes": True}
     live = schedule_gpu(ctx, model, {"cuda_graphs": False} if has_cuda_graphs() else {}, wl)
+    ctx.progress("gsm8k_schedule live", {**out, "gsm8k_schedule": {"live": live}})
     cap = schedule_gpu(ctx, model, captured, wl)
     out["gsm8k_schedule"] = {"live": live, "captured": cap,
                              "captured_over_live_gpu": cap["device_ms_per_step"] / live["device_ms_per_step"]}

@@ -10,6 +10,8 @@ trainer  The model loaded as the trainer loads it (`Precision.load(role="trainer
          tok_s = rows x tokens / step_s (all tokens, as the 138k tok/s figure counted them),
          peak_gib = `torch.cuda.max_memory_allocated` over the timed steps (it includes the
          weights, AdamW state and gradients). On CPU: the process's max RSS (never reset).
+         On CUDA, one more step under the profiler: device busy ms (union of kernel intervals),
+         kernel count, wall / device, the kernels taking the most device time.
 ipc      `WeightStore` on the device in the generators' dtype, a spawned reader process with its
          own copy of the model (bench/weights.py's structure). Per rep (after one warm-up):
          `publish(model)` timed here, the reader's `load_into` timed there (both synchronise the
@@ -36,10 +38,12 @@ import statistics
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 import torch.multiprocessing as mp
 
 import run_gsm8k
-from bench._gpu_util import FIRST_ID, Ctx, free_memory, median, random_prompts, sync, toy_reward
+from bench._gpu_util import (FIRST_ID, Ctx, device_ms, free_memory, median, random_prompts, sync, top_kernels,
+                             toy_reward)
 from common import task
 from common.log import read_metrics
 from common.ops import token_logp
@@ -97,7 +101,20 @@ def trainer_section(ctx: Ctx) -> dict:
         if ctx.cuda:
             out[name]["allocated_before_gib"] = base / 2**30  # weights + AdamW state, no gradients
             out[name]["reserved_peak_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
+            out[name]["profile"] = _profile_step(model, opt, tokens, mask, a.temperature, dev, step)
+        ctx.progress(name, out)
     return out
+
+
+def _profile_step(model, opt, tokens, mask, temperature, dev, step_s: float) -> dict:
+    """One step under the profiler (CUDA events only): device busy time against the timed wall,
+    the kernel count and the kernels that take the most device time (where a slow step goes)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _train_step(model, opt, tokens, mask, temperature)
+        sync(dev)
+    busy, n = device_ms(prof, True)
+    return {"device_ms": busy, "device_events": n, "wall_over_device": 1e3 * step_s / busy if busy else None,
+            "top_kernels_ms_launches": top_kernels(prof, 8)}
 
 
 # ------------------------------------------------------------------ ipc

@@ -14,10 +14,12 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
+from torch.autograd import DeviceType
 
 # SmolLM2-135M-Instruct's exact shapes (its config.json); the weights are random
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -40,6 +42,9 @@ class Ctx:
     shape: dict                       # the LlamaConfig fields it was built with
     prompts: list[list[int]]          # the sampler workload's prompts (token ids)
     workdir: Path
+    # called by a section with what it has measured so far: bench/gpu.py logs it and rewrites --out,
+    # so a section stopped at its time limit keeps its finished parts
+    progress: Callable[[str, dict], None] = field(default=lambda part, done: None)
 
     @property
     def cuda(self) -> bool:
@@ -73,6 +78,37 @@ def sync(device) -> None:
     """Wait for the device's queued work (host timers around GPU work need it)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_ms(prof, cuda: bool) -> tuple[float, int]:
+    """(busy ms, events) of a finished profile: the union of the CUDA kernel/memcpy/memset
+    intervals, or on the CPU the summed self time of the aten ops."""
+    ev = prof.events()
+    if not cuda:
+        ops = [e for e in ev if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
+        return sum(e.self_cpu_time_total for e in ops) / 1e3, len(ops)
+    # kernels, memcpy, memset; not user-annotation spans (they cover the gaps between kernels)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in ev
+                   if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False))
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:  # union: overlapping kernels (several streams) count once
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy / 1e3, len(spans)
+
+
+def top_kernels(prof, k: int = 10, steps: int = 1) -> dict:
+    """The k CUDA kernels (by name, cut to 80 characters) taking the most device time in a finished
+    profile: {name: [ms per step, launches per step]}."""
+    per: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            v = per.setdefault(e.name[:80], [0.0, 0])
+            v[0] += e.time_range.elapsed_us() / 1e3
+            v[1] += 1
+    top = sorted(per.items(), key=lambda kv: -kv[1][0])[:k]
+    return {name: [round(ms / steps, 3), round(n / steps, 1)] for name, (ms, n) in top}
 
 
 def free_memory(device) -> None:

@@ -23,7 +23,8 @@ bench/_gpu_train.py (trainer, ipc, async).
     python bench/gpu.py --smoke --device cpu              # tiny shapes, no torch.compile: tests the code path
     python bench/gpu.py --smoke --device cuda --hf-compile --strict   # every CUDA call, tiny, ~1 min
 
-`--out` is rewritten after every section, so a run cut short keeps what it measured. A section
+`--out` is rewritten after every finished part of a section (a sampler setting, a decode variant),
+so a run cut short keeps what it measured (marked `partial`). A section
 that raises is recorded as {"error", "traceback"} and the others still run (`--strict`: stop).
 Only a CUDA machine exercises: torch.cuda synchronize / peak-memory counters, the profiler's CUDA
 kernel events, transformers' static cache under torch.compile (reduce-overhead: CUDA graphs),
@@ -47,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imp
 
 import torch  # noqa: E402
 
-from bench._gpu_gen import decode_section, sampler_section  # noqa: E402
+from bench._gpu_gen import HF_SETTINGS, decode_section, sampler_section  # noqa: E402
 from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa: E402
 from bench._gpu_util import (SMOLLM2_135M, TINY, Ctx, build_checkpoint, free_memory, machine,  # noqa: E402
                              random_prompts, write_json)
@@ -88,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--temperature", type=float, default=0.7)
     g.add_argument("--hf-batch", type=int, default=256, help="sequences per transformers generate call")
     g.add_argument("--skip-hf", action="store_true", help="no transformers runs")
+    g.add_argument("--hf-settings", default="hf_dynamic,hf_static,hf_static_compiled",
+                   help="the transformers settings the default workload runs (the gsm8k one: the static ones)")
     g.add_argument("--gsm8k-prompts", type=int, default=13, help="the GSM8K-shaped workload: prompts (x --gsm8k-n)")
     g.add_argument("--gsm8k-n", type=int, default=20)
     g.add_argument("--gsm8k-prompt-min", type=int, default=80)
@@ -99,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--decode-warmup", type=int, default=10)
     g.add_argument("--decode-steps", type=int, default=20, help="steps timed on the host")
     g.add_argument("--decode-profile", type=int, default=10, help="steps run under the profiler")
+    g.add_argument("--decode-schedule", action=argparse.BooleanOptionalAction, default=True,
+                   help="also profile the GSM8K-shaped schedule, captured vs live shapes")
     g = ap.add_argument_group("trainer step")
     g.add_argument("--train-rows", type=int, default=40)
     g.add_argument("--train-tokens", type=int, default=760)
@@ -118,6 +123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [s for s in a.only if s not in SECTIONS]
     if bad:
         ap.error(f"--only: unknown sections {bad}; choose from {list(SECTIONS)}")
+    bad = [h for h in a.hf_settings.split(",") if h.strip() and h.strip() not in HF_SETTINGS]
+    if bad:
+        ap.error(f"--hf-settings: unknown {bad}; choose from {list(HF_SETTINGS)}")
     if not 0 < a.ipc_publishes <= 127:
         ap.error("--ipc-publishes must be in 1..127 (fill values are versions mod 128)")
     return a
@@ -185,6 +193,12 @@ def main(argv=None) -> dict:
         for name in a.only:
             print(f"[gpu] section {name} ...", file=sys.stderr)
             t = time.perf_counter()
+
+            def progress(part: str, done: dict, name=name, t=t) -> None:  # a finished part of the section
+                print(f"[gpu] {name}: {part} at {time.perf_counter() - t:.1f} s", file=sys.stderr)
+                if a.out:
+                    write_json(a.out, {**res, name: {**done, "partial": True}, "complete": False})
+            ctx.progress = progress
             try:
                 res[name] = SECTIONS[name](ctx)
             except Exception as e:  # noqa: BLE001 - one failing section must not lose the others' figures

@@ -52,7 +52,7 @@ fi
 # its own flags (ARGS_<section>, after BENCH_ARGS): a section that hangs costs only its own time
 for s in $(echo "${SECTIONS=decode,trainer,ipc}" | tr ',' ' '); do
   lim="T_$s"; args="ARGS_$s"
-  case $s in  # what each took on an H200 at full size: trainer 13 s, ipc 9 s, async (6 steps) 55 s; decode > 80 s, sampler > 120 s
+  case $s in  # what each took on an H200 at full size: trainer 7-13 s, ipc 9 s, async (6 steps) 55 s, decode 151 s, sampler 183 s (no hf_dynamic)
     sampler) d=300 ;; decode) d=200 ;; async) d=150 ;; *) d=${T_BENCH:-120} ;;
   esac
   stamp "bench section $s"
@@ -75,4 +75,15 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
             print(f"  {s} ERROR {d['error'][:300]}\n{d['traceback'][-1200:]}")
     for k, v in r.get("targets", {}).items():
         print(f"  target {k}: {json.dumps(v)[:300]}")
+    if not r.get("complete"):  # cut short: the figures of the parts that finished
+        keys = ("tok_s", "step_s", "wall_ms", "gpu_ms", "peak_gib", "device_ms", "_over_", "captures")
+        def leaves(d, path=""):
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    yield from leaves(v, f"{path}{k}.")
+                elif isinstance(v, (int, float)) and any(x in k for x in keys):
+                    yield f"{path}{k}={v:.4g}"
+        for s in r.get("sections", []):
+            if isinstance(r.get(s), dict):
+                print(f"  {s}: " + " ".join(leaves(r[s]))[:1500])
 EOF

@@ -155,3 +155,11 @@ def test_reward_workers(tmp_path):
     assert last["reward_errors"] > 0  # failing samples scored 0 one by one, the run went on
     with pytest.raises(ValueError, match="reward_factory"):
         train(_cfg(tmp_path / "b", reward_workers=1), _tba(cfg), _prompts(), None, stop_token_ids=())
+
+
+def test_cuda_graphs_asked_for_on_a_cpu_run_is_refused_before_anything_starts(tmp_path):
+    cfg = _cfg(tmp_path, steps=1)
+    cfg.gen.cuda_graphs = True
+    with pytest.raises(ValueError, match="gen.cuda_graphs needs CUDA"):
+        train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -9,7 +9,7 @@ import torch
 from common.engine.hf_io import load_model
 from common.engine.precision import Precision
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.generator import Control, GenConfig, PromptSet, generator_main, prompt_order
+from common.runtime.generator import Control, GenConfig, PromptSet, decode_graphs, generator_main, prompt_order
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 from tests.tiny import save_hf
@@ -67,3 +67,11 @@ def test_a_prompt_is_sampled_with_the_version_that_admitted_it(tmp_path, mode):
     assert len(first) == len(last) == 2 * B  # n = 2 samples of B prompts each
     assert all(v == {0} for v in first)  # admitted under version 0: sampled with it
     assert all(v == {1} for v in last), last  # admitted under version 1: every token from it
+
+
+def test_decode_graphs_default_on_cuda_only_and_an_explicit_choice_wins():
+    assert GenConfig().cuda_graphs is None
+    assert decode_graphs(GenConfig(), "cuda") and decode_graphs(GenConfig(), torch.device("cuda", 1))
+    assert not decode_graphs(GenConfig(), "cpu")
+    assert not decode_graphs(GenConfig(cuda_graphs=False), "cuda")
+    assert decode_graphs(GenConfig(cuda_graphs=True), "cpu")  # asked for: the trainer refuses it on CPU
