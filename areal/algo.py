@@ -90,7 +90,8 @@ class AReaL(Algorithm):
         prox = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
-            prox[rows.to(prox.device), :mb.tokens.shape[1]] = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
+            prox[rows.to(prox.device), :mb.tokens.shape[1]] = token_logp(model, mb.tokens, self.temperature,
+                                                                         mb.loss_mask, prompt_lens=mb.prompt_lens)
         return rank_sum(prox)  # other ranks' rows are 0 here
 
     def advantages(self, batch: Batch) -> torch.Tensor:
@@ -113,7 +114,7 @@ class AReaL(Algorithm):
         totals: dict[str, float] = {}
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
-            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
+            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
             loss, st = call_loss(self.loss_fn, mb, lp, mb.extra["prox_logp"], mb.behav_logp, mb.extra["advantages"],
                                  mb.loss_mask, **settings)
             w = float(mb.loss_mask.sum() / n_tok)  # this micro-batch's share of the minibatch's tokens

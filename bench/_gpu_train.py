@@ -12,6 +12,8 @@ trainer  The model loaded as the trainer loads it (`Precision.load(role="trainer
          weights, AdamW state and gradients). On CPU: the process's max RSS (never reset).
          On CUDA, one more step under the profiler: device busy ms (union of kernel intervals),
          kernel count, wall / device, the kernels taking the most device time.
+         `--train-group n` > 1: rows in groups of n sharing their prompt, and two more settings
+         with the trainer's call on them (`prompt_lens`: each prompt run once, packed).
 ipc      `WeightStore` on the device in the generators' dtype, a spawned reader process with its
          own copy of the model (bench/weights.py's structure). Per rep (after one warm-up):
          `publish(model)` timed here, the reader's `load_into` timed there (both synchronise the
@@ -53,8 +55,8 @@ from common.runtime.weights import WeightStore
 
 
 # ------------------------------------------------------------------ trainer
-def _train_step(model, opt, tokens, mask, temperature) -> float:
-    lp = token_logp(model, tokens, temperature, mask)
+def _train_step(model, opt, tokens, mask, temperature, prompt_lens=None) -> float:
+    lp = token_logp(model, tokens, temperature, mask, prompt_lens=prompt_lens)
     loss = -(lp * mask).sum() / mask.sum()
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -72,15 +74,22 @@ def trainer_section(ctx: Ctx) -> dict:
     tokens = torch.randint(FIRST_ID, model.cfg.vocab_size, (a.train_rows, a.train_tokens), generator=g).to(dev)
     mask = torch.zeros_like(tokens, dtype=torch.bool)
     mask[:, a.train_prompt:] = True
+    for r in range(a.train_rows):  # groups of --train-group rows share their prompt
+        tokens[r, :a.train_prompt] = tokens[r - r % a.train_group, :a.train_prompt]
+    plens = torch.full((a.train_rows,), a.train_prompt, device=dev)
     out = {"rows": a.train_rows, "tokens": a.train_tokens, "prompt_tokens": a.train_prompt,
            "loss_tokens": int(mask.sum()), "master_dtype": str(model.dtype).replace("torch.", ""),
            "compute_dtype": str(model.compute_dtype or model.dtype).replace("torch.", ""), "fused_adamw": ctx.cuda,
            "peak_source": "torch.cuda.max_memory_allocated over the timed steps" if ctx.cuda else
            "CPU: process max RSS (ru_maxrss), not reset between settings"}
-    for name, ckpt in (("no_checkpointing", False), ("checkpointing", True)):
+    settings = [("no_checkpointing", False, None), ("checkpointing", True, None)]
+    if a.train_group > 1:  # the trainer's call: each group's prompt run once (common/engine/prefix.py)
+        settings += [("shared_prompts", False, plens), ("shared_prompts_checkpointing", True, plens)]
+    out["group"] = a.train_group
+    for name, ckpt, pl in settings:
         model.checkpoint_layers = ckpt
         for _ in range(a.train_warmup):
-            _train_step(model, opt, tokens, mask, a.temperature)
+            _train_step(model, opt, tokens, mask, a.temperature, pl)
         free_memory(dev)
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(dev)
@@ -89,7 +98,7 @@ def trainer_section(ctx: Ctx) -> dict:
         for _ in range(a.train_reps):
             sync(dev)
             t = time.perf_counter()
-            losses.append(_train_step(model, opt, tokens, mask, a.temperature))
+            losses.append(_train_step(model, opt, tokens, mask, a.temperature, pl))
             sync(dev)
             times.append(time.perf_counter() - t)
         step = median(times)
@@ -97,20 +106,20 @@ def trainer_section(ctx: Ctx) -> dict:
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
         out[name] = {"step_s": step, "tok_s": tokens.numel() / step, "loss_tok_s": int(mask.sum()) / step,
                      "peak_gib": peak, "step_s_all": [round(x, 4) for x in times], "loss_last": losses[-1],
-                     "checkpoint_layers": ckpt}
+                     "checkpoint_layers": ckpt, "shared_prompts": pl is not None}
         if ctx.cuda:
             out[name]["allocated_before_gib"] = base / 2**30  # weights + AdamW state, no gradients
             out[name]["reserved_peak_gib"] = torch.cuda.max_memory_reserved(dev) / 2**30
-            out[name]["profile"] = _profile_step(model, opt, tokens, mask, a.temperature, dev, step)
+            out[name]["profile"] = _profile_step(model, opt, tokens, mask, a.temperature, dev, step, pl)
         ctx.progress(name, out)
     return out
 
 
-def _profile_step(model, opt, tokens, mask, temperature, dev, step_s: float) -> dict:
+def _profile_step(model, opt, tokens, mask, temperature, dev, step_s: float, prompt_lens=None) -> dict:
     """One step under the profiler (CUDA events only): device busy time against the timed wall,
     the kernel count and the kernels that take the most device time (where a slow step goes)."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _train_step(model, opt, tokens, mask, temperature)
+        _train_step(model, opt, tokens, mask, temperature, prompt_lens)
         sync(dev)
     busy, n = device_ms(prof, True)
     return {"device_ms": busy, "device_events": n, "wall_over_device": 1e3 * step_s / busy if busy else None,

@@ -63,7 +63,7 @@ WAS = {"ours_tok_s": 3573, "hf_dynamic_tok_s": 2153, "hf_static_tok_s": 7361, "h
        "trainer_peak_gib": 47.5, "ipc_publish_ms": 5.5, "ipc_apply_ms": 5.4}
 SMOKE = dict(prompts=4, n=2, prompt_min=5, prompt_max=12, max_new=16, max_batch=8, hf_batch=8, hf_compile=False,
              gsm8k_prompts=3, gsm8k_n=3, gsm8k_prompt_min=4, gsm8k_prompt_max=12, gsm8k_stops=20,
-             decode_warmup=1, decode_steps=3, decode_profile=2, train_rows=4, train_tokens=48, train_prompt=16,
+             decode_warmup=1, decode_steps=3, decode_profile=2, train_rows=4, train_tokens=48, train_prompt=16, train_group=2,
              train_warmup=1, train_reps=2, ipc_reps=2, ipc_publishes=5, async_steps=3, async_prompts=8,
              async_buffer=256)
 
@@ -108,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--train-rows", type=int, default=40)
     g.add_argument("--train-tokens", type=int, default=760)
     g.add_argument("--train-prompt", type=int, default=250, help="tokens before the loss mask starts")
+    g.add_argument("--train-group", type=int, default=1,
+                   help="rows per shared prompt (> 1: also the shared-prompt settings; the GSM8K preset: 20)")
     g.add_argument("--train-warmup", type=int, default=2)
     g.add_argument("--train-reps", type=int, default=5)
     g = ap.add_argument_group("ipc / async")
@@ -126,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [h for h in a.hf_settings.split(",") if h.strip() and h.strip() not in HF_SETTINGS]
     if bad:
         ap.error(f"--hf-settings: unknown {bad}; choose from {list(HF_SETTINGS)}")
+    if a.train_group < 1 or a.train_rows % a.train_group:
+        ap.error(f"--train-group {a.train_group} must divide --train-rows {a.train_rows}")
     if not 0 < a.ipc_publishes <= 127:
         ap.error("--ipc-publishes must be in 1..127 (fill values are versions mod 128)")
     return a
@@ -150,7 +154,7 @@ def targets(res: dict) -> dict:
             t["decode_wall_over_gpu"] = {"value": v, "need": "<= 1.5", "met": v <= 1.5, "variant": k}
             break
     tr = res.get("trainer", {})
-    for k in ("no_checkpointing", "checkpointing"):
+    for k in ("no_checkpointing", "checkpointing", "shared_prompts", "shared_prompts_checkpointing"):
         if "peak_gib" in tr.get(k, {}):
             x = tr[k]
             t[f"trainer_{k}"] = {"peak_gib": x["peak_gib"], "tok_s": x["tok_s"],

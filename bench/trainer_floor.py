@@ -12,6 +12,11 @@ backward, no optimizer step:
 `--no-fused`: ours (every variant) with fused.py off, the plain MLP and RMSNorm expressions;
 compare two invocations, not both within one: alternated in one process, the two paths' different
 memory peaks made the plain one's times swing widely (BENCHMARKS.md), the allocator's state, not the code.
+`--group n`: rows in groups of n sharing their prompt (the first half of the row), as the trainer's
+batches are (n samples per prompt); ours is then the trainer's call with `prompt_lens` (each prompt
+run once: common/engine/prefix.py) and `ours_unshared` the same rows each in full. The floor stays
+that of the rows in full: `frac_of_floor` is the unshared engine's, `shared_speedup` what running
+each prompt once saves, `speedup_vs_transformers` ours (shared) against transformers on the same rows.
 `--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
@@ -43,6 +48,7 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -67,8 +73,8 @@ from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
-def ours_step(model, tokens, mask, T):
-    token_logp(model, tokens, T, mask).sum().backward()
+def ours_step(model, tokens, mask, T, prompt_lens=None):
+    token_logp(model, tokens, T, mask, prompt_lens=prompt_lens).sum().backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -171,6 +177,8 @@ def main():
                     help="also ours on the other fp32 GEMM backend (precision.gemm's A/B on the whole step)")
     ap.add_argument("--backend-ab", action="store_true",
                     help="also the step's GEMMs in their own layouts on oneDNN vs ATen, alternating (which should it run?)")
+    ap.add_argument("--group", type=int, default=1,
+                    help="rows in groups of this many sharing their prompt (the first half); > 1 adds ours_unshared")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
@@ -187,7 +195,14 @@ def main():
     tokens = torch.randint(0, ours.cfg.vocab_size, (a.rows, a.tokens), generator=g)
     mask = torch.zeros_like(tokens, dtype=torch.bool)
     mask[:, a.tokens // 2:] = True
-    runs = {"ours": (ours_step, ours)}
+    if a.group < 1 or a.rows % a.group:
+        raise SystemExit(f"--group {a.group} must divide --rows {a.rows}")
+    for r in range(a.rows):  # each row's prompt is its group's first row's
+        tokens[r, :a.tokens // 2] = tokens[r - r % a.group, :a.tokens // 2]
+    plens = torch.full((a.rows,), a.tokens // 2)
+    runs = {"ours": (functools.partial(ours_step, prompt_lens=plens), ours)}
+    if a.group > 1:
+        runs["ours_unshared"] = (ours_step, ours)
     if a.sdpa:
         runs["ours_sdpa"] = (ours_sdpa_step, ours)
     if a.other_gemm:
@@ -224,7 +239,12 @@ def main():
     for k, ts in times.items():
         res[f"{k}_s"] = round(statistics.median(ts), 3)
         res[f"{k}_all"] = [round(t, 3) for t in ts]
-    res["frac_of_floor"] = frac("ours")
+    res["group"] = a.group
+    if a.group > 1:  # the floor is that of the rows in full: the unshared engine against it
+        res["frac_of_floor"] = frac("ours_unshared")
+        res["shared_speedup"] = round(statistics.median(u / t for u, t in zip(times["ours_unshared"], times["ours"])), 3)
+    else:
+        res["frac_of_floor"] = frac("ours")
     if a.compile:
         res["compiled_frac_of_floor"] = frac("ours_compiled")
         res["speedup_compiled_vs_eager"] = round(res["ours_s"] / res["ours_compiled_s"], 3)
@@ -238,6 +258,8 @@ def main():
     if "transformers" in times:
         res["transformers_frac_of_floor"] = frac("transformers")
         res["speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_s"], 3)
+        if a.group > 1:
+            res["unshared_speedup_vs_transformers"] = round(res["transformers_s"] / res["ours_unshared_s"], 3)
     if a.beside_generator:
         res["beside_generator"] = beside(a, prec, lambda: _timed(ours_step, ours, tokens, mask, T), a.reps)
     if a.beside_gemm:

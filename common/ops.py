@@ -45,7 +45,7 @@ def logp_from_logits(logits: torch.Tensor, tokens: torch.Tensor, temperature,
 
 
 def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch.Tensor | None = None,
-               chunk_rows: int | None = None) -> torch.Tensor:
+               chunk_rows: int | None = None, prompt_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Target-aligned log-probs (B, T) of `tokens` (B, T) under `model` at `temperature`.
 
     Differentiable (call under torch.no_grad() for behaviour/proximal/reference passes).
@@ -56,7 +56,10 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     lm_head on prompts), in chunks of positions (`common/engine/head.py`); the rest of the
     output is 0. Right padding needs no attention mask: with causal attention, pad tokens after
     a sequence never influence its real tokens; callers mask the padded positions out.
-    `chunk_rows` bounds the rows held at once.
+    `chunk_rows` bounds the rows held at once. With `prompt_lens` (B,), a model whose
+    `share_prompts` is set runs rows that share a prompt with that prompt once
+    (`Transformer.forward(..., prefix_lens=)`, `common/engine/prefix.py`): the same log-probs up
+    to summation order, fewer FLOPs for groups of samples of one prompt.
     """
     T_eff = logp_temperature(temperature)
     B, T = tokens.shape
@@ -65,12 +68,15 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     autocast = getattr(model, "autocast", contextlib.nullcontext)  # mixed precision: model.compute_dtype
     for i in range(0, B, step):
         x = tokens[i:i + step]
+        # a model that can run shared prompts once says so (our Transformer: `share_prompts`)
+        shared = {"prefix_lens": prompt_lens[i:i + step]} if prompt_lens is not None and \
+            getattr(model, "share_prompts", False) else {}
         nxt = x[:, 1:]                                     # (b, T-1): what positions 0..T-2 predict
         if loss_mask is not None:
             nxt = nxt.masked_fill(~loss_mask[i:i + step, 1:], -1)  # -1: no target, head skipped there
         targets = F.pad(nxt, (0, 1), value=-1)             # (b, T): the last position predicts nothing
         with autocast():
-            lp = model(x, targets=targets, temperature=T_eff)  # (b, T) fp32, at the predicting positions
+            lp = model(x, targets=targets, temperature=T_eff, **shared)  # (b, T) fp32, at the predicting positions
         outs.append(F.pad(lp[:, :-1], (1, 0)))             # (b, T) target-aligned: position 0 has no prediction
     return torch.cat(outs, 0)
 
@@ -82,7 +88,7 @@ def reference_seq_logp(model, trajs: list[Trajectory], temperature: float) -> to
     red-teaming's fluency term, through `token_logp`. The padded batch is built on the CPU and
     moved to the model's device (a CPU batch fed to a CUDA model was the first GPU crash)."""
     b = collate(trajs).to(model.device)
-    return seq_logp(token_logp(model, b.tokens, temperature, b.loss_mask), b.loss_mask)
+    return seq_logp(token_logp(model, b.tokens, temperature, b.loss_mask, prompt_lens=b.prompt_lens), b.loss_mask)
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=-1) -> torch.Tensor:

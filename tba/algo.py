@@ -90,7 +90,8 @@ class TBA(_Base):
         totals: dict[str, float] = {}
         for rows in micro_batches(batch, self.micro_batch_tokens, group_aligned=True):
             mb = batch.select(rows)
-            slp = seq_logp(token_logp(model, mb.tokens, self.temperature, mb.loss_mask), mb.loss_mask)  # (b,)
+            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
+            slp = seq_logp(lp, mb.loss_mask)  # (b,)
             loss, st = call_loss(self.loss_fn, mb, slp, mb.ref_seq_logp, mb.reward, mb.group_id, beta)
             w = len(rows) / N  # this micro-batch's share of the batch mean
             (loss * w).backward()
@@ -122,7 +123,7 @@ class GRPO(_Base):
         totals: dict[str, float] = {}
         for rows in micro_batches(batch, self.micro_batch_tokens):
             mb = batch.select(rows)
-            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask)
+            lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
             loss, st = call_loss(self.loss_fn, mb, lp, mb.behav_logp, mb.loss_mask, adv[rows],
                                  eps_clip=self.cfg.eps_clip)
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch

@@ -22,6 +22,12 @@ Three ways to call `Transformer.forward` / `hidden`:
                                     runs through it, in the mode the sampler set (prefill a
                                     prompt, prefill a continuation, or decode one token per
                                     row); p (B, T) are absolute positions (`common/engine/kv_cache.py`)
+  forward(tokens, targets=y, temperature=T, prefix_lens=p)
+                                    the same log-probs, rows whose first p[b] tokens are equal
+                                    running them once, packed without padding, when that runs
+                                    fewer tokens (`common/engine/prefix.py`)
+A block attends through what it is given: nothing (causal over each row), the sampler's cache, or
+a packed layout; the last two by `attend(layer, q, k, v)`.
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ from common.engine.causal_attention import causal_attention
 from common.engine.fused import mlp, rms_norm
 from common.engine.head import head_logp
 from common.engine.linear import Linear
+from common.engine.prefix import packed_logp
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -196,9 +203,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-def call_block(layer: Block, x, cos, sin):
-    """One block of a full causal pass (no cache)."""
-    return layer(x, cos, sin)
+def call_block(layer: Block, x, cos, sin, layout=None):
+    """One block of a full causal pass (no cache; attention through `layout` when packed)."""
+    return layer(x, cos, sin, layout)
 
 
 @functools.cache
@@ -230,6 +237,9 @@ class Transformer(nn.Module):
         # Trainer option: full causal passes run each block through one torch.compile'd function
         # (`compiled_block`): RMSNorm, RoPE, SiLU and the residual adds fused around the GEMMs.
         self.compile_blocks = False
+        # `common.ops.token_logp` hands this model the rows' prompt lengths (`forward(...,
+        # prefix_lens=)`: each distinct prompt run once, `common/engine/prefix.py`); off: every row in full.
+        self.share_prompts = True
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
@@ -255,30 +265,40 @@ class Transformer(nn.Module):
         dt = self.compute_dtype
         return torch.autocast(self.device.type, dtype=dt, enabled=dt is not None and dt != self.dtype)
 
-    def hidden(self, tokens, cache=None, pos=None, max_pos: int | None = None):
+    def hidden(self, tokens, cache=None, pos=None, max_pos: int | None = None, layout=None):
         """Final-norm hidden states (B, T, D). pos (B, T): absolute positions for RoPE
         (default 0..T-1); max_pos: a bound on them, if the caller knows one. With `cache`,
-        attention runs through it (see the module docstring)."""
+        attention runs through it; with `layout` (a `SharedPrefixes`), the pass runs its packed
+        tokens, (1, N, D) out (see the module docstring)."""
+        if layout is not None:
+            tokens, pos, max_pos = layout.tokens[None], layout.pos[None], layout.max_pos
         B, T = tokens.shape
         if pos is None:
             pos, max_pos = torch.arange(T, device=tokens.device).expand(B, T), T
         cos, sin = self.rope(pos, max_pos)
         x = self.model.embed_tokens(tokens)
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
-        run = compiled_block() if self.compile_blocks and cache is None else call_block
+        # compiled blocks see plain rows only: a layout object would be a new guard every micro-batch
+        run = compiled_block() if self.compile_blocks and cache is None and layout is None else call_block
         for layer in self.model.layers:
             if recompute:
-                x = checkpoint(run, layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(run, layer, x, cos, sin, layout, use_reentrant=False)
             elif cache is None:
-                x = run(layer, x, cos, sin)
+                x = run(layer, x, cos, sin, layout)
             else:
                 x = layer(x, cos, sin, cache=cache)
         return self.model.norm(x)
 
-    def forward(self, tokens, cache=None, pos=None, targets=None, temperature: float = 1.0):
+    def forward(self, tokens, cache=None, pos=None, targets=None, temperature: float = 1.0,
+                prefix_lens: torch.Tensor | None = None):
         """Logits (B, T, V); or with `targets` (B, T) int64, log-probs (B, T) fp32 of targets[:, t]
-        at position t under softmax(logits / temperature), 0 where targets[:, t] < 0 (module
+        at position t under softmax(logits / temperature), 0 where targets[:, t] < 0; with
+        `prefix_lens` (B,) too, rows sharing their first prefix_lens tokens run them once (module
         docstring). The sampler uses `hidden` and applies the head to the last position."""
+        if targets is not None and prefix_lens is not None and cache is None:
+            lp = packed_logp(self, tokens, targets, prefix_lens, temperature)
+            if lp is not None:
+                return lp
         h = self.hidden(tokens, cache=cache, pos=pos)
         if targets is None:
             return self.lm_head(h)

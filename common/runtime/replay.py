@@ -64,6 +64,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     model, tok = prec.load(cfg.model, device=device, role="trainer")
     model.train()
     model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
+    model.share_prompts = tc.share_prompts
     if fingerprint(model) != meta["init_fingerprint"]:
         raise StreamError(f"{cfg.model} is not the model the stream was recorded from ({meta['model']}): "
                           f"its weights differ (fingerprint), so the replay would not start where the run did")

@@ -118,6 +118,7 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
     model, tok = prec.load(cfg.model, device=device, role="trainer")
     model.train()
     model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
+    model.share_prompts = tc.share_prompts
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
     # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC
     store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)

@@ -39,6 +39,7 @@ class RankSetup:
     model: str                # the policy's checkpoint (a resume loads the state after)
     precision: Precision      # resolved by rank 0
     activation_checkpointing: bool  # train.activation_checkpointing
+    share_prompts: bool       # train.share_prompts
     reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks.py)
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
@@ -58,7 +59,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     setup.precision.apply()
     model, _ = setup.precision.load(setup.model, device=device, role="trainer", tokenizer=False)
     model.train()
-    model.checkpoint_layers = setup.activation_checkpointing
+    model.checkpoint_layers, model.share_prompts = setup.activation_checkpointing, setup.share_prompts
     tcp = dist.TCPStore(setup.host, setup.port, setup.world, is_master=False)
     tcp.set(f"ready{rank}", "1")
     mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s)
