@@ -44,12 +44,12 @@ def work_args(ap) -> None:
     ap.add_argument("--reps", type=int, default=3)
 
 
-def step_flops(cfg, rows: int, tokens: int, scored: int) -> dict[str, float]:
-    """FLOPs of one forward + backward by part (module docstring); `cfg` a ModelConfig."""
+def step_flops(cfg, rows: int, tokens: int, scored: int, packed: tuple[int, int] | None = None) -> dict[str, float]:
+    """FLOPs of one forward + backward by part (module docstring); `cfg` a ModelConfig. `packed`:
+    (tokens run, attention pairs) of a packed micro-batch instead of rows x tokens in full."""
     D, H, Hkv, hd, I, L = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.num_hidden_layers)
-    M = rows * tokens
-    pairs = rows * tokens * (tokens + 1) // 2
+    M, pairs = packed or (rows * tokens, rows * tokens * (tokens + 1) // 2)
     return {"linear": 6.0 * M * L * (2 * D * H * hd + 2 * D * Hkv * hd + 3 * D * I),
             "attention": 7.0 * 2 * pairs * L * H * hd,
             "head": 6.0 * scored * D * cfg.vocab_size}
@@ -85,15 +85,16 @@ def _time_gemm(m: int, k: int, nout: int, reps: int) -> float:
     return best
 
 
-def gemm_floor(cfg, rows: int, tokens: int, scored: int, reps: int = 3) -> dict:
+def gemm_floor(cfg, rows: int, tokens: int, scored: int, reps: int = 3, packed: tuple[int, int] | None = None) -> dict:
     """The floor of one forward + backward (module docstring): seconds by part, the total, the best
-    GEMM rate seen (GFLOP/s) and which backend won each part. fp32, the current thread count."""
-    flops = step_flops(cfg, rows, tokens, scored)
+    GEMM rate seen (GFLOP/s) and which backend won each part. fp32, the current thread count.
+    `packed` (tokens run, attention pairs): the floor of a packed micro-batch's work instead."""
+    flops = step_flops(cfg, rows, tokens, scored, packed)
     backends = [True, False] if onednn_available() else [False]
     old = set_onednn(True)
     out, best_rate = {"parts_s": {}, "backend": {}}, 0.0
     try:
-        for part, shapes in _gemm_shapes(cfg, rows * tokens, scored).items():
+        for part, shapes in _gemm_shapes(cfg, packed[0] if packed else rows * tokens, scored).items():
             per = {"onednn" if on else "aten": 0.0 for on in backends}
             for m, k, nout, count in shapes:
                 for on in backends:  # both backends at one shape moments apart: drift hits them alike

@@ -87,7 +87,7 @@ def trainer_section(ctx: Ctx) -> dict:
         settings += [("shared_prompts", False, plens), ("shared_prompts_checkpointing", True, plens)]
     out["group"] = a.train_group
     for name, ckpt, pl in settings:
-        model.checkpoint_layers = ckpt
+        model.checkpoint_layers, model.share_prompts = ckpt, pl is not None  # asked for: off by default on CUDA
         for _ in range(a.train_warmup):
             _train_step(model, opt, tokens, mask, a.temperature, pl)
         free_memory(dev)

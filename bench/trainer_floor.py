@@ -16,7 +16,8 @@ memory peaks made the plain one's times swing widely (BENCHMARKS.md), the alloca
 batches are (n samples per prompt); ours is then the trainer's call with `prompt_lens` (each prompt
 run once: common/engine/prefix.py) and `ours_unshared` the same rows each in full. The floor stays
 that of the rows in full: `frac_of_floor` is the unshared engine's, `shared_speedup` what running
-each prompt once saves, `speedup_vs_transformers` ours (shared) against transformers on the same rows.
+each prompt once saves, `speedup_vs_transformers` ours (shared) against transformers on the same rows,
+`shared_frac_of_own_floor` ours (shared) against the floor of the work it runs (the packed tokens).
 `--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
@@ -67,6 +68,7 @@ from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.prefix import SharedPrefixes  # noqa: E402
 from common.engine.linear import linear, onednn_available, onednn_enabled, set_onednn  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
@@ -150,6 +152,16 @@ def beside(a, prec, step, reps: int, neighbour=_decode_forever) -> dict:
             "beside_over_alone": round(statistics.median(beside) / statistics.median(alone), 3)}
 
 
+def _packed_work(tokens, plens, length: int) -> tuple[int, int]:
+    """(tokens, causal attention pairs) the packed pass runs for rows of `length` tokens (the last
+    scored one's predictor ends each row) sharing prompts of `plens` (common/engine/prefix.py)."""
+    L = SharedPrefixes.build(tokens, plens, torch.full_like(plens, length))
+    pre = [int(n) for n in L.pre_valid.sum(1)]
+    suf = [int(n) for n in L.suf_valid.sum(1)]
+    pairs = sum(p * (p + 1) // 2 for p in pre) + sum(s * int(q) + s * (s + 1) // 2 for s, q in zip(suf, L.pre_len))
+    return L.n_tokens, pairs
+
+
 def _timed(fn, *args) -> float:
     t = time.perf_counter()
     fn(*args)
@@ -200,6 +212,7 @@ def main():
     for r in range(a.rows):  # each row's prompt is its group's first row's
         tokens[r, :a.tokens // 2] = tokens[r - r % a.group, :a.tokens // 2]
     plens = torch.full((a.rows,), a.tokens // 2)
+    packed = _packed_work(tokens, plens, a.tokens - 1) if a.group > 1 else None  # (tokens run, attention pairs)
     runs = {"ours": (functools.partial(ours_step, prompt_lens=plens), ours)}
     if a.group > 1:
         runs["ours_unshared"] = (ours_step, ours)
@@ -222,9 +235,11 @@ def main():
     for fn, m in runs.values():
         fn(m, tokens, mask, T)  # warm-up
     scored = int(mask[:, 1:].sum())  # targets: token t+1 scored at position t
-    floors = []
+    floors, packed_floors = [], []
     for _ in range(a.reps):
         floors.append(gemm_floor(ours.cfg, a.rows, a.tokens, scored, reps=2))  # beside each rep: drift hits both
+        if packed:
+            packed_floors.append(gemm_floor(ours.cfg, a.rows, a.tokens, scored, reps=2, packed=packed))
         for k, (fn, m) in runs.items():
             times[k].append(_timed(fn, m, tokens, mask, T))
     floor = sorted(floors, key=lambda f: f["floor_s"])[len(floors) // 2]  # the median rep's floor
@@ -243,6 +258,11 @@ def main():
     if a.group > 1:  # the floor is that of the rows in full: the unshared engine against it
         res["frac_of_floor"] = frac("ours_unshared")
         res["shared_speedup"] = round(statistics.median(u / t for u, t in zip(times["ours_unshared"], times["ours"])), 3)
+        # ours against the floor of the work it runs: the packed tokens' GEMMs, the same head
+        pf = sorted(packed_floors, key=lambda f: f["floor_s"])[len(packed_floors) // 2]
+        res["packed_tokens"], res["packed_pairs"] = packed
+        res["packed_floor_s"], res["packed_tflop"] = round(pf["floor_s"], 3), round(pf["tflop"], 3)
+        res["shared_frac_of_own_floor"] = round(frac_of_floor(packed_floors, times["ours"]), 3)
     else:
         res["frac_of_floor"] = frac("ours")
     if a.compile:

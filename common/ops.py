@@ -57,7 +57,7 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     output is 0. Right padding needs no attention mask: with causal attention, pad tokens after
     a sequence never influence its real tokens; callers mask the padded positions out.
     `chunk_rows` bounds the rows held at once. With `prompt_lens` (B,), a model whose
-    `share_prompts` is set runs rows that share a prompt with that prompt once
+    `share_prompts` is set (None: on CPU) runs rows that share a prompt with that prompt once
     (`Transformer.forward(..., prefix_lens=)`, `common/engine/prefix.py`): the same log-probs up
     to summation order, fewer FLOPs for groups of samples of one prompt.
     """
@@ -68,9 +68,7 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
     autocast = getattr(model, "autocast", contextlib.nullcontext)  # mixed precision: model.compute_dtype
     for i in range(0, B, step):
         x = tokens[i:i + step]
-        # a model that can run shared prompts once says so (our Transformer: `share_prompts`)
-        shared = {"prefix_lens": prompt_lens[i:i + step]} if prompt_lens is not None and \
-            getattr(model, "share_prompts", False) else {}
+        shared = {"prefix_lens": prompt_lens[i:i + step]} if prompt_lens is not None and _shares(model) else {}
         nxt = x[:, 1:]                                     # (b, T-1): what positions 0..T-2 predict
         if loss_mask is not None:
             nxt = nxt.masked_fill(~loss_mask[i:i + step, 1:], -1)  # -1: no target, head skipped there
@@ -79,6 +77,12 @@ def token_logp(model, tokens: torch.Tensor, temperature: float, loss_mask: torch
             lp = model(x, targets=targets, temperature=T_eff, **shared)  # (b, T) fp32, at the predicting positions
         outs.append(F.pad(lp[:, :-1], (1, 0)))             # (b, T) target-aligned: position 0 has no prediction
     return torch.cat(outs, 0)
+
+
+def _shares(model) -> bool:
+    """Whether `model` runs shared prompts once: our Transformer's `share_prompts` (None: on CPU)."""
+    s = getattr(model, "share_prompts", False)
+    return s if s is not None else model.device.type == "cpu"
 
 
 @torch.no_grad()

@@ -143,7 +143,7 @@ def test_shared_prompts_in_the_trainers_precisions(tmp_path, device, dtype):
     fp32 against the full rows at fp32 rounding; bf16 by the gradients' relative distance."""
     save_hf("qwen2_bias", tmp_path)
     model = load_model(str(tmp_path), device=device, tokenizer=False)[0].float()
-    model.compute_dtype = dtype
+    model.compute_dtype, model.share_prompts = dtype, True  # on CUDA it is off unless asked for
     b = collate(_groups([6, 3, 1, 4], seed=11, plen=(20, 60), clen=(5, 40))).to(device)
     (lp_s, g_s), (lp_f, g_f) = _both(model, b)
     if dtype == torch.float32:

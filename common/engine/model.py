@@ -238,8 +238,10 @@ class Transformer(nn.Module):
         # (`compiled_block`): RMSNorm, RoPE, SiLU and the residual adds fused around the GEMMs.
         self.compile_blocks = False
         # `common.ops.token_logp` hands this model the rows' prompt lengths (`forward(...,
-        # prefix_lens=)`: each distinct prompt run once, `common/engine/prefix.py`); off: every row in full.
-        self.share_prompts = True
+        # prefix_lens=)`: each distinct prompt run once, `common/engine/prefix.py`); False: every
+        # row in full; None: on the CPU only (on CUDA the packed pass's masked attention cost as
+        # much device time as the fewer tokens saved, BENCHMARKS.md)
+        self.share_prompts: bool | None = None
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:

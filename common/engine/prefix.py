@@ -50,6 +50,8 @@ class SharedPrefixes:
     pre_valid: torch.Tensor   # (P, Lp) bool: j < len(prefix p)
     suf_idx: torch.Tensor     # (R, Ls) packed index of row r's suffix token j (0 past its end)
     suf_valid: torch.Tensor   # (R, Ls) bool
+    pre_take: torch.Tensor    # (n_pre,) flat (P x Lp) indices of the valid prefix positions, in packed order
+    suf_take: torch.Tensor    # (n_suf,) flat (R x Ls) indices of the valid suffix positions, in packed order
     row_pre: torch.Tensor     # (R,) the prefix of each row
     pre_len: torch.Tensor     # (R,) its length (= the row's prefix length)
     sees: torch.Tensor        # (R, 1, Ls, Lp + Ls) bool: the keys a suffix query attends to
@@ -103,17 +105,21 @@ class SharedPrefixes:
         s_len_t, row_plen = torch.tensor(slen), torch.tensor(plen)
         suf_valid = j_s[None] < s_len_t[:, None]                                        # (R, Ls)
         suf_idx = torch.where(suf_valid, torch.tensor(s_start)[:, None] + j_s[None], 0)
-        flat = torch.cat([pre_idx[pre_valid], suf_idx[suf_valid]])                      # (N,) = 0..N-1 in order
+        flat = torch.cat([pre_idx[pre_valid], suf_idx[suf_valid]])                      # (N,) the packed order
         toks = torch.cat([host[r, :plen[r]] for r in prefixes] + [host[r, plen[r]:rlen[r]] for r in range(R)])
         pos = torch.cat([torch.arange(plen[r]) for r in prefixes] +
                         [torch.arange(plen[r], rlen[r]) for r in range(R)])
-        assert flat.numel() == n and toks.numel() == n
+        assert torch.equal(flat, torch.arange(n)) and toks.numel() == n  # `attend` concatenates in this order
         # suffix query i of row r sees prefix keys j < plen[r] and suffix keys j' <= i
         sees = torch.cat([(j_p[None, None, :] < row_plen[:, None, None]).expand(R, Ls, Lp),
                           (j_s[None, None, :] <= j_s[None, :, None]).expand(R, Ls, Ls)], dim=-1)
         dev = tokens.device
+        # integer indices, not boolean masks, select the valid outputs in `attend`: a boolean index
+        # on CUDA reads its count back to the host, a sync per layer
+        take = [m.flatten().nonzero().squeeze(1).to(dev) for m in (pre_valid, suf_valid)]
         return cls(tokens=toks.to(dev), pos=pos.to(dev), pre_idx=pre_idx.to(dev), pre_valid=pre_valid.to(dev),
-                   suf_idx=suf_idx.to(dev), suf_valid=suf_valid.to(dev), row_pre=torch.tensor(row_pre, device=dev),
+                   suf_idx=suf_idx.to(dev), suf_valid=suf_valid.to(dev), pre_take=take[0], suf_take=take[1],
+                   row_pre=torch.tensor(row_pre, device=dev),
                    pre_len=row_plen.to(dev), sees=sees.unsqueeze(1).to(dev), max_pos=max(rlen),
                    padded_tokens=R * T)
 
@@ -137,7 +143,7 @@ class SharedPrefixes:
         vs = torch.cat([vp[self.row_pre], v[self.suf_idx].transpose(1, 2)], dim=2)
         qs = q[self.suf_idx].transpose(1, 2)                                            # (R, H, Ls, hd)
         ys = _masked_attention(qs, ks, vs, self.sees).transpose(1, 2)                   # (R, Ls, H, hd)
-        y = torch.cat([yp[self.pre_valid], ys[self.suf_valid]])                         # (N, H, hd) packed order
+        y = torch.cat([yp.flatten(0, 1)[self.pre_take], ys.flatten(0, 1)[self.suf_take]])  # (N, H, hd) packed order
         return y.transpose(0, 1).unsqueeze(0)
 
 

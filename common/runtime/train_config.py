@@ -21,7 +21,7 @@ class TrainConfig:
     micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     compile_blocks: bool = False      # torch.compile the blocks (one rank): fused norms/RoPE/SiLU, ATen GEMMs; costs a compile at start
-    share_prompts: bool = True        # a prompt shared by rows of a micro-batch runs once (packed, no padding); same gradient
+    share_prompts: Optional[bool] = None  # a prompt shared by rows of a micro-batch runs once (packed; same gradient); None = on CPU, off on CUDA
     memory_fraction: float = 0.0      # CUDA: cap on the trainer's share of its GPU (shared with generators); 0 = no cap
     prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
     sync_every: int = 2               # k: publish weights to generators every k steps

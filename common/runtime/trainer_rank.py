@@ -39,7 +39,7 @@ class RankSetup:
     model: str                # the policy's checkpoint (a resume loads the state after)
     precision: Precision      # resolved by rank 0
     activation_checkpointing: bool  # train.activation_checkpointing
-    share_prompts: bool       # train.share_prompts
+    share_prompts: bool | None  # train.share_prompts
     reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks.py)
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
