@@ -68,8 +68,8 @@ from common.engine.causal_attention import set_kernel  # noqa: E402
 from common.engine.fused import set_fused  # noqa: E402
 from common.engine.hf_io import resolve_checkpoint  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
-from common.engine.prefix import SharedPrefixes  # noqa: E402
 from common.engine.linear import linear, onednn_available, onednn_enabled, set_onednn  # noqa: E402
+from common.engine.prefix import SharedPrefixes  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402

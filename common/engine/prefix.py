@@ -154,10 +154,11 @@ def packed_logp(model, tokens, targets, prefix_lens, temperature) -> torch.Tenso
     them), never inside its prefix."""
     B, T = tokens.shape
     sel = targets >= 0
-    if not bool(sel.any()) or bool((prefix_lens < 1).any()):
+    has = sel.any(1)                                                     # (B,) rows with a target
+    if not bool(has.any()) or bool((prefix_lens < 1).any()):
         return None
     last = T - 1 - sel.flip(1).int().argmax(1)                         # (B,) last predicting position
-    lengths = torch.maximum(torch.where(sel.any(1), last + 1, 1), prefix_lens.to(last.device))
+    lengths = torch.maximum(torch.where(has, last + 1, 1), prefix_lens.to(last.device))
     layout = SharedPrefixes.build(tokens, prefix_lens, lengths)
     if layout.n_tokens > (1 - MIN_SAVING) * layout.padded_tokens:
         return None

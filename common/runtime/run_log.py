@@ -24,7 +24,7 @@ def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, st
     t = time.perf_counter()
     group.model.eval()
     m = prec.inference_copy(group.full_model())
-    m.decode_graphs = decode_graphs(cfg.gen, next(m.parameters()).device)
+    m.decode_graphs = decode_graphs(cfg.gen, m.device)
     out = evaluate(m, tok)
     group.model.train()
     out = {**out, "eval_s": time.perf_counter() - t}
