@@ -17,6 +17,8 @@ no time (a training step's peak memory and speed: BENCHMARKS.md).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -43,14 +45,28 @@ def _blocks(n_rows: int, width: int):
     return ((r, min(r + step, n_rows)) for r in range(0, n_rows, step))
 
 
+def activation(name: str):
+    """The MLP activation a config names: silu, gelu (exact, erf) or gelu_tanh (GPT-2's gelu_new)."""
+    if name == "gelu_tanh":
+        return functools.partial(F.gelu, approximate="tanh")
+    return {"silu": F.silu, "gelu": F.gelu}[name]
+
+
 def mlp(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
         b_gate: torch.Tensor | None = None, b_up: torch.Tensor | None = None,
-        b_down: torch.Tensor | None = None) -> torch.Tensor:
-    """The gated MLP down(silu(gate(x)) * up(x)); x (..., D), w_gate/w_up (I, D), w_down (D, I),
-    optional biases (the blocked path is for none)."""
-    if b_gate is None and b_up is None and b_down is None and _fast_path(x, w_gate, w_up, w_down):
+        b_down: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
+    """The gated MLP down(act(gate(x)) * up(x)); x (..., D), w_gate/w_up (I, D), w_down (D, I),
+    optional biases (the blocked path is for SiLU and no biases)."""
+    if act == "silu" and b_gate is None and b_up is None and b_down is None and _fast_path(x, w_gate, w_up, w_down):
         return _MLP.apply(x, w_gate, w_up, w_down)
-    return linear(F.silu(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+    return linear(activation(act)(linear(x, w_gate, b_gate)) * linear(x, w_up, b_up), w_down, b_down)
+
+
+def plain_mlp(x: torch.Tensor, w_up: torch.Tensor, b_up: torch.Tensor | None, w_down: torch.Tensor,
+              b_down: torch.Tensor | None, act: str) -> torch.Tensor:
+    """The ungated MLP down(act(up(x))) of GPT-NeoX and GPT-2, as plain operations (no blocked
+    path: one elementwise op between the GEMMs leaves little for it to save)."""
+    return linear(activation(act)(linear(x, w_up, b_up)), w_down, b_down)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

