@@ -20,16 +20,29 @@ ARCHS = {
 }
 
 
+_SPECIAL = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_NEOX = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=256, **_SPECIAL)
+# the other families, each with its own config keys: name -> (config class name, kwargs)
+FAMILIES = {
+    # GPT-NeoX (Pythia): parallel residual with rotary on a quarter of each head (4 of 16 dims), as Pythia
+    "neox_parallel_rot25": ("GPTNeoXConfig", dict(_NEOX, use_parallel_residual=True, rotary_pct=0.25)),
+    "neox_sequential_rot100": ("GPTNeoXConfig", dict(_NEOX, use_parallel_residual=False, rotary_pct=1.0)),
+    # GPT-2: learned positions, tied head; 64 positions so that the limit is reachable in a test
+    "gpt2": ("GPT2Config", dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_SPECIAL)),
+}
+
+
 def hf_model(arch: str, seed: int = 0):
-    """A random transformers model of the named tiny architecture, fp32, eval mode."""
+    """A random transformers model of the named tiny architecture (ARCHS or FAMILIES), fp32, eval mode."""
     import transformers
-    cls_name, extra = ARCHS[arch]
-    cfg = getattr(transformers, cls_name)(**{**BASE, **extra})
+    cls_name, extra = FAMILIES[arch] if arch in FAMILIES else ARCHS[arch]
+    cfg = getattr(transformers, cls_name)(**(extra if arch in FAMILIES else {**BASE, **extra}))
     torch.manual_seed(seed)
     m = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():  # biases init to zero by default: make them matter
+    with torch.no_grad():  # biases init to zero and norms to one by default: make them matter
         for n, p in m.named_parameters():
-            if n.endswith("bias") or "norm" in n:
+            if n.endswith("bias") or "norm" in n or ".ln_" in n:
                 p.add_(0.1 * torch.randn_like(p))
     return m
 

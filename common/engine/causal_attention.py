@@ -131,7 +131,9 @@ def _(q, k, v):
 
 @_backward_op.register_fake
 def _(go, q, k, v, lse):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the op allocates them (empty_like would copy the strides of a transposed q,
+    # as partial rotary's concatenation produces)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup(ctx, inputs, output):
