@@ -50,7 +50,8 @@ def step_flops(cfg, rows: int, tokens: int, scored: int, packed: tuple[int, int]
     D, H, Hkv, hd, I, L = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                            cfg.intermediate_size, cfg.num_hidden_layers)
     M, pairs = packed or (rows * tokens, rows * tokens * (tokens + 1) // 2)
-    return {"linear": 6.0 * M * L * (2 * D * H * hd + 2 * D * Hkv * hd + 3 * D * I),
+    mlp = 3 if cfg.gated_mlp else 2  # gate, up, down; or up, down (GPT-NeoX, GPT-2)
+    return {"linear": 6.0 * M * L * (2 * D * H * hd + 2 * D * Hkv * hd + mlp * D * I),
             "attention": 7.0 * 2 * pairs * L * H * hd,
             "head": 6.0 * scored * D * cfg.vocab_size}
 
@@ -60,8 +61,9 @@ def _weights(cfg, M: int, n: int) -> dict[str, list[tuple[int, int, int, int]]]:
     w (nout, k)), `count` such weights per step."""
     D, H, Hkv, hd, I, L, V = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                               cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size)
+    up = 2 if cfg.gated_mlp else 1  # gate and up, or up alone (GPT-NeoX, GPT-2)
     lin = [(M, k, nout, count * L) for k, nout, count in [(D, H * hd, 1), (D, Hkv * hd, 2), (H * hd, D, 1),
-                                                          (D, I, 2), (I, D, 1)]]
+                                                          (D, I, up), (I, D, 1)]]
     return {"linear": lin, "head": [(n, D, V, 1)]}
 
 

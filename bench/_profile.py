@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import torch
 
-from common.engine.model import MLP, Attention, RMSNorm
+from common.engine.model import MLP, Attention, LayerNorm, RMSNorm
 from common.ops import token_logp
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
@@ -44,7 +44,7 @@ def profile(model, tokens, mask, T) -> dict:
     enter, leave = torch.ops.profiler._record_function_enter_new, torch.ops.profiler._record_function_exit
     handles, open_ = [], {}
     for mod in model.modules() if not model.compile_blocks else ():  # no hooks inside compiled code
-        part = {Attention: "attention", MLP: "mlp", RMSNorm: "norm"}.get(type(mod))
+        part = {Attention: "attention", MLP: "mlp", RMSNorm: "norm", LayerNorm: "norm"}.get(type(mod))
         if part is None:
             continue
 

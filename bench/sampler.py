@@ -13,6 +13,10 @@ bandwidth). Prints one JSON line.
     python bench/sampler.py --vs-fp32  # full benchmark (~20 min on 2 CPU cores)
     python bench/sampler.py --quick    # smoke check (< 1 min)
     python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
+    python bench/sampler.py --arch pythia-160m  # a random GPT-NeoX of Pythia-160M's shape (bench/_arch.py)
+
+`--arch` runs another family on the same workload: a random model of that published shape built
+locally, the prompts tokenised with the default model's tokenizer (such a model has none).
 
 Host work per decode step (`host_ms_per_step`, in every run): the time `Sampler.step` spends
 outside the model (planning, bookkeeping, recording), measured as step time minus the time in
@@ -42,6 +46,7 @@ from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.runtime.process import keep_freed_memory  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
+from bench._arch import add_arch_arg, arch_dir, prompt_tokenizer  # noqa: E402
 from tests.tiny import save_hf  # noqa: E402
 
 
@@ -190,9 +195,12 @@ def main():
     ap.add_argument("--host-only", action="store_true", help="only host ms per decode step, on a tiny random model")
     ap.add_argument("--ablate-onednn", action="store_true",
                     help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
+    add_arch_arg(ap)
     a = ap.parse_args()
     if a.quick:
         a.prompts, a.n, a.max_new = 4, 2, 32
+    if a.arch:
+        a.model = arch_dir(a.arch)
     torch.set_num_threads(a.threads)
     keep_freed_memory()  # as a generator process does (ASYNCRL_MALLOC=system: glibc's defaults)
     if a.host_only:
@@ -205,12 +213,13 @@ def main():
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)
+    tok = tok or prompt_tokenizer(a.model)
     data = load_gsm8k(os.path.join(default_data_dir(), "test.jsonl"), limit=a.prompts)
     prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
     eos = tok.eos_token_id
     params = SamplingParams(max_new_tokens=a.max_new, temperature=0.7, n=a.n, stop_token_ids=(eos,), seed=0)
 
-    res = {"bench": "sampler", "model": a.model, "device": "cpu", "threads": a.threads, "prompts": a.prompts,
+    res = {"bench": "sampler", "model": a.model, "arch": a.arch, "device": "cpu", "threads": a.threads, "prompts": a.prompts,
            "n": a.n, "max_new_tokens": a.max_new, "quick": a.quick, "cpu": prec.cpu.get("model"),
            "precision": {k: v for k, v in prec.to_dict().items() if k != "cpu"}}
     bw, rbw = bandwidths()

@@ -44,6 +44,7 @@ apart (bench/_profile.py).
     python bench/trainer_floor.py --quick          # 4 x 64 tokens, 1 rep
     python bench/trainer_floor.py --compile        # also with train.compile_blocks
     python bench/trainer_floor.py --beside-generator --no-hf --no-profile   # alone vs beside a generator
+    python bench/trainer_floor.py --arch pythia-160m   # a random GPT-NeoX of Pythia-160M's shape (bench/_arch.py)
 Prints one JSON line.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench._arch import add_arch_arg, arch_dir  # noqa: E402
 from bench._floor import backend_ab, frac_of_floor, gemm_floor, gemms_in_place, work_args  # noqa: E402
 from bench._profile import profile  # noqa: E402
 from common.engine.causal_attention import set_kernel  # noqa: E402
@@ -192,9 +194,12 @@ def main():
     ap.add_argument("--group", type=int, default=1,
                     help="rows in groups of this many sharing their prompt (the first half); > 1 adds ours_unshared")
     ap.add_argument("--quick", action="store_true")
+    add_arch_arg(ap)
     a = ap.parse_args()
     if a.quick:
         a.rows, a.tokens, a.reps = 4, 64, 1
+    if a.arch:
+        a.model = arch_dir(a.arch)
     set_process_defaults("cpu")  # one thread, freed memory kept: as the trainer runs
     set_fused(not a.no_fused)
     auto = resolve(PrecisionConfig())
@@ -246,7 +251,7 @@ def main():
 
     def frac(k: str) -> float:
         return round(frac_of_floor(floors, times[k]), 3)
-    res = {"bench": "trainer_floor", "model": a.model, "cpu": auto.cpu.get("model"), "flags": auto.cpu.get("flags"),
+    res = {"bench": "trainer_floor", "model": a.model, "arch": a.arch, "cpu": auto.cpu.get("model"), "flags": auto.cpu.get("flags"),
            "threads": torch.get_num_threads(), "fused": not a.no_fused, "rows": a.rows, "tokens": a.tokens, "scored": scored, "reps": a.reps,
            "precision": prec.summary(), "tflop": round(floor["tflop"], 3),
            "floor_s": round(floor["floor_s"], 3), "floor_all": [round(f["floor_s"], 3) for f in floors], "floor_parts_s": {k: round(v, 3) for k, v in floor["parts_s"].items()},
