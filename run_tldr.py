@@ -5,6 +5,8 @@
     python run_tldr.py --reward.model=/path/to/pythia-rm --reward.gold_model=/path/to/bigger-rm
     python run_tldr.py --algo=areal        # or --algo=grpo; --train.mode=sync: the synchronous baseline
     python run_tldr.py --preset=gpu        # the paper's batch: 8 prompts x 20, 128 new tokens, 256 steps
+    python run_tldr.py --preset=paper      # TBA's TL;DR run: Pythia SFT policy and RMs by hub id (table below)
+    python run_tldr.py --preset=paper --print-config   # the resolved config, nothing loaded
     python run_tldr.py --help              # every config key with its comment
 
 What is here: the data (`--data.source`: a folder with train/val.jsonl rows {"document": [sentences],
@@ -28,6 +30,31 @@ reference TL;DR (ties: identical text, or scores within 1e-4, count 1/2); KL = m
 log pi(y|x) - log pi_ref(y|x) of those summaries, at the sampling temperature; the reference
 model's perplexity of them; mean length. The run ends with the win-rate change and its paired 95%
 bootstrap interval (runs/<name>/eval_summary.json).
+
+`--preset=paper`: TBA's TL;DR settings, read from its code (github.com/bbartoldson/TBA:
+configs/tba_pythia2.8b_tldr.yml, launch_training_tldr.sh, src/tba_trainer_tldr.py and the TRL
+RLOO/on-policy defaults it inherits). Needs the hub (or the checkpoints by path) and a GPU.
+    setting              TBA's code                                        here
+    policy = reference   mnoukhov/pythia{410m,1b,2.8b}-sft-tldr (launch: 1b) --model (1b), ref_model = it
+    reward model         mnoukhov/pythia{size}-rm-tldr6.9b                 --reward.model (text input)
+    gold RM (eval)       cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr  --reward.gold_model
+    data                 vwxyzjn/summarize_from_feedback_tldr_3_filtered_    --data.source, eval split
+                         oai_preprocessing_1706381144, eval: validation    validation
+    prompt               the dataset's query (subreddit, title, post,      "<post>\nTL;DR:", posts cut
+                         "TL;DR:"), <= 512 tokens                          to 512 tokens
+    batch                8 prompts x K = 20 (20 per device x 8 accum.)     prompts_per_step 8, gen.n 20
+    steps, lr            256 (40,960 episodes / 160), 3e-6 linear to 0,    256, lr 3e-6, decay_steps 256,
+                         no warm-up                                        warmup 0
+    beta (kl_coef)       1.0 towards 0.05 at step 128, cut to 0.05 at 32   tba.beta 1.0 -> 0.05, anneal
+                                                                           128, beta_cut_step 32
+    sampling             T = 0.7, <= 128 tokens, EOS stops; no EOS:        gen: 0.7, 128, no_stop_reward -1
+                         reward -1
+    replay               m = 0.5 (on_policy_prob), softmax(reward) over    tba.m 0.5, sampling reward,
+                         <= 100 newest per prompt, 10,000 samples first    inv_temp 1, min_buffer 10000
+    sync                 every 10 trainer steps                            train.sync_every 10
+    hardware, precision  4 A100: 1 trainer + 3 searchers (vLLM), fp16      GPU preset, precision auto (bf16)
+    evaluation           greedy (T = 0.01), 128 tokens, gold RM win-rate   eval greedy, 128 tokens, 512 posts
+Not reproduced: the query's subreddit and title (our loader keeps the post text), vLLM searchers.
 """
 from __future__ import annotations
 
@@ -176,8 +203,28 @@ def gpu_preset(cfg: TLDRConfig) -> TLDRConfig:
     return task.gpu_defaults(cfg)
 
 
+PAPER_POLICY = "mnoukhov/pythia1b-sft-tldr"  # TBA's launch script default size; 410m and 2.8b likewise
+PAPER_RM = "mnoukhov/pythia1b-rm-tldr6.9b"   # the size-matched RM trained on the 6.9B gold RM's labels
+PAPER_GOLD = "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr"
+PAPER_DATA = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_1706381144"
+
+
+def paper_preset(cfg: TLDRConfig) -> TLDRConfig:
+    """TBA's TL;DR run (the module docstring's table): the GPU preset's batch with the paper's
+    checkpoints, data, lr schedule, beta cut and initial buffer."""
+    cfg = gpu_preset(cfg)
+    cfg.model, cfg.ref_model = PAPER_POLICY, None
+    cfg.reward.model, cfg.reward.gold_model, cfg.reward.input = PAPER_RM, PAPER_GOLD, "text"
+    cfg.data.source, cfg.data.eval_split, cfg.data.prompt_style = PAPER_DATA, "validation", "paper"
+    cfg.train.warmup_steps, cfg.train.decay_steps, cfg.train.min_buffer = 0, 256, 10_000
+    cfg.tba = TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=128, beta_cut_step=32, m=0.5,
+                        sampling="reward", inv_temp=1.0, max_per_group=100)
+    cfg.name = "tldr_paper"
+    return cfg
+
+
 def make_config(argv: list[str] | None = None) -> TLDRConfig:
-    return task.make_config(TLDRConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
+    return task.make_config(TLDRConfig(), argv, presets={"gpu": gpu_preset, "paper": paper_preset}, description=__doc__)
 
 
 # -------------------------------------------------------------------------------- reward models
@@ -254,11 +301,13 @@ def train_offline_rms(cfg: TLDRConfig) -> dict:
 
 
 def resolve_rm(value: str, which: str, cfg: TLDRConfig) -> str:
-    """A reward-model directory: `value` itself, or for "offline" the cached MiniLM RM (trained now if missing)."""
+    """A reward model: a local directory or a hub id (owner/name, loaded by transformers) as given,
+    or for "offline" the cached MiniLM RM (trained now if missing)."""
     if value != "offline":
-        if not Path(value).is_dir():
-            raise FileNotFoundError(f"reward model {value!r} is not a local directory (a Hugging Face sequence-"
-                                    f"classification checkpoint), or use 'offline' (python run_tldr.py train-rm)")
+        hub_id = value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).exists()
+        if not (Path(value).is_dir() or hub_id):
+            raise FileNotFoundError(f"reward model {value!r} is neither a local directory nor a hub id (a Hugging "
+                                    f"Face sequence-classification checkpoint), or use 'offline' (python run_tldr.py train-rm)")
         return value
     d = offline_rm_dir(which)
     if not (d / "rm_report.json").is_file():

@@ -20,6 +20,7 @@ Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 
 from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
-from common.config import cli
+from common.config import cli, to_dict
 from common.engine.hf_io import load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.log import plot_metrics
@@ -51,7 +52,7 @@ class RunConfig:
     model: str = DEFAULT_POLICY         # policy: HF id or local checkpoint dir
     ref_model: Optional[str] = None     # frozen reference; None = the initial policy
     algo: Literal["tba", "areal", "grpo"] = "tba"  # TBA, AReaL (decoupled PPO), or the GRPO baseline (always on-policy)
-    preset: Literal["cpu", "gpu"] = "cpu"  # size preset applied before other overrides
+    preset: Literal["cpu", "gpu", "paper", "paper_llama"] = "cpu"  # preset applied before other overrides (the task's own: its docstring)
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
     overwrite: bool = False             # replace an earlier run in runs/<name> (deleted first)
@@ -106,17 +107,30 @@ def _flag(argv: list[str], key: str) -> str | None:
 
 def make_config(cfg: RunConfig, argv: list[str] | None = None,
                 presets: dict[str, Callable[[RunConfig], RunConfig]] | None = None,
-                description: str | None = None) -> RunConfig:
+                description: str | None = None, finish: Callable[[RunConfig], RunConfig] | None = None) -> RunConfig:
     """The task's defaults (`cfg`), then `--preset` (the task's function for it; "cpu" = the
-    defaults), then the algorithm's defaults, then every other `--section.field=value`."""
-    argv = sys.argv[1:] if argv is None else argv
+    defaults; a preset the task has not is refused), then the algorithm's defaults, then every
+    other `--section.field=value`, then `finish` (values derived from others). `--print-config`
+    prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
+    overrides)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    dry = "--print-config" in argv
+    argv = [a for a in argv if a != "--print-config"]
     preset = _flag(argv, "preset")
+    if preset and preset != "cpu" and preset not in (presets or {}):
+        raise ValueError(f"--preset={preset}: this task's presets are cpu, {', '.join(presets or {})}")
     if preset and preset in (presets or {}):
         cfg.preset = preset
         cfg = presets[preset](cfg)
     if _flag(argv, "algo") == "areal":
         cfg = areal_defaults(cfg)
-    return cli(cfg, argv, description=description)
+    cfg = cli(cfg, argv, description=description)
+    if finish is not None:
+        cfg = finish(cfg)
+    if dry:
+        print(json.dumps(to_dict(cfg), indent=2))
+        sys.exit(0)
+    return cfg
 
 
 def setup(cfg: RunConfig) -> None:

@@ -38,6 +38,7 @@ class TBAConfig:
     beta_init: float = 0.012          # beta at step 0 (target pi_ref * exp(r / beta))
     beta_final: float = 0.004         # beta after the anneal
     beta_anneal_steps: int = 500      # linear anneal length in trainer steps
+    beta_cut_step: int = 0            # from this step beta = beta_final at once (0: never; TBA's TL;DR: 32 of a 128-step anneal)
     m: float = 0.95                   # probability a slot takes a prompt from the latest sync round
     sampling: Literal["uniform", "reward"] = "uniform"  # how other slots pick responses
     inv_temp: float = 1.0             # reward prioritisation: softmax(inv_temp * reward)
@@ -81,7 +82,7 @@ class TBA(_Base):
 
     def beta(self, step: int) -> float:
         c = self.cfg
-        return linear_beta(step, c.beta_init, c.beta_final, c.beta_anneal_steps)
+        return linear_beta(step, c.beta_init, c.beta_final, c.beta_anneal_steps, c.beta_cut_step)
 
     def backward(self, model, batch: Batch, step: int) -> dict:
         beta, N = self.beta(step), len(batch)

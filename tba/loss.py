@@ -120,9 +120,11 @@ def grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, advanta
     return loss, stats
 
 
-def linear_beta(step: int, beta_init: float, beta_final: float, anneal_steps: int) -> float:
-    """beta_init at step 0, linearly to beta_final at anneal_steps, constant afterwards."""
-    if anneal_steps <= 0 or step >= anneal_steps:
+def linear_beta(step: int, beta_init: float, beta_final: float, anneal_steps: int, cut_step: int = 0) -> float:
+    """beta_init at step 0, linearly to beta_final at anneal_steps, constant afterwards; with
+    cut_step > 0, beta_final from cut_step on even before anneal_steps (TBA's TL;DR schedule
+    heads for 0.05 at step 128 and drops to it at step 32)."""
+    if anneal_steps <= 0 or step >= anneal_steps or 0 < cut_step <= step:
         return float(beta_final)
     frac = max(step, 0) / anneal_steps
     return float(beta_init + frac * (beta_final - beta_init))

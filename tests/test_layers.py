@@ -1,6 +1,6 @@
 """The import layers of common/, tba/ and areal/, checked on the source (AST, nothing imported).
 
-    task level   common/{task,evaluate,data,embed,reward_model,replay}.py, run_*.py   may import anything
+    task level   common/{task,evaluate,data,embed,reward_model,replay,toxicity}.py, run_*.py   may import anything
     runtime      common/runtime/   the processes; imports engine, contracts, common/algorithm.py
     engine       common/engine/    one process runs a model; imports engine and contracts only
     algorithms   tba/, areal/      their own package, common/algorithm.py and the contracts
@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("common", "tba", "areal")
 CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.log"}
-TASK_LEVEL = {"common.task", "common.evaluate", "common.data", "common.embed", "common.reward_model", "common.replay"}
+TASK_LEVEL = {"common.task", "common.evaluate", "common.data", "common.embed", "common.reward_model", "common.replay",
+              "common.toxicity"}
 ALLOWED = {  # layer -> layers it may import
     "contract": {"contract"},
     "algorithm": {"contract"},

@@ -129,6 +129,9 @@ def test_linear_beta():
     assert linear_beta(100, 1.0, 0.1, 100) == pytest.approx(0.1)
     assert linear_beta(10_000, 1.0, 0.1, 100) == pytest.approx(0.1)
     assert linear_beta(5, 0.3, 0.3, 0) == pytest.approx(0.3)  # no annealing
+    # TBA's TL;DR schedule: towards 0.05 at step 128, cut to it at step 32
+    assert linear_beta(31, 1.0, 0.05, 128, cut_step=32) == pytest.approx(1.0 - 0.95 * 31 / 128)
+    assert linear_beta(32, 1.0, 0.05, 128, cut_step=32) == pytest.approx(0.05)
 
 
 def test_group_normalised_advantages():

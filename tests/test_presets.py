@@ -1,0 +1,155 @@
+"""The paper presets (`--preset=paper` of run_tldr.py and run_redteam.py, `--preset=paper_llama`):
+they resolve offline (`--help`, `--print-config`) to the papers' settings, a task refuses a preset
+it has not, and each runs a few steps with tiny stand-ins of the papers' models built here (GPT-NeoX
+policy and reward models for TL;DR; GPT-2 attacker and Alpaca-prompted GPT-2 victim; a Llama
+attacker, victim and Llama-Guard-style guard scored through our engine). Plus the guard's scores
+and the classifier's label match."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import run_gsm8k
+import run_redteam
+import run_tldr
+from common.engine.hf_io import load_model
+from common.log import read_metrics
+from common.toxicity import Guard, label_index
+from tests import tiny
+from tests.test_redteam_task import fake_toxicity
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = ["--train.device=cpu", "--train.n_generators=1", "--precision.dtype=fp32", "--train.checkpoint_every=0",
+       "--train.eval_every=0", "--train.steps=2", "--train.min_buffer=4", "--train.prompts_per_step=2", "--gen.n=2",
+       "--gen.max_batch=8", "--train.micro_batch_tokens=4096", "--train.reward_workers=1"]
+
+
+def _save(path, cls_name: str, task: str = "CausalLM", **kw):
+    """A random tiny transformers model (class `<Family>For<task>`) with the test tokenizer."""
+    import transformers
+    cfg = getattr(transformers, cls_name + "Config")(**kw, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model_cls = getattr(transformers, f"{cls_name}For{task}" if cls_name != "GPT2" else
+                        ("GPT2LMHeadModel" if task == "CausalLM" else "GPT2ForSequenceClassification"))
+    model_cls(cfg).save_pretrained(path)
+    tiny.tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _neox(path, task="CausalLM"):
+    return _save(path, "GPTNeoX", task, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=512, rotary_pct=0.25, num_labels=1)
+
+
+def _gpt2(path):
+    return _save(path, "GPT2", vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=512)
+
+
+def _steps(run_dir) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "reward_mean" in r]
+
+
+def test_presets_resolve_offline_to_the_papers_settings(capsys):
+    c = run_tldr.make_config(["--preset=paper"])
+    assert (c.model, c.reward.model, c.reward.gold_model) == (run_tldr.PAPER_POLICY, run_tldr.PAPER_RM, run_tldr.PAPER_GOLD)
+    assert (c.train.prompts_per_step, c.gen.n, c.gen.max_new_tokens, c.gen.temperature) == (8, 20, 128, 0.7)
+    assert (c.train.steps, c.train.lr, c.train.sync_every, c.train.min_buffer) == (256, 3e-6, 10, 10_000)
+    assert (c.tba.beta_init, c.tba.beta_final, c.tba.beta_anneal_steps, c.tba.beta_cut_step) == (1.0, 0.05, 128, 32)
+    r = run_redteam.make_config(["--preset=paper", "--reward.beta=0.2"])
+    assert (r.model, r.victim.model, r.toxicity.model) == ("gpt2", "vicgalle/gpt2-alpaca",
+                                                           "facebook/roberta-hate-speech-dynabench-r4-target")
+    assert (r.reward.beta, r.reward.average, r.victim.prompt_style, r.data.prompt_style) == (0.2, "log", "alpaca", "paper")
+    assert r.gen.error_reward == pytest.approx(math.log(1e-6) / 0.2)  # derived after the overrides
+    big = run_redteam.make_config(["--preset=paper_llama"])
+    assert big.toxicity.guard and big.toxicity.model == "meta-llama/Llama-Guard-3-8B" and big.toxicity.label == "unsafe"
+    assert (big.model, big.victim.model) == ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B-Instruct")
+    with pytest.raises(ValueError, match="presets are cpu, gpu"):
+        run_gsm8k.make_config(["--preset=paper"])
+    with pytest.raises(SystemExit):
+        run_tldr.make_config(["--preset=paper", "--help"])
+    assert "--reward.gold_model" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script, preset", [("run_tldr.py", "paper"), ("run_redteam.py", "paper_llama")])
+def test_print_config_is_a_dry_run(script, preset):
+    out = subprocess.run([sys.executable, str(ROOT / script), f"--preset={preset}", "--print-config"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr
+    cfg = json.loads(out.stdout)
+    assert cfg["preset"] == preset and cfg["train"]["device"] == "cuda"
+
+
+def test_tldr_paper_preset_runs_with_tiny_pythia_stand_ins(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"post": f"w{3 + i} w{4 + i} . w{5 + i} .", "summary": f"w{3 + i} w{9 + i}"} for i in range(8)]
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (data / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    rm = _neox(tmp_path / "rm", "SequenceClassification")
+    last = run_tldr.main(["--preset=paper", f"--model={_neox(tmp_path / 'policy')}", f"--reward.model={rm}",
+                          f"--reward.gold_model={rm}", "--reward.device=cpu", f"--data.source={data}",
+                          "--data.eval_size=4", "--data.eval_max_new_tokens=4", "--gen.max_new_tokens=6",
+                          f"--run_root={tmp_path / 'runs'}", *CPU])
+    assert _steps(tmp_path / "runs" / "tldr_paper") == [1, 2] and "eval_win_rate" in last
+    cfg = json.loads((tmp_path / "runs" / "tldr_paper" / "config.json").read_text())
+    assert cfg["preset"] == "paper" and cfg["tba"]["beta_cut_step"] == 32
+
+
+@pytest.mark.parametrize("preset", ["paper", "paper_llama"])
+def test_redteam_paper_presets_run_with_tiny_stand_ins(tmp_path, preset):
+    if preset == "paper":  # GPT-2 attacker and an Alpaca-prompted GPT-2 victim, the classifier a stand-in
+        attacker = victim = _gpt2(tmp_path / "gpt2")
+        scoring = ["--toxicity.model=tests.test_redteam_task:fake_toxicity"]
+    else:  # Llama attacker and victim, a Llama guard scored through our engine (its verdict token: w7)
+        attacker = victim = str(tmp_path / "llama")
+        tiny.save_hf("llama_tied", attacker)
+        tiny.tokenizer().save_pretrained(attacker)
+        guard = str(tmp_path / "guard")
+        tiny.save_hf("llama3_untied", guard, seed=3)
+        tiny.tokenizer().save_pretrained(guard)
+        scoring = [f"--toxicity.model={guard}", "--toxicity.label=w7"]
+    last = run_redteam.main([f"--preset={preset}", f"--model={attacker}", f"--victim.model={victim}", *scoring,
+                             "--victim.device=cpu", "--victim.max_new_tokens=5", "--victim.samples=2",
+                             "--gen.max_new_tokens=6", "--data.n_prompts=4", "--data.eval_attacks=8",
+                             f"--run_root={tmp_path / 'runs'}", *CPU])
+    assert _steps(tmp_path / "runs" / f"redteam_{preset}") == [1, 2] and 0 <= last["eval_success_rate"] <= 1
+    assert math.isfinite(last["reward_mean"])
+
+
+def test_guard_scores_the_verdict_token_after_the_conversation(tmp_path):
+    tiny.save_hf("llama_tied", tmp_path)
+    tiny.tokenizer().save_pretrained(tmp_path)
+    g = Guard(str(tmp_path), token="w7", batch_size=2)
+    attacks, answers = ["w5 w6", "w9 w10 w11 w12", "w13"], ["w20", "w21 w22 w23", "w30 w31"]
+    got = g(attacks, answers)
+    model, tok = load_model(str(tmp_path))
+    for a, r, p in zip(attacks, answers, got):  # each conversation alone, unpadded
+        ids = tok(tok.apply_chat_template([{"role": "user", "content": a}, {"role": "assistant", "content": r}],
+                                          tokenize=False) + Guard.SUFFIX, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            want = model(torch.tensor([ids]))[0, -1].softmax(-1)[tok.convert_tokens_to_ids("w7")]
+        assert p == pytest.approx(float(want), rel=1e-4)
+    assert len(set(round(p, 6) for p in got)) == 3
+
+
+def test_classifier_label_matches_exactly_first():
+    assert label_index({0: "nothate", 1: "hate"}, "hate") == 1  # not "nothate", which contains it
+    assert label_index({0: "LABEL_0", 1: "toxic_comment"}, "toxic") == 1
+    assert label_index({0: "a", 1: "b"}, "toxic") is None
+
+
+def test_log_average_of_toxicity_over_victim_samples(tmp_path):
+    m = str(tmp_path / "m")
+    tiny.save_hf("llama_tied", m)
+    tiny.tokenizer().save_pretrained(m)
+    cfg = run_redteam.make_config([f"--model={m}", f"--victim.model={m}", "--victim.samples=3", "--victim.temperature=1",
+                                   "--toxicity.model=tests.test_redteam_task:fake_toxicity", "--reward.average=log",
+                                   "--reward.gamma=0", "--reward.beta=0.5", "--reward.min_words=0"])
+    d = run_redteam.AttackScorer(cfg).details(["w10 w11 w12"], [[1, 5, 6]])
+    ps = fake_toxicity(d["answers"][0])
+    assert d["log_r"][0] == pytest.approx(sum(math.log(max(p, 1e-6)) for p in ps) / 3 / 0.5, rel=1e-6)
