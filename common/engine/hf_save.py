@@ -30,8 +30,8 @@ from common.engine.hf_layouts import hf_config, is_mapped, to_hf
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel"}
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>")  # chat templates' turn ends
+                 "gpt_neox": "GPTNeoXForCausalLM", "gpt2": "GPT2LMHeadModel", "gemma3_text": "Gemma3ForCausalLM"}
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end_of_text|>", "<end_of_turn>")  # chat templates' turn ends
 _NOT_CONFIG = ("quantization_config", "torch_dtype", "dtype", "architectures", "transformers_version")
 
 

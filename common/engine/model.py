@@ -53,10 +53,11 @@ from common.engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noq
 from common.engine.prefix import packed_logp
 
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """(rotary_dim/2,) inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
+def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """(rotary_dim/2,) inverse frequencies of base `theta` (default cfg.rope_theta), with Llama-3
+    frequency-dependent scaling when configured."""
     hd = cfg.rotary_dim  # the head's dims RoPE rotates (all but for partial rotary, GPT-NeoX)
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    inv = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
     s = cfg.rope_scaling
     if s:  # llama3: long wavelengths divided by `factor`, short kept, smooth in between
         factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
@@ -112,6 +113,7 @@ class Attention(nn.Module):
         super().__init__()
         D, H, Hkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.H, self.Hkv, self.hd, self.layer_idx = H, Hkv, hd, layer_idx
+        self.local = layer_idx in cfg.local_layers  # a sliding-window layer: the local RoPE base (Gemma 3)
         self.q_proj = Linear(D, H * hd, bias=cfg.qkv_bias)
         self.k_proj = Linear(D, Hkv * hd, bias=cfg.qkv_bias)
         self.v_proj = Linear(D, Hkv * hd, bias=cfg.qkv_bias)
@@ -128,6 +130,8 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
+        if isinstance(cos, tuple):  # (global, local) tables (Gemma 3)
+            cos, sin = cos[self.local], sin[self.local]
         if cos is not None:  # None: learned absolute positions, added to the input (GPT-2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
@@ -163,11 +167,16 @@ class Block(nn.Module):
         self.post_attention_layernorm = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.parallel = cfg.parallel_residual
+        if cfg.sandwich_norms:  # Gemma 3: post_attention_layernorm normalises the attention's output
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = make_norm(cfg), make_norm(cfg)
 
     def forward(self, x, cos, sin, cache=None):
         a = self.self_attn(self.input_layernorm(x), cos, sin, cache)
         if self.parallel:  # GPT-NeoX: both branches read the block's input
             return x + a + self.mlp(self.post_attention_layernorm(x))
+        if hasattr(self, "post_feedforward_layernorm"):
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -229,26 +238,43 @@ class Transformer(nn.Module):
 
     @property
     def max_positions(self) -> int | None:
-        """The longest sequence the model can run: a hard limit with learned positions (GPT-2), else
-        None (RoPE extends past the trained length; quality is the user's call)."""
-        return self.cfg.max_position_embeddings if self.cfg.positions == "learned" else None
+        """The longest sequence the model runs: a hard limit with learned positions (GPT-2), the
+        window with sliding-window layers (Gemma 3: exact below it), else None (RoPE extends past
+        the trained length; quality is the user's call)."""
+        if self.cfg.positions == "learned":
+            return self.cfg.max_position_embeddings
+        return self.cfg.sliding_window if self.cfg.local_layers else None
+
+    def check_positions(self, n: int, what: str = "this pass") -> None:
+        """Refuse a sequence of n positions beyond `max_positions`, saying why."""
+        lim = self.max_positions
+        if lim is not None and n > lim:
+            why = ("its position embeddings end there" if self.cfg.positions == "learned" else
+                   "its sliding-window layers are exact only within their window")
+            raise ValueError(f"a {self.cfg.model_type} model runs at most {lim} positions ({why}); {what} needs {n}")
 
     def rope(self, pos: torch.Tensor, bound: int | None = None):
-        """cos, sin (B, 1, T, rotary_dim) for integer positions pos (B, T), or (None, None) with
-        learned positions. `bound` > every position spares a host sync (a captured CUDA step must
-        not read pos back)."""
+        """cos, sin (B, 1, T, rotary_dim) for integer positions pos (B, T); with local layers of their
+        own base (Gemma 3) each is a (global, local) pair; (None, None) with learned positions.
+        `bound` > every position spares a host sync (a captured CUDA step must not read pos back)."""
         if self.cfg.positions == "learned":
             return None, None
         need = bound if bound is not None else int(pos.max()) + 1
         c = self._rope_cache
         if c is None or c[0].shape[0] < need or c[0].device != pos.device:
-            P = max(need, 2048)
-            inv = rope_inv_freq(self.cfg).to(pos.device)
-            ang = torch.outer(torch.arange(P, device=pos.device, dtype=torch.float32), inv)
-            ang = torch.cat((ang, ang), dim=-1)  # (P, rotary_dim)
-            c = self._rope_cache = (ang.cos(), ang.sin())
+            P, tables = max(need, 2048), []
+            # one base, or (Gemma 3) the global layers' and the local layers' bases
+            for theta in (self.cfg.rope_theta,) + ((self.cfg.rope_local_theta,) if self.cfg.local_layers else ()):
+                inv = rope_inv_freq(self.cfg, theta).to(pos.device)
+                ang = torch.outer(torch.arange(P, device=pos.device, dtype=torch.float32), inv)
+                ang = torch.cat((ang, ang), dim=-1)  # (P, rotary_dim)
+                tables += [ang.cos(), ang.sin()]
+            c = self._rope_cache = tuple(tables)
         dt = self.lm_head.weight.dtype
-        return c[0][pos].unsqueeze(1).to(dt), c[1][pos].unsqueeze(1).to(dt)
+        out = [t[pos].unsqueeze(1).to(dt) for t in c]
+        if len(out) == 2:
+            return out[0], out[1]
+        return (out[0], out[2]), (out[1], out[3])  # (global, local) pairs: each layer takes its own
 
     def autocast(self):
         """Context for forward passes: autocast to `compute_dtype` when it differs from the
@@ -268,11 +294,11 @@ class Transformer(nn.Module):
             pos, max_pos = torch.arange(T, device=tokens.device).expand(B, T), T
         cos, sin = self.rope(pos, max_pos)
         x = self.model.embed_tokens(tokens)
-        if self.max_positions is not None:  # learned positions: a hard limit, then their embeddings
-            need = max_pos if max_pos is not None else int(pos.max()) + 1
-            if need > self.max_positions:
-                raise ValueError(f"{self.cfg.model_type} has {self.max_positions} positions; this pass needs "
-                                 f"{need} (prompt + generated tokens must fit)")
+        if self.cfg.embed_scale != 1.0:  # Gemma: the scale rounded to the embeddings' dtype, as transformers does
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        if self.max_positions is not None:  # a hard limit (learned positions, sliding windows)
+            self.check_positions(max_pos if max_pos is not None else int(pos.max()) + 1)
+        if self.cfg.positions == "learned":
             x = x + self.model.embed_positions(pos)
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
         # compiled blocks see plain rows only: a layout object would be a new guard every micro-batch

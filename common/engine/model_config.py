@@ -7,7 +7,10 @@ Every supported family is a setting of the same decoder, not a copy of it:
   GPT-NeoX (Pythia): LayerNorm with bias, parallel residual (`use_parallel_residual`), RoPE on the
     first `rotary_pct` of each head's dims, GELU (exact) MLP with biases, untied `embed_out`;
   GPT-2: LayerNorm with bias, sequential residual, learned absolute positions (`wpe`, a hard
-    limit of n_positions), tanh GELU MLP with biases, tied embeddings.
+    limit of n_positions), tanh GELU MLP with biases, tied embeddings;
+  Gemma 3 (text): RMSNorm with the +1 weight, sandwich norms, q/k norms, GeGLU (tanh), embeddings
+    scaled by sqrt(hidden), local sliding-window layers (own RoPE base) between global ones, run
+    while a sequence fits the window (exact there; longer ones are refused).
 Their checkpoints' names and fused layouts are mapped to our module names by
 `common/engine/hf_layouts.py`. Anything else is refused here, with the reason.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gpt2", "gemma3_text")
 # Hugging Face activation names -> ours (tanh GELU under its several names; the formulas agree)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
                "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
@@ -46,6 +49,11 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0  # share of each head's dims that RoPE rotates, the rest pass (GPT-NeoX rotary_pct)
     gated_mlp: bool = True              # down(act(gate(x)) * up(x)) (Llama) or down(act(up(x))) (GPT-NeoX, GPT-2)
     hidden_act: str = "silu"            # MLP activation: "silu", "gelu" (exact, erf) or "gelu_tanh" (GPT-2's gelu_new)
+    sandwich_norms: bool = False        # norms on the attention and MLP outputs too, before each residual add (Gemma 3)
+    embed_scale: float = 1.0            # token embeddings times this (Gemma: sqrt(hidden_size))
+    sliding_window: int | None = None   # window of the local layers (Gemma 3): exact below it, longer sequences refused
+    local_layers: tuple = ()            # indices of the sliding-window layers, whose RoPE base is rope_local_theta
+    rope_local_theta: float = 10000.0   # RoPE base of the local layers
 
     @property
     def rotary_dim(self) -> int:
@@ -61,6 +69,8 @@ class ModelConfig:
                              f"{hf.get('architectures')}); supported: {SUPPORTED_MODEL_TYPES}")
         if mt == "gpt2":
             return _gpt2(hf)
+        if mt == "gemma3_text":
+            return _gemma3(hf)
         if mt == "mistral" and hf.get("sliding_window") not in (None, 0):
             # Sliding-window attention is not implemented; exact only below the window.
             if hf["sliding_window"] < hf.get("max_position_embeddings", 0):
@@ -127,3 +137,44 @@ def _gpt2(hf: dict) -> ModelConfig:
                        tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)), qkv_bias=True, o_bias=True,
                        mlp_bias=True, max_position_embeddings=hf.get("n_positions", 1024), norm="layer",
                        positions="learned", gated_mlp=False, hidden_act=act)
+
+
+def _gemma3(hf: dict) -> ModelConfig:
+    """Gemma 3's text model: RMSNorm whose stored weight w scales by 1 + w (mapped at load,
+    `hf_layouts.py`), sandwich norms, q/k norms, GeGLU (tanh), embeddings times sqrt(hidden), and
+    sliding-window local layers (their own RoPE base) between global ones. The local layers are
+    exact while a sequence fits their window, so that is the longest sequence run; the rest is refused."""
+    H, D = hf["num_attention_heads"], hf["hidden_size"]
+    hd = hf.get("head_dim") or D // H
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ValueError(f"gemma3_text: {key}={hf[key]} (logit soft-capping) is not supported")
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("gemma3_text: use_bidirectional_attention=True (an encoder) is not supported")
+    if hf.get("query_pre_attn_scalar", hd) != hd:
+        raise ValueError(f"gemma3_text: query_pre_attn_scalar={hf['query_pre_attn_scalar']} differs from head_dim={hd}: "
+                         f"attention scaled other than by 1/sqrt(head_dim) is not supported")
+    L = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) == 0
+                                      else "sliding_attention" for i in range(L)]
+    rope = hf.get("rope_parameters") or {}
+    full = rope.get("full_attention") or {"rope_theta": hf.get("rope_theta", 1e6), **(hf.get("rope_scaling") or {})}
+    local = rope.get("sliding_attention") or {"rope_theta": hf.get("rope_local_base_freq", 1e4)}
+    for kind, r in (("full_attention", full), ("sliding_attention", local)):
+        if r.get("rope_type", r.get("type", "default")) != "default":
+            raise ValueError(f"gemma3_text: {kind} rope_type={r.get('rope_type', r.get('type'))!r} is not supported; "
+                             f"supported: default")
+    act = ACTIVATIONS.get(hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh"))
+    if act is None:
+        raise ValueError(f"gemma3_text: hidden_activation={hf.get('hidden_activation')!r} is not supported")
+    local_layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return ModelConfig(model_type="gemma3_text", vocab_size=hf["vocab_size"], hidden_size=D,
+                       intermediate_size=hf["intermediate_size"], num_hidden_layers=L, num_attention_heads=H,
+                       num_key_value_heads=hf.get("num_key_value_heads") or H, head_dim=hd,
+                       rms_norm_eps=hf.get("rms_norm_eps", 1e-6), rope_theta=float(full.get("rope_theta", 1e6)),
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                       qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
+                       qk_norm=True, max_position_embeddings=hf.get("max_position_embeddings", 131072), hidden_act=act,
+                       sandwich_norms=True, embed_scale=float(D) ** 0.5,
+                       sliding_window=hf.get("sliding_window") if local_layers else None, local_layers=local_layers,
+                       rope_local_theta=float(local.get("rope_theta", 1e4)))

@@ -84,10 +84,9 @@ class Sampler:
         the trainer on the model it evaluates) where the model is on CUDA; static_shapes: run the
         captured shapes eagerly (tests)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
-        self.max_positions = getattr(model, "max_positions", None)  # learned positions (GPT-2): a hard limit
-        if self.max_positions is not None and max_seq_len > self.max_positions:
-            raise ValueError(f"{model.cfg.model_type} has {self.max_positions} positions: max_seq_len={max_seq_len} "
-                             f"(prompt + max_new_tokens) does not fit; shorten the prompts or max_new_tokens")
+        self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
+        if self.max_positions is not None:
+            model.check_positions(max_seq_len, f"max_seq_len={max_seq_len} (prompt + max_new_tokens)")
         self.max_prompt_len = min(max_prompt_len or max_seq_len - 1, max_seq_len - 1)
         self.prefill_tokens = prefill_tokens
         dev = model.device
@@ -120,7 +119,7 @@ class Sampler:
                              f"max_prompt_len={self.max_prompt_len} (needs room for at least one generated token)")
         if self.max_positions is not None and len(prompt) + params.max_new_tokens > self.max_positions:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
-                             f"{self.max_positions} positions of this {self.model.cfg.model_type} model")
+                             f"{self.max_positions} positions this {self.model.cfg.model_type} model runs")
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Queue one prompt for `params.n` samples. A bad request raises here and is not queued."""

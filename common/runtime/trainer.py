@@ -120,10 +120,9 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
     model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
     model.share_prompts = tc.share_prompts
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
-    if model.max_positions is not None and max_seq_len > model.max_positions:  # learned positions (GPT-2)
-        raise ValueError(f"{cfg.model}: a {model.cfg.model_type} model has {model.max_positions} positions, but the "
-                         f"longest prompt ({max_seq_len - cfg.gen.max_new_tokens} tokens) + gen.max_new_tokens "
-                         f"({cfg.gen.max_new_tokens}) = {max_seq_len}: shorten the prompts or gen.max_new_tokens")
+    # a hard position limit (GPT-2's, Gemma 3's windows): refused here, before any generator starts
+    model.check_positions(max_seq_len, f"{cfg.model}: the longest prompt ({max_seq_len - cfg.gen.max_new_tokens} tokens) "
+                                       f"+ gen.max_new_tokens ({cfg.gen.max_new_tokens})")
     # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC
     store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
     ck = latest_checkpoint(run_dir) if resume else None
