@@ -250,16 +250,20 @@ class Transformer(nn.Module):
     def rope(self, pos: torch.Tensor, bound: int | None = None):
         """cos, sin (B, 1, T, hd) for integer positions pos (B, T). `bound` > every position
         spares a host sync (a captured CUDA step must not read pos back)."""
-        need = bound if bound is not None else int(pos.max()) + 1
+        cos, sin = self.rope_tables(bound if bound is not None else int(pos.max()) + 1, pos.device)
+        dt = self.lm_head.weight.dtype
+        return cos[pos].unsqueeze(1).to(dt), sin[pos].unsqueeze(1).to(dt)
+
+    def rope_tables(self, need: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fp32 cos, sin tables (P, hd) for positions 0..P-1, P >= need (built, or grown, on demand)."""
         c = self._rope_cache
-        if c is None or c[0].shape[0] < need or c[0].device != pos.device:
+        if c is None or c[0].shape[0] < need or c[0].device != torch.device(device):
             P = max(need, 2048)
-            inv = rope_inv_freq(self.cfg).to(pos.device)
-            ang = torch.outer(torch.arange(P, device=pos.device, dtype=torch.float32), inv)
+            inv = rope_inv_freq(self.cfg).to(device)
+            ang = torch.outer(torch.arange(P, device=device, dtype=torch.float32), inv)
             ang = torch.cat((ang, ang), dim=-1)  # (P, hd)
             c = self._rope_cache = (ang.cos(), ang.sin())
-        dt = self.lm_head.weight.dtype
-        return c[0][pos].unsqueeze(1).to(dt), c[1][pos].unsqueeze(1).to(dt)
+        return c
 
     def autocast(self):
         """Context for forward passes: autocast to `compute_dtype` when it differs from the
