@@ -45,7 +45,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench._gpu_util import FIRST_ID, Ctx, device_ms, free_memory, median, random_prompts, sync, top_kernels
+from bench._gpu_util import (FIRST_ID, Ctx, device_ms, free_memory, kernel_counts, median, random_prompts, sync,
+                             top_kernels)
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 
@@ -319,7 +320,7 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
            # a timed step whose cache columns crossed into a new bucket captured a graph (~10x a replay)
            "captures_in_timed_steps": None if caps0 is None else _captures(s) - caps0,
-           "kernels_per_layer": n_ev / a.decode_profile / ctx.shape["num_hidden_layers"] if ctx.cuda else None, **kw}
+           **(kernel_counts(prof, a.decode_profile, ctx.shape["num_hidden_layers"]) if ctx.cuda else {}), **kw}
     # where a step's device time goes (CUDA; empty on CPU): a few µs per kernel add up at thousands per step
     res["top_kernels_ms_launches"] = top_kernels(prof, 12, a.decode_profile)
     res["wall_over_gpu"] = wall / gpu if n_ev and gpu > 0 else None
