@@ -45,7 +45,8 @@ from dataclasses import dataclass, replace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench._gpu_util import FIRST_ID, Ctx, device_ms, free_memory, median, random_prompts, sync, top_kernels
+from bench._gpu_util import (FIRST_ID, Ctx, device_ms, free_memory, kernel_counts, median, random_prompts, sync,
+                             top_kernels)
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 
@@ -73,11 +74,25 @@ def has_cuda_graphs() -> bool:
     return "cuda_graphs" in inspect.signature(Sampler.__init__).parameters
 
 
+def has_fused_decode() -> bool:
+    """Whether this checkout's Sampler takes `compile` / `flash` (the fused decode step)."""
+    return {"compile", "flash"} <= set(inspect.signature(Sampler.__init__).parameters)
+
+
+# The sampler settings a section runs (`--ours`): eager = each kernel launched from Python (the layer
+# body compiled where the sampler compiles by default: CUDA); cuda_graphs = the default on CUDA;
+# graphs_plain = captured, but the layer body uncompiled and attention dense (the step before fusion).
+VARIANTS = ("ours_eager", "ours_cuda_graphs", "ours_graphs_plain")
+
+
 def _variants(ctx: Ctx) -> dict[str, dict | str]:
     """name -> Sampler kwargs, or the reason the variant is skipped."""
-    graphs = {"cuda_graphs": True} if has_cuda_graphs() and ctx.cuda else (
-        "Sampler has no cuda_graphs argument" if not has_cuda_graphs() else "not on CUDA")
-    return {"ours_eager": {"cuda_graphs": False} if has_cuda_graphs() else {}, "ours_cuda_graphs": graphs}
+    why = "Sampler has no cuda_graphs argument" if not has_cuda_graphs() else None if ctx.cuda else "not on CUDA"
+    out = {"ours_eager": {"cuda_graphs": False} if has_cuda_graphs() else {},
+           "ours_cuda_graphs": why or {"cuda_graphs": True},
+           "ours_graphs_plain": why or ({"cuda_graphs": True, "compile": False, "flash": False} if has_fused_decode()
+                                        else "Sampler has no compile / flash arguments")}
+    return {k: v for k, v in out.items() if k in ctx.args.ours}
 
 
 def _new_sampler(ctx: Ctx, model, kw: dict, wl: Workload | None = None) -> Sampler:
@@ -116,7 +131,10 @@ def run_ours(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
     ntok = sum(len(c.tokens) for c in outs)
     st = {k: s.stats[k] - before[k] for k in ("prefill_tokens", "decode_steps", *PADDING)}
     graphs = dict(s.graphed.stats, graphs=len(s.graphed.graphs)) if s.graphed is not None else None
-    return {"tok_s": ntok / dt, "seconds": dt, "tokens": ntok, "sequences": len(outs), "warmup_s": warm,
+    dec = getattr(s, "dec", None)
+    fused = {"compiled": dec.compile, "flash": dec.flash, "packed_weights": len(dec.packed)} \
+        if dec is not None else None
+    return {"tok_s": ntok / dt, "seconds": dt, "tokens": ntok, "sequences": len(outs), "warmup_s": warm, "fused": fused,
             "all_full_length": all(len(c.tokens) == wl.max_new for c in outs), "lengths": _lengths([len(c.tokens) for c in outs]),
             "max_batch": ctx.args.max_batch, "dtype": str(model.dtype).replace("torch.", ""),
             "kv_dtype": str(s.cache.dtype).replace("torch.", ""), "graphs": graphs, **st, **kw}
@@ -212,7 +230,10 @@ def _hf_runs(ctx: Ctx, wl: Workload, names) -> dict:
 def _ours(ctx: Ctx, model, wl: Workload) -> dict:
     out = {}
     for name, kw in _variants(ctx).items():
+        c0 = _dynamo_counts()
         out[name] = run_ours(ctx, model, kw, wl) if isinstance(kw, dict) else {"skipped": kw}
+        if isinstance(kw, dict):
+            out[name]["graphs_compiled"] = _dynamo_counts()["graphs"] - c0["graphs"]  # the layer body's pieces
         free_memory(ctx.device)
         ctx.progress(f"{wl.name} {name}", {wl.name: out})
     out["ours_best"] = max((v["tok_s"], k) for k, v in out.items() if "tok_s" in v)[1]
@@ -225,8 +246,8 @@ def _ratios(out: dict, prefix: str = "ours") -> None:
     for name in HF_SETTINGS:
         if "tok_s" in out.get(name, {}):
             out[f"{prefix}_over_{name}"] = out[best]["tok_s"] / out[name]["tok_s"]
-            for k in ("ours_eager", "ours_cuda_graphs"):
-                if "tok_s" in out[k] and k != best:
+            for k in VARIANTS:
+                if "tok_s" in out.get(k, {}) and k != best:
                     out[f"{k}_over_{name}"] = out[k]["tok_s"] / out[name]["tok_s"]
 
 
@@ -240,8 +261,8 @@ def sampler_section(ctx: Ctx) -> dict:
            "sampler_has_cuda_graphs": has_cuda_graphs(), **_ours(ctx, model, d)}
     # engine against engine: every sample its own request (no prompt sharing), same rows and lengths
     distinct = replace(d, name="default_no_sharing", prompts=[p for p in d.prompts for _ in range(d.n)], n=1)
-    eng = {"ours_no_sharing": run_ours(ctx, model, {"cuda_graphs": out["ours_best"] == "ours_cuda_graphs"}
-                                       if has_cuda_graphs() else {}, distinct)}
+    eng = {"ours_no_sharing": run_ours(ctx, model, _variants(ctx)[out["ours_best"]], distinct),
+           "variant": out["ours_best"]}
     gsm = {"workload": {"prompts": len(g.prompts), "n": g.n, "prompt_len": [a.gsm8k_prompt_min, a.gsm8k_prompt_max],
                         "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)}
     del model
@@ -298,7 +319,8 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            "CPU: summed self time of aten ops (torch profiler)", "device_events_per_step": n_ev / a.decode_profile,
            "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
            # a timed step whose cache columns crossed into a new bucket captured a graph (~10x a replay)
-           "captures_in_timed_steps": None if caps0 is None else _captures(s) - caps0, **kw}
+           "captures_in_timed_steps": None if caps0 is None else _captures(s) - caps0,
+           **(kernel_counts(prof, a.decode_profile, ctx.shape["num_hidden_layers"]) if ctx.cuda else {}), **kw}
     # where a step's device time goes (CUDA; empty on CPU): a few µs per kernel add up at thousands per step
     res["top_kernels_ms_launches"] = top_kernels(prof, 12, a.decode_profile)
     res["wall_over_gpu"] = wall / gpu if n_ev and gpu > 0 else None

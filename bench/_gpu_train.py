@@ -240,11 +240,25 @@ def async_argv(ctx: Ctx, run_root, name: str) -> list[str]:
 
 
 def async_section(ctx: Ctx) -> dict:
+    """The async run's figures at the top level; with `--async-modes=async,sync`, also the same
+    run lock-step (`--train.mode=sync`) under "sync", and async's steps/s over sync's (one GPU shared
+    by the generator and the trainer may lose to lock-step)."""
+    out = {}
+    for mode in ctx.args.async_modes:
+        out[mode] = _async_run(ctx, mode)
+        ctx.progress(mode, out)
+    res = dict(out.get("async", {}), **({"sync": out["sync"]} if "sync" in out else {}))
+    if "async" in out and "sync" in out:
+        res["async_over_sync"] = out["async"]["steps_per_s"] / out["sync"]["steps_per_s"]
+    return res
+
+
+def _async_run(ctx: Ctx, mode: str) -> dict:
     a = ctx.args
     if a.async_steps < 2:
         raise ValueError("--async-steps must be >= 2 (rates are taken after the first step)")
-    root, name = ctx.workdir / "runs", "gpu_async"
-    cfg = run_gsm8k.make_config(async_argv(ctx, root, name))
+    root, name = ctx.workdir / "runs", f"gpu_{mode}"
+    cfg = run_gsm8k.make_config(async_argv(ctx, root, name) + [f"--train.mode={mode}"])
     task.setup(cfg)
     V = ctx.shape["vocab_size"]
     prompts = PromptSet(random_prompts(a.async_prompts, a.prompt_min, a.prompt_max, V, a.seed + 1),
@@ -257,7 +271,7 @@ def async_section(ctx: Ctx) -> dict:
     span = rows[-1]["time"] - rows[0]["time"]
     syncs = rows[-1]["gen_syncs"]
     pubs = [r["publish_s"] for r in rows if r["publish_s"] > 0]
-    return {"algo": cfg.algo, "steps": len(rows), "wall_s": wall, "first_step_at_s": rows[0]["time"],
+    return {"algo": cfg.algo, "mode": mode, "steps": len(rows), "wall_s": wall, "first_step_at_s": rows[0]["time"],
             "steps_per_s": len(after) / span, "gen_tok_s": statistics.mean(r["gen_tok_s"] for r in after),
             "gen_syncs": syncs, "gen_sync_ms": 1e3 * rows[-1]["gen_sync_s"] / syncs if syncs else None,
             "wait_frac": sum(r["wait_s"] for r in after) / span,

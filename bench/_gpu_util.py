@@ -98,6 +98,20 @@ def device_ms(prof, cuda: bool) -> tuple[float, int]:
     return busy / 1e3, len(spans)
 
 
+def kernel_counts(prof, steps: int, layers: int) -> dict:
+    """Kernel launches per step of a finished profile (memcpy / memset left out), split into the
+    per-layer ones (names launched at least once per layer per step) and the rest (the step's own:
+    embedding, plan, head, sampling)."""
+    per: dict[str, int] = {}
+    for e in prof.events():
+        if (e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+                and not e.name.lower().startswith(("memcpy", "memset"))):
+            per[e.name] = per.get(e.name, 0) + 1
+    total = sum(per.values()) / steps
+    layered = sum(n for n in per.values() if n / steps >= layers) / steps
+    return {"kernels_per_step": total, "kernels_per_layer": layered / layers, "other_kernels_per_step": total - layered}
+
+
 def top_kernels(prof, k: int = 10, steps: int = 1) -> dict:
     """The k CUDA kernels (by name, cut to 80 characters) taking the most device time in a finished
     profile: {name: [ms per step, launches per step]}."""

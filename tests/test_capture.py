@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import common.engine.sampler as sampler_mod
 from common.engine import attention
 from common.engine.decode import Rows, Shape, bucket_grain, captured_shape, decode_step
+from common.engine.decode_model import DecodeModel
 from common.engine.hf_io import load_model
 from common.engine.kv_cache import KVCache
 from common.engine.model import ModelConfig, Transformer
@@ -91,7 +92,7 @@ def _meta_setup(B=8, E=3, n=4, S=16, P=12):
     cfg = ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     with torch.device("meta"):
-        model = Transformer(cfg).to(torch.bfloat16)
+        model = DecodeModel(Transformer(cfg).to(torch.bfloat16))
     cache = KVCache(cfg, max_batch=B, max_seq_len=S, dtype=torch.bfloat16, device="meta", max_prompt_len=P)
     rows = Rows.allocate(B, cache.max_prefixes, "meta")
     return model, cache, rows, Shape(B, E, n, S, P)

@@ -85,10 +85,12 @@ def test_decode_step_never_syncs_on_cuda(tmp_path, monkeypatch, flags):
             return real(*a)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+    params = SamplingParams(max_new_tokens=10, temperature=0.0 if flags[1] else 0.8, top_k=5 if flags[0] else 0, n=3, seed=1)
+    prompts = [[5, 6, 7], [9] * 10, [3, 4]]
+    Sampler(model, max_batch=8, max_seq_len=48, static_shapes=True).generate(prompts, params)  # compiles (it syncs)
     monkeypatch.setattr(sampler_mod, "decode_step", guarded)
     s = Sampler(model, max_batch=8, max_seq_len=48, static_shapes=True)
-    out = s.generate([[5, 6, 7], [9] * 10, [3, 4]], SamplingParams(
-        max_new_tokens=10, temperature=0.0 if flags[1] else 0.8, top_k=5 if flags[0] else 0, n=3, seed=1))
+    out = s.generate(prompts, params)
     assert len(out) == 9 and s.stats["decode_steps"] >= 9
 
 
@@ -136,3 +138,74 @@ def test_graphs_dropped_when_the_rope_table_is_rebuilt(tmp_path):
     again, want = (x.generate([[5, 6, 7], [9] * 10], params) for x in (s, eager))  # ids 2, 3
     assert s.graphed.stats["invalidations"] == 1
     assert [c.tokens for c in again] == [c.tokens for c in want]
+
+
+@pytest.mark.parametrize("B,E,n,S,P", [(256, 16, 20, 384, 256), (7, 3, 2, 5, 9), (1, 1, 1, 1, 1)])
+def test_flash_decode_attention_equals_dense(B, E, n, S, P):
+    """The bundled flash kernel on the decode layouts (strided views of the cache, seqused_k, its
+    log-sum-exp layout) against the dense masked attention, bf16, ragged lengths, unused entries."""
+    from common.engine import decode_attention as da
+    from common.engine.kv_cache import KVCache
+    from common.engine.model import ModelConfig
+    assert da.flash_available("cuda", torch.bfloat16), "no flash kernel with seqused_k in this torch build"
+    cfg = ModelConfig(num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+    g = torch.Generator(device="cuda").manual_seed(B + S)
+    cache = KVCache(cfg, max_batch=B, max_seq_len=S + 3, dtype=torch.bfloat16, device="cuda", max_prompt_len=P + 2)
+    for t in cache.stores:
+        t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+    own = torch.randint(0, S, (B,), generator=g, device="cuda")
+    plen = torch.randint(1, P + 1, (E,), generator=g, device="cuda")
+    if E > 1:
+        plen[-1] = 0
+    back = torch.randint(0, E * n, (B,), generator=g, device="cuda")
+    q_own = torch.randn(B, 3, 3, 64, generator=g, device="cuda").bfloat16()
+    q_prompt = torch.randn(E * n, 3, 3, 64, generator=g, device="cuda").bfloat16()
+    dense = da.attend(cache, 1, q_own, q_prompt, da.plan(cache, own, plen, back, (B, E, n, S, P), flash=False))
+    flash = da.attend(cache, 1, q_own, q_prompt, da.plan(cache, own, plen, back, (B, E, n, S, P), flash=True))
+    used = (plen > 0).cpu()
+    for name, a, b in zip(("o_own", "lse_own", "o_prompt", "lse_prompt"), dense, flash):
+        a, b = a.float().cpu(), b.float().cpu()
+        if name.endswith("prompt"):
+            a, b = a[used], b[used]
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2, msg=name)
+
+
+def _fused_vs_plain(tmp_path, dtype):
+    save_hf("qwen3_qknorm", tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False, dtype=dtype)
+    prompts = [list(range(5, 5 + L)) for L in (3, 17, 8, 30, 12, 5)]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, n=4, stop_token_ids=(3, 4, 5, 6))
+    plain = Sampler(model, max_batch=16, max_seq_len=72, static_shapes=True, compile=False, flash=False).generate(prompts, params)
+    c0 = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0)
+    s = Sampler(model, max_batch=16, max_seq_len=72, cuda_graphs=True, compile=True)
+    fused = s.generate(prompts, params)
+    compiles = torch._dynamo.utils.counters["stats"].get("unique_graphs", 0) - c0
+    return s, plain, fused, compiles
+
+
+def test_fused_decode_equals_plain_fp32(tmp_path):
+    """Compiled layer body + captured graphs against the uncompiled step, fp32 (dense attention):
+    the same greedy tokens over a ragged schedule; each piece compiled at most twice (a static
+    first shape, then the dynamic one), not once per bucket."""
+    s, plain, fused, compiles = _fused_vs_plain(tmp_path, torch.float32)
+    assert not s.dec.flash and s.graphed.stats["captures"] >= 3
+    assert compiles <= 6, compiles
+    assert [c.tokens for c in fused] == [c.tokens for c in plain]
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a.logp_tensor(), b.logp_tensor(), atol=1e-4, rtol=0)
+
+
+def test_fused_decode_logp_equals_trainer_bf16(tmp_path):
+    """bf16 with flash attention, the compiled layer body and captured graphs: every recorded
+    log-prob equals the trainer's `token_logp` of the sampled sequence (bf16 tolerance)."""
+    save_hf("qwen3_qknorm", tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
+    s = Sampler(model, max_batch=16, max_seq_len=72, cuda_graphs=True)
+    assert s.dec.flash and s.dec.compile
+    prompts = [list(range(5, 5 + L)) for L in (3, 17, 8, 30, 12, 5)]
+    outs = s.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.7, n=4, stop_token_ids=(3, 4), seed=0))
+    for c in outs:
+        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
+        with torch.no_grad():
+            full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
+        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)

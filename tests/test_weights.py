@@ -84,6 +84,32 @@ def test_bind_loads_with_one_copy_in_place():
     assert not WeightStore.from_module(src, dtype=torch.bfloat16).bind(Tiny())  # dtypes differ: no binding
 
 
+@pytest.mark.parametrize("arch", ["llama_tied", "qwen2_bias"])
+def test_bound_generator_decodes_from_merged_views(arch, tmp_path):
+    """A generator bound to the store decodes from views of its q/k/v and gate/up weights (and
+    biases): no packed copy; a published update reaches the decode step with the one slot copy."""
+    from common.engine.hf_io import load_model
+    from common.engine.sampler import Sampler
+    from common.engine.sampling import SamplingParams
+    from tests.tiny import save_hf
+    save_hf(arch, tmp_path)
+    trainer, gen, fresh = (load_model(str(tmp_path), tokenizer=False)[0] for _ in range(3))
+    store = WeightStore.from_module(trainer)
+    store.publish(trainer, 0)
+    assert store.bind(gen)
+    s = Sampler(gen, max_batch=4, max_seq_len=32)
+    assert s.dec.packed == []
+    params = SamplingParams(max_new_tokens=6, temperature=0, n=2)
+    with torch.no_grad():
+        for n, p in trainer.named_parameters():
+            p.mul_(-1.5)
+            fresh.get_parameter(n).copy_(p)
+    store.publish(trainer, 1)
+    s.update_weights(store.load_into, 1)
+    assert s.dec.packed == [] and s.generate([[5, 6, 7]], params)[0].tokens == \
+        Sampler(fresh, max_batch=4, max_seq_len=32).generate([[5, 6, 7]], params)[0].tokens
+
+
 def test_dtype_conversion():
     src = Tiny()
     store = WeightStore.from_module(src, dtype=torch.bfloat16)

@@ -2,8 +2,9 @@
 
 Runs inside one process (a generator), called by `common/engine/sampler.py`. `decode_step`
 advances rows 0..B-1 of the continuous batch by one token: the pending token of each row goes
-through the model and the KV cache (`KVCache.begin_decode`), the head's logits are upcast and
-divided by T_eff in fp32 (`scale_logits`, as the trainer does), a token is drawn with the row's
+through the decode model (`common/engine/decode_model.py`: merged projections, the layer body
+compiled or eager, attention against the KV cache by `decode_attention.py`), the head's logits
+are upcast and divided by T_eff in fp32 (as the trainer does), a token is drawn with the row's
 counter-based uniform (`common/engine/sampling.py`), and the rows' pending token and position
 advance in place. It reads nothing back to the host, and its shapes are Python ints chosen by
 the caller (`Shape`):
@@ -24,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.engine.sampling import effective_temperature, sample, scale_logits, uniforms
+from common.engine.sampling import effective_temperature
 
 
 class Shape(NamedTuple):
@@ -119,20 +120,18 @@ class Rows:
         self.plan_key = key
 
 
-def decode_step(model, cache, rows: Rows, shape: Shape, any_filtered: bool,
+def decode_step(dec, cache, rows: Rows, shape: Shape, any_filtered: bool,
                 any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advance rows 0..B-1 by one token; returns the new tokens (B,) and their log-probs (B,).
-    E entries with n query rows each must match the entry plan in `rows`; S > every slot column
-    of a live row, P >= every live prompt (module docstring)."""
-    B, E, n, S, P = shape
+    """Advance rows 0..B-1 by one token through `dec` (a `DecodeModel`); returns the new tokens (B,)
+    and their log-probs (B,). E entries with n query rows each must match the entry plan in `rows`;
+    S > every slot column of a live row, P >= every live prompt (module docstring)."""
+    B, E, n = shape.B, shape.E, shape.n
     active = rows.active[:B]
     pos = torch.where(active, rows.pos[:B], 0)
     own = torch.where(active, pos - rows.plen[:B], 0)  # idle rows write garbage at their column 0
-    cache.begin_decode(own, rows.entry_plen[:E], rows.q_rows[:E * n], rows.back[:B], S, P, n)
-    h = model.hidden(rows.tok[:B, None], cache=cache, pos=pos[:, None], max_pos=cache.max_seq_len)[:, -1]  # (B, D)
-    scaled = scale_logits(model.lm_head(h), rows.temp[:B])  # (B, V) fp32 logits / T_eff
-    u = uniforms(rows.key[:B], own + 1)  # token own + 1 of the sample (token 0 came from the prefill)
-    tok, logp = sample(scaled, rows.greedy[:B], rows.top_k[:B], rows.top_p[:B], u, any_filtered, any_greedy)
+    tok, logp = dec.step(cache, rows.tok[:B], pos, own, rows.q_rows[:E * n], rows.back[:B], rows.entry_plen[:E],
+                         shape, rows.temp[:B], rows.greedy[:B], rows.top_k[:B], rows.top_p[:B], rows.key[:B],
+                         any_filtered, any_greedy)
     rows.tok[:B] = torch.where(active, tok, rows.tok[:B])
     rows.pos[:B] += active
     return tok, logp
@@ -173,23 +172,25 @@ class GraphedDecode:
     Sharing is safe because buckets never run at once and the sampler copies a replay's outputs
     to the host before the next replay (a later capture may reuse an earlier graph's scratch).
     At most `max_graphs` graphs are kept; past that the least recently used one is dropped.
-    The graphs read the model's RoPE table: if the model rebuilds it (a longer position than it
-    was built for), every graph is dropped and captured again."""
+    The graphs read the model's RoPE table and the decode model's weights by address: if the model
+    rebuilds the table (a longer position than it was built for) or a weight moves
+    (`DecodeModel.generation`), every graph is dropped and captured again."""
 
-    def __init__(self, model, cache, rows: Rows, max_graphs: int = 64):
+    def __init__(self, dec, cache, rows: Rows, max_graphs: int = 64):
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the sampler's cache is on {cache.device}")
-        self.model, self.cache, self.rows, self.max_graphs = model, cache, rows, max_graphs
+        self.dec, self.cache, self.rows, self.max_graphs = dec, cache, rows, max_graphs
         self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
         self.stats = {"captures": 0, "replays": 0, "evictions": 0, "invalidations": 0}
         self._tables = None  # the RoPE tables the graphs were captured against
+        self._generation = None  # the decode model's weight addresses they were captured against
 
     def __call__(self, shape: Shape, any_filtered: bool, any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_step` at a `captured_shape`."""
-        args = (self.model, self.cache, self.rows, shape, any_filtered, any_greedy)
+        args = (self.dec, self.cache, self.rows, shape, any_filtered, any_greedy)
         key = (*shape, any_filtered, any_greedy)
-        if self.graphs and self.model._rope_cache is not self._tables:
+        if self.graphs and (self.dec.model._rope_cache is not self._tables or self.dec.generation != self._generation):
             self.graphs.clear()
             self.stats["invalidations"] += 1
         if key in self.graphs:
@@ -209,7 +210,7 @@ class GraphedDecode:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):  # records kernels, runs none: the state stays as the step left it
                 out = decode_step(*args)
-        self._tables = self.model._rope_cache
+        self._tables, self._generation = self.dec.model._rope_cache, self.dec.generation
         self.graphs[key] = (g, *out)
         self.stats["captures"] += 1
         if len(self.graphs) > self.max_graphs:

@@ -1,5 +1,5 @@
-"""Static KV cache with shared prompts, and the attention that reads it, for the sampler
-(generator processes).
+"""Static KV cache with shared prompts for the sampler (generator processes), and the attention
+of its prefill passes.
 
 Two stores per layer, allocated once (Hkv key/value heads, hd head dim):
   prefix  (max_prefixes, Hkv, max_prompt_len, hd): one entry per request, its prompt's K/V,
@@ -7,8 +7,8 @@ Two stores per layer, allocated once (Hkv key/value heads, hd head dim):
   slots   (max_batch, Hkv, max_seq_len, hd): one row per in-flight sample, the K/V of its
           generated tokens only, stored from column 0.
 A sample at absolute position P + t (P prompt tokens, t generated) keeps its own key t in its
-slot; RoPE uses the absolute position. Decode attention is the exact merge (see
-`common/engine/attention.py`) of
+slot; RoPE uses the absolute position. Decode attention (`common/engine/decode_attention.py`) is
+the exact merge (`common/engine/attention.py`) of
   - the prompt part: the live samples of each entry, with their query heads, attend together
     as n*(H/Hkv) query rows against the entry's prompt, so a shared prompt is read once per
     step instead of n times (BENCHMARKS.md, "Sampler"), and
@@ -20,15 +20,12 @@ as the slots. Owned by one `Sampler` in one process: no locking. The sampler kee
 and entries at the lowest indices (`Sampler._compact`), so decode reads rows 0..B-1 and
 entries 0..E-1 as views (no gather of K/V).
 
-The sampler sets a mode before each forward of `Transformer.hidden(..., cache=self)`, and
-every layer's attention calls `attend`:
+Prefill runs `Transformer.hidden(..., cache=self)` after the sampler sets a mode, and every
+layer's attention calls `attend`:
   begin_prompts(entries)           prefill b prompts (right-padded, causal) into prefix entries;
   begin_continuations(slots, ...)  prefill tokens that follow each slot's prompt into the slots
-                                   (re-prefill after a weight update), b slots at once;
-  begin_decode(...)                one token per slot row. Everything it is given lives on the
-                                   device and its shapes are Python ints chosen by the caller, so
-                                   a decode step never reads a tensor back to the host and can be
-                                   captured in a CUDA graph (`common/engine/decode.py`).
+                                   (re-prefill after a weight update), b slots at once.
+A decode step writes and reads the stores itself (`common/engine/decode_model.py`).
 """
 from __future__ import annotations
 
@@ -79,26 +76,6 @@ class KVCache:
         cols = torch.arange(P, device=self.device)
         self.cont_mask = additive_mask((cols < prompt_len.unsqueeze(1))[:, None, None, :], self.dtype)  # (b,1,1,P)
 
-    def begin_decode(self, own_pos: torch.Tensor, prompt_len: torch.Tensor, q_rows: torch.Tensor,
-                     back: torch.Tensor, S: int, P: int, n: int) -> None:
-        """Plan one decode step over slot rows 0..B-1 and prefix entries 0..E-1, shared by all layers.
-
-        own_pos (B,) long: column of each row's new token in its slot (its generated count so far);
-        prompt_len (E,) long: each entry's prompt length (0 when unused); q_rows (E*n,) long: query
-        row e*n + i is the i-th live sample of entry e (padding points at row 0); back (B,) long:
-        the query row each row reads its prompt part from; S > every own_pos and P >= every
-        prompt_len: columns attended (any larger value gives the same result). Idle rows and unused
-        entries compute garbage that nobody reads (the cost of using views instead of gathers)."""
-        self.mode, self.n = "decode", n
-        self.rows = torch.arange(own_pos.shape[0], device=self.device)
-        self.own_pos = own_pos
-        cols = torch.arange(S, device=self.device)
-        self.own_mask = additive_mask((cols <= own_pos.unsqueeze(1))[:, None, None, :], self.dtype)  # (B,1,1,S)
-        pcols = torch.arange(P, device=self.device)
-        seen = pcols < prompt_len.clamp(min=1).unsqueeze(1)  # an unused entry sees column 0 (no NaN)
-        self.prompt_mask = additive_mask(seen[:, None, None, :], self.dtype)  # (E,1,1,P)
-        self.q_rows, self.back = q_rows, back
-
     # ------------------------------------------------------------------ attention (called by every layer)
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, hd), k/v (B, Hkv, T, hd) of the current tokens -> attention output (B, H, T, hd).
@@ -107,8 +84,6 @@ class KVCache:
         if q.dtype != self.dtype:
             dt = q.dtype
             return self.attend(layer, q.to(self.dtype), k.to(self.dtype), v.to(self.dtype)).to(dt)
-        if self.mode == "decode":
-            return self._decode(layer, q, k, v)
         T = q.shape[2]
         if self.mode == "prompts":
             self.pk[layer][self.entries, :, :T] = k
@@ -122,23 +97,7 @@ class KVCache:
                                     self.cont_mask)  # a gather of each row's prompt: interrupts only
             o_s, lse_s = attend_lse(q, k, v, causal=True)
             return merge(o_p, lse_p, o_s, lse_s)
-        raise RuntimeError("KVCache.attend called without begin_prompts / begin_continuations / begin_decode")
-
-    def _decode(self, layer, q, k, v):
-        B, H, _, hd = q.shape
-        Hkv, G, n = k.shape[1], self.G, self.n
-        kc, vc = self.k[layer], self.v[layer]
-        kc[self.rows, :, self.own_pos] = k[:, :, 0]
-        vc[self.rows, :, self.own_pos] = v[:, :, 0]
-        S = self.own_mask.shape[-1]  # columns 0..S-1 of rows 0..B-1: views, no gather
-        o_s, lse_s = attend_lse(q, kc[:B, :, :S], vc[:B, :, :S], self.own_mask)  # (B, H, 1, hd), (B, H, 1)
-        # prompt part: entry e's n samples x G heads per kv head become n*G query rows
-        E, P = self.prompt_mask.shape[0], self.prompt_mask.shape[-1]
-        qp = q[:, :, 0][self.q_rows].view(E, n, Hkv, G, hd).transpose(1, 2).reshape(E, Hkv, n * G, hd)
-        o_p, lse_p = attend_lse(qp, self.pk[layer][:E, :, :P], self.pv[layer][:E, :, :P], self.prompt_mask)
-        o_p = o_p.view(E, Hkv, n, G, hd).transpose(1, 2).reshape(E * n, H, hd)[self.back]  # (B, H, hd)
-        lse_p = lse_p.view(E, Hkv, n, G).transpose(1, 2).reshape(E * n, H)[self.back]     # (B, H)
-        return merge(o_p.unsqueeze(2), lse_p.unsqueeze(2), o_s, lse_s)
+        raise RuntimeError("KVCache.attend called without begin_prompts / begin_continuations")
 
     # ------------------------------------------------------------------ compaction (sampler)
     def move_slots(self, src: list[int], dst: list[int], length: int) -> None:

@@ -259,22 +259,27 @@ class Transformer(nn.Module):
         `bound` > every position spares a host sync (a captured CUDA step must not read pos back)."""
         if self.cfg.positions == "learned":
             return None, None
-        need = bound if bound is not None else int(pos.max()) + 1
-        c = self._rope_cache
-        if c is None or c[0].shape[0] < need or c[0].device != pos.device:
-            P, tables = max(need, 2048), []
-            # one base, or (Gemma 3) the global layers' and the local layers' bases
-            for theta in (self.cfg.rope_theta,) + ((self.cfg.rope_local_theta,) if self.cfg.local_layers else ()):
-                inv = rope_inv_freq(self.cfg, theta).to(pos.device)
-                ang = torch.outer(torch.arange(P, device=pos.device, dtype=torch.float32), inv)
-                ang = torch.cat((ang, ang), dim=-1)  # (P, rotary_dim)
-                tables += [ang.cos(), ang.sin()]
-            c = self._rope_cache = tuple(tables)
+        tables = self.rope_tables(bound if bound is not None else int(pos.max()) + 1, pos.device)
         dt = self.lm_head.weight.dtype
-        out = [t[pos].unsqueeze(1).to(dt) for t in c]
+        out = [t[pos].unsqueeze(1).to(dt) for t in tables]
         if len(out) == 2:
             return out[0], out[1]
         return (out[0], out[2]), (out[1], out[3])  # (global, local) pairs: each layer takes its own
+
+    def rope_tables(self, need: int, device) -> tuple[torch.Tensor, ...]:
+        """The fp32 cos, sin tables (P, rotary_dim) for positions 0..P-1, P >= need (built, or grown,
+        on demand); with local layers of their own base (Gemma 3) the local layers' cos, sin follow."""
+        c = self._rope_cache
+        if c is None or c[0].shape[0] < need or c[0].device != torch.device(device):
+            P, tables = max(need, 2048), []
+            # one base, or (Gemma 3) the global layers' and the local layers' bases
+            for theta in (self.cfg.rope_theta,) + ((self.cfg.rope_local_theta,) if self.cfg.local_layers else ()):
+                inv = rope_inv_freq(self.cfg, theta).to(device)
+                ang = torch.outer(torch.arange(P, device=device, dtype=torch.float32), inv)
+                ang = torch.cat((ang, ang), dim=-1)  # (P, rotary_dim)
+                tables += [ang.cos(), ang.sin()]
+            c = self._rope_cache = tuple(tables)
+        return c
 
     def autocast(self):
         """Context for forward passes: autocast to `compute_dtype` when it differs from the

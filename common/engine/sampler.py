@@ -37,6 +37,8 @@ import torch
 from tqdm import tqdm
 
 from common.engine.decode import GraphedDecode, Rows, Shape, captured_shape, decode_step
+from common.engine.decode_attention import flash_available
+from common.engine.decode_model import DecodeModel
 from common.engine.kv_cache import KVCache
 from common.engine.prefill import prefill_continuations, prefill_prompts
 from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
@@ -73,7 +75,8 @@ def _compaction(items: list) -> tuple[list[int], list[int]]:
 class Sampler:
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
-                 prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False):
+                 prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
+                 compile: bool | None = None, flash: bool | None = None):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
@@ -82,7 +85,9 @@ class Sampler:
         cuda_graphs: decode through CUDA graphs captured per batch bucket (CUDA only; see
         `common/engine/decode.py`); None = `model.decode_graphs` (the run's --gen.cuda_graphs, set by
         the trainer on the model it evaluates) where the model is on CUDA; static_shapes: run the
-        captured shapes eagerly (tests)."""
+        captured shapes eagerly (tests). compile: the decode step's layer body through torch.compile
+        (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's --gen.compile_decode),
+        else on for CUDA; flash: decode attention through the flash kernel (None: where available)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
         if self.max_positions is not None:
@@ -101,7 +106,13 @@ class Sampler:
         self.log = SlotLog(max_batch, max_seq_len)  # host: tokens, log-probs, versions per slot
         if cuda_graphs is None:
             cuda_graphs = bool(getattr(model, "decode_graphs", False)) and dev.type == "cuda"
-        self.graphed = GraphedDecode(model, self.cache, self.rows) if cuda_graphs else None
+        if compile is None:
+            compile = getattr(model, "decode_compile", None)
+            compile = dev.type == "cuda" if compile is None else compile
+        if flash is None:
+            flash = flash_available(dev, kv_dtype)
+        self.dec = DecodeModel(model, compile=compile, flash=flash)
+        self.graphed = GraphedDecode(self.dec, self.cache, self.rows) if cuda_graphs else None
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
@@ -168,6 +179,7 @@ class Sampler:
     @torch.inference_mode()
     def _apply(self, load_fn, version: int) -> None:
         loaded = load_fn(self.model)
+        self.dec.refresh()  # packed q/k/v and gate/up copies follow the new weights
         self.version = loaded if isinstance(loaded, int) else version
         self._pending_update = None
         self._prefill([r for r in self.entries if r is not None])  # each live prompt once, shared as before
@@ -326,7 +338,7 @@ class Sampler:
         if self.graphed is not None:
             tok, lp = self.graphed(shape, *flags)
         else:
-            tok, lp = decode_step(self.model, self.cache, self.rows, shape, *flags)
+            tok, lp = decode_step(self.dec, self.cache, self.rows, shape, *flags)
         tok, lp = tok[:hi], lp[:hi]
         for q in seqs:
             q.pos += 1

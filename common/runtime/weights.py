@@ -46,6 +46,17 @@ VERSION, ACTIVE, SEQ, BVER = 0, 1, 2, 4  # counter layout: [version, active, seq
 _ALIGN = 64  # byte alignment of every view: typed views need aligned offsets, 64 = cache line
 
 
+def adjacent_order(names: list[str]) -> list[str]:
+    """Parameter names with, inside each module's children, the weights first and then the biases:
+    a layer's q/k/v projection weights (and its gate/up ones, and their biases) then lie back to
+    back in a slot, so a generator bound to the store (`bind`) decodes from views of them, merged
+    without a copy (`common/engine/decode_model.py`)."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        groups.setdefault(n.rsplit(".", 2)[0] if n.count(".") >= 2 else "", []).append(n)
+    return [n for g in groups.values() for bias in (False, True) for n in g if n.endswith(".bias") == bias]
+
+
 class WeightStore:
     """Double-buffered shared copy of a module's parameters, tagged with a version number."""
 
@@ -69,8 +80,10 @@ class WeightStore:
 
     @classmethod
     def from_module(cls, module: nn.Module, device="cpu", dtype: torch.dtype | None = None):
-        """Store shaped like `module.named_parameters()` (tied weights once); `dtype` overrides."""
-        return cls({n: (p.shape, dtype or p.dtype) for n, p in module.named_parameters()}, device)
+        """Store shaped like `module.named_parameters()` (tied weights once); `dtype` overrides.
+        Laid out in `adjacent_order`."""
+        params = dict(module.named_parameters())
+        return cls({n: (params[n].shape, dtype or params[n].dtype) for n in adjacent_order(list(params))}, device)
 
     def _attach(self):
         """(Re)build process-local state: typed views, numpy counter view, last applied version."""
