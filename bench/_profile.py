@@ -10,7 +10,8 @@ from collections import defaultdict
 
 import torch
 
-from common.engine.model import MLP, Attention, LayerNorm, RMSNorm
+from common.engine.layers import LayerNorm, RMSNorm
+from common.engine.model import MLP, Attention
 from common.ops import token_logp
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from common.engine import decode_attention
 from common.engine.attention import merge
 from common.engine.fused import activation, rms_norm
+from common.engine.layers import apply_rope
 from common.engine.linear import linear
-from common.engine.model import apply_rope
 from common.engine.sampling import sample, scale_logits, uniforms
 
 

@@ -1,7 +1,8 @@
 """Our own compact decoder: one decoder, configured per family (`common/engine/model_config.py`):
 the Llama family (Llama 2/3 incl. llama3 RoPE scaling, SmolLM2, Mistral without sliding window),
 Qwen2/2.5 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), GPT-NeoX / Pythia (LayerNorm, parallel
-residual, partial rotary, GELU MLP) and GPT-2 (LayerNorm, learned positions, tanh-GELU MLP).
+residual, partial rotary, GELU MLP), GPT-2 (LayerNorm, learned positions, tanh-GELU MLP) and
+Gemma 3 (sandwich norms, scaled embeddings, local layers with their own RoPE base).
 
 Used by every process: the trainer (full causal forward for log-probs) and the generators
 (the KV-cache sampler in `common/engine/sampler.py`). Module names follow Hugging Face's Llama
@@ -10,9 +11,9 @@ map; other families' names and fused tensors are mapped at load and back at save
 (`common/engine/hf_layouts.py`). The model knows no file format: the loader
 (`common/engine/hf_io.py`) builds it and fills its weights from outside, and `hf_save.py` reads
 them back out. Attention of full causal passes is `causal_attention.py`, the MLP and RMSNorm are
-`fused.py` (CPU fp32 kernels there; the plain PyTorch expressions elsewhere). What a family
-changes is a branch on the config at build time or a cheap Python test on shapes in the forward:
-a Llama-family model runs the code it always ran.
+`fused.py` (CPU fp32 kernels there; the plain PyTorch expressions elsewhere), RoPE and the
+norms `layers.py`. What a family changes is a branch on the config at build time or a cheap
+Python test on shapes in the forward: a Llama-family model runs the code it always ran.
 
 Shapes: B batch, T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim,
 S cache length, V vocab.
@@ -38,74 +39,18 @@ a packed layout; the last two by `attend(layer, q, k, v)`.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from common.engine.causal_attention import causal_attention
-from common.engine.fused import mlp, plain_mlp, rms_norm
+from common.engine.fused import mlp, plain_mlp
 from common.engine.head import head_logp
+from common.engine.layers import LayerNorm, RMSNorm, apply_rope, make_norm, rope_inv_freq  # noqa: F401 (re-exported)
 from common.engine.linear import Linear
 from common.engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401 (re-exported)
 from common.engine.prefix import packed_logp
-
-
-def rope_inv_freq(cfg: ModelConfig, theta: float | None = None) -> torch.Tensor:
-    """(rotary_dim/2,) inverse frequencies of base `theta` (default cfg.rope_theta), with Llama-3
-    frequency-dependent scaling when configured."""
-    hd = cfg.rotary_dim  # the head's dims RoPE rotates (all but for partial rotary, GPT-NeoX)
-    inv = 1.0 / ((theta or cfg.rope_theta) ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    s = cfg.rope_scaling
-    if s:  # llama3: long wavelengths divided by `factor`, short kept, smooth in between
-        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-        old = s["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = (old / wavelen - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    return inv.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, nh, T, hd); cos/sin (B, 1, T, r), r <= hd: the first r dims rotate (Hugging Face's
-    rotate-half convention within them), the rest pass unchanged (partial rotary, GPT-NeoX)."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # under autocast x is bf16, the tables fp32
-    r = cos.shape[-1]
-    if r < x.shape[-1]:
-        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with bias (GPT-NeoX, GPT-2): one ATen kernel, forward and backward."""
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-def make_norm(cfg: ModelConfig) -> nn.Module:
-    """A block's or the final norm, of the kind the config names."""
-    return (LayerNorm if cfg.norm == "layer" else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Attention(nn.Module):
