@@ -13,6 +13,7 @@ bandwidth). Prints one JSON line.
     python bench/sampler.py --vs-fp32  # full benchmark (~20 min on 2 CPU cores)
     python bench/sampler.py --quick    # smoke check (< 1 min)
     python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
+    python bench/sampler.py --compile-ab --skip-hf  # the decode step's layer body eager vs compiled
 
 Host work per decode step (`host_ms_per_step`, in every run): the time `Sampler.step` spends
 outside the model (planning, bookkeeping, recording), measured as step time minus the time in
@@ -84,10 +85,13 @@ def decode_tok_s_batch1(model, prompt, n_tokens=64) -> float:
     return n / (time.perf_counter() - t)
 
 
-def run_ours(model, prompts, params, max_batch) -> dict:
+def run_ours(model, prompts, params, max_batch, compile: bool | None = None) -> dict:
     P = max(len(p) for p in prompts)
-    s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P)
-    s.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
+    s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P, compile=compile)
+    t = time.perf_counter()
+    for k in (1, 2):  # warm-up: one row, then several (a compiled layer body compiles for both here)
+        s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
+    warm = time.perf_counter() - t
     t = time.perf_counter()
     outs = s.generate(prompts, params, progress=True)
     dt = time.perf_counter() - t
@@ -95,13 +99,15 @@ def run_ours(model, prompts, params, max_batch) -> dict:
     return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "max_batch": max_batch, "onednn": onednn_enabled(),
             "dtype": str(model.dtype).replace("torch.", ""), "kv_dtype": str(s.cache.dtype).replace("torch.", ""),
             "prefill_tokens": s.stats["prefill_tokens"], "decode_steps": s.stats["decode_steps"],
-            "decode_rows": s.stats["decode_rows"]}
+            "decode_rows": s.stats["decode_rows"], "compiled": s.dec.compile, "warmup_s": warm}
 
 
-def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0) -> dict:
+def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0, ragged: bool = True) -> dict:
     """Host ms per decode step: `Sampler.step` time minus the time inside the model calls it
     makes (decode step, prompt and continuation prefill, first-token draws), over a schedule of
-    ceil(rows / n) + 1 prompts x n samples of random lengths (stop token 3 of a random model)."""
+    ceil(rows / n) + 1 prompts x n samples of random lengths (stop token 3 of a random model);
+    `ragged=False`: rows / n prompts, no stop token, every row busy every step (steady decode,
+    the GPU decode section's shape; the admitting first step is not counted)."""
     inside, ops = [0.0, 0], [0]
     names = ("decode_step", "prefill_prompts", "prefill_continuations", "sample")
     saved = {k: getattr(sampler_mod, k) for k in names if hasattr(sampler_mod, k)}
@@ -126,8 +132,8 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
             return func(*args, **(kwargs or {}))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, model.cfg.vocab_size, (int(L),), generator=g).tolist()
-               for L in torch.randint(20, 120, (rows // n + 2,), generator=g)]
-    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, stop_token_ids=(3,), seed=seed)
+               for L in torch.randint(20, 120, (rows // n + 2 if ragged else rows // n,), generator=g)]
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, stop_token_ids=(3,) if ragged else (), seed=seed)
     s = Sampler(model, max_batch=rows, max_seq_len=128 + max_new, max_prompt_len=128)
     s.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0, n=2))  # warm-up
     for k, fn in saved.items():
@@ -135,6 +141,9 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
     try:
         for q in prompts:
             s.submit(q, params)
+        if not ragged:
+            s.step()  # admits every prompt
+            inside[0] = 0.0
         t, steps, peak = time.perf_counter(), 0, 0
         while s.has_work():
             peak = max(peak, s.num_active)
@@ -188,6 +197,8 @@ def main():
     ap.add_argument("--vs-fp32", action="store_true", help="also run ours in fp32 (the pre-auto default)")
     ap.add_argument("--skip-hf-bf16", action="store_true", help="run transformers in fp32 only")
     ap.add_argument("--host-only", action="store_true", help="only host ms per decode step, on a tiny random model")
+    ap.add_argument("--compile-ab", action="store_true",
+                    help="also run ours with the decode step's layer body compiled (inductor's C++ backend on CPU)")
     ap.add_argument("--ablate-onednn", action="store_true",
                     help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
     a = ap.parse_args()
@@ -200,7 +211,7 @@ def main():
             save_hf("llama_tied", d)
             tiny = load_model(d, tokenizer=False)[0]
             print(json.dumps({"bench": "sampler_host", "device": "cpu", "model": "tiny llama",
-                              **host_ms_per_step(tiny)}))
+                              **host_ms_per_step(tiny), "steady": host_ms_per_step(tiny, n=4, ragged=False)}))
         return
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
@@ -221,6 +232,9 @@ def main():
                batch1_frac_of_read_bw=b1 * wb / rbw)
     res["ours"] = run_ours(model, prompts, params, a.max_batch)
     res["host"] = host_ms_per_step(model, max_new=8 if a.quick else 48)
+    if a.compile_ab:
+        res["ours_compiled"] = run_ours(model, prompts, params, a.max_batch, compile=True)
+        res["compiled_vs_eager_tok_s"] = res["ours_compiled"]["tok_s"] / res["ours"]["tok_s"]
     if a.ablate_onednn:
         old = set_onednn(False)
         res["ours_mkl_gemm"] = run_ours(model, prompts, params, a.max_batch)
