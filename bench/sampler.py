@@ -85,9 +85,9 @@ def decode_tok_s_batch1(model, prompt, n_tokens=64) -> float:
     return n / (time.perf_counter() - t)
 
 
-def run_ours(model, prompts, params, max_batch, compile: bool | None = None) -> dict:
+def run_ours(model, prompts, params, max_batch) -> dict:
     P = max(len(p) for p in prompts)
-    s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P, compile=compile)
+    s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P)
     t = time.perf_counter()
     for k in (1, 2):  # warm-up: one row, then several (a compiled layer body compiles for both here)
         s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
@@ -100,6 +100,30 @@ def run_ours(model, prompts, params, max_batch, compile: bool | None = None) -> 
             "dtype": str(model.dtype).replace("torch.", ""), "kv_dtype": str(s.cache.dtype).replace("torch.", ""),
             "prefill_tokens": s.stats["prefill_tokens"], "decode_steps": s.stats["decode_steps"],
             "decode_rows": s.stats["decode_rows"], "compiled": s.dec.compile, "warmup_s": warm}
+
+
+def compile_ab(model, prompts, params, max_batch, rounds: int) -> dict:
+    """The decode step's layer body eager vs compiled, same weights and work: both samplers warmed
+    up (the compiled one compiles there), then `rounds` alternating timed runs (eager, compiled, ...),
+    so a drifting machine speed hits both; the median of the per-round tok/s ratios."""
+    P = max(len(p) for p in prompts)
+    samplers = {c: Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P,
+                           compile=c) for c in (False, True)}
+    warm = {}
+    for c, s in samplers.items():
+        t = time.perf_counter()
+        for k in (1, 2):  # one row, then several: every graph a run meets
+            s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
+        warm[c] = time.perf_counter() - t
+    rates = {False: [], True: []}
+    for _ in range(rounds):
+        for c, s in samplers.items():
+            t = time.perf_counter()
+            ntok = sum(len(o.tokens) for o in s.generate(prompts, params))
+            rates[c].append(ntok / (time.perf_counter() - t))
+    ratios = sorted(b / a for a, b in zip(rates[False], rates[True]))
+    return {"eager_tok_s": rates[False], "compiled_tok_s": rates[True], "compiled_over_eager": ratios[len(ratios) // 2],
+            "ratios": ratios, "warmup_s": {"eager": warm[False], "compiled": warm[True]}, "rounds": rounds}
 
 
 def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0, ragged: bool = True) -> dict:
@@ -199,6 +223,7 @@ def main():
     ap.add_argument("--host-only", action="store_true", help="only host ms per decode step, on a tiny random model")
     ap.add_argument("--compile-ab", action="store_true",
                     help="also run ours with the decode step's layer body compiled (inductor's C++ backend on CPU)")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="--compile-ab: alternating timed rounds")
     ap.add_argument("--ablate-onednn", action="store_true",
                     help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
     a = ap.parse_args()
@@ -233,8 +258,7 @@ def main():
     res["ours"] = run_ours(model, prompts, params, a.max_batch)
     res["host"] = host_ms_per_step(model, max_new=8 if a.quick else 48)
     if a.compile_ab:
-        res["ours_compiled"] = run_ours(model, prompts, params, a.max_batch, compile=True)
-        res["compiled_vs_eager_tok_s"] = res["ours_compiled"]["tok_s"] / res["ours"]["tok_s"]
+        res["compile_ab"] = compile_ab(model, prompts, params, a.max_batch, a.ab_rounds)
     if a.ablate_onednn:
         old = set_onednn(False)
         res["ours_mkl_gemm"] = run_ours(model, prompts, params, a.max_batch)
