@@ -81,9 +81,12 @@ def test_forced_choices_skip_the_measurement(monkeypatch):
     calls = _fake_machine(monkeypatch, ["amx_bf16"])
     p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa"))
     assert (p.dtype, p.gemm, p.kv, p.attention, p.why) == ("bf16", "aten", "bf16", "sdpa", "all forced") and calls == []
+    assert p.decode == "eager" and resolve(PrecisionConfig(decode="compiled", dtype="fp32", gemm="aten",
+                                                           attention="sdpa")).decode == "compiled"
     p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", attention="kernel"))  # kv auto needs the attention timing
     assert p.kv == "fp32" and calls == [True]
     assert resolve(PrecisionConfig(dtype="fp32"), device="cuda").dtype == "fp32"
+    assert resolve(PrecisionConfig(), device="cuda").decode == "compiled"
     p = resolve(PrecisionConfig(), device="cuda")
     assert (p.dtype, p.kv) == ("bf16", "bf16")
 

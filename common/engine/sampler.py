@@ -85,7 +85,7 @@ class Sampler:
         `common/engine/decode.py`); None = `model.decode_graphs` (the run's --gen.cuda_graphs, set by
         the trainer on the model it evaluates) where the model is on CUDA; static_shapes: run the
         captured shapes eagerly (tests). compile: the decode step's layer body through torch.compile
-        (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's --gen.compile_decode),
+        (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's `--precision.decode`),
         else on for CUDA; flash: decode attention through the flash kernel (None: where available)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_prompt_len = min(max_prompt_len or max_seq_len - 1, max_seq_len - 1)

@@ -50,19 +50,10 @@ class GenConfig:
     ref_logp: bool = True           # compute reference sequence log-probs here (TBA's KL term)
     queue_depth: int = 2            # prompts queued beyond what fits the free slots
     cuda_graphs: Optional[bool] = None  # decode through CUDA graphs captured per batch bucket; None = on CUDA, off on CPU
-    compile_decode: Optional[bool] = None  # torch.compile the decode step's layer body; None = on CUDA, off on CPU
     prefill_tokens: int = 8192      # padded prompt tokens per prefill forward (several prompts per forward)
     memory_fraction: float = 0.0    # CUDA: cap on each generator's share of its GPU (shared with the trainer); 0 = no cap
     no_stop_reward: Optional[float] = None  # reward of a sample cut at max_new_tokens without a stop token (TL;DR paper: -1); None = score it
     error_reward: float = 0.0       # reward of a sample whose reward fn raised or was not finite (counted in reward_errors)
-
-
-def decode_compile(cfg: GenConfig, device) -> bool:
-    """Whether a sampler on `device` runs its decode step's layer body through torch.compile:
-    `cfg.compile_decode`, or where it is None, on CUDA (few fused kernels per layer instead of ~90:
-    BENCHMARKS.md, "the decode step in fused pieces"); off on CPU, where the step is GEMM-bound and
-    compiled measured no faster, after a cold compile of a minute or two (BENCHMARKS.md, "Sampler")."""
-    return torch.device(device).type == "cuda" if cfg.compile_decode is None else cfg.compile_decode
 
 
 def decode_graphs(cfg: GenConfig, device) -> bool:
@@ -185,7 +176,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
                       max_prompt_len=max(len(p) for p in prompts.tokens),
                       version=store.load_into(model), seed=seed * 1000 + rank, prefill_tokens=cfg.prefill_tokens,
-                      cuda_graphs=decode_graphs(cfg, dev), compile=decode_compile(cfg, dev))
+                      cuda_graphs=decode_graphs(cfg, dev))
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=cfg.n, stop_token_ids=tuple(stop_token_ids))
     row = control.stats[rank]

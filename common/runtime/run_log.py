@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from common.batch import Batch
 from common.config import save_config
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.generator import Control, decode_compile, decode_graphs
+from common.runtime.generator import Control, decode_graphs
 
 
 def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
@@ -25,7 +25,6 @@ def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, st
     group.model.eval()
     m = prec.inference_copy(group.full_model())
     m.decode_graphs = decode_graphs(cfg.gen, m.device)
-    m.decode_compile = decode_compile(cfg.gen, m.device)
     out = evaluate(m, tok)
     group.model.train()
     out = {**out, "eval_s": time.perf_counter() - t}
