@@ -9,7 +9,7 @@
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
 (final answer after '####' / "answer is" / last number, compared numerically, math-verify as a
 fallback; exactly 1 or 0), the dataset (`--data.source`: local jsonl, a `datasets` folder or
-the hub's openai/gsm8k), the config presets, the
+the hub's openai/gsm8k; default: the repository's copy in data/gsm8k), the config presets, the
 evaluation (greedy pass@1 on a fixed test subset) and main(). The trainer runs in this process;
 generator processes import this module to call `reward_fn`, so it must stay importable.
 
@@ -55,8 +55,8 @@ class GSM8KExample:
 # ---------------------------------------------------------------------------------------------
 # data
 
-def default_data_dir() -> Path | None:
-    """First existing of $ASYNCRL_DATA_DIR/gsm8k, <repo>/../shared/data/gsm8k, <repo>/data/gsm8k."""
+def default_data_dir() -> Path:
+    """The repository's GSM8K (data/gsm8k: train/test.jsonl.gz, MIT), or $ASYNCRL_DATA_DIR/gsm8k if that exists."""
     return find_data_dir("gsm8k")
 
 
@@ -212,7 +212,7 @@ def reward_fn(completion_text: str, gold: str) -> float:
 
 @dataclass
 class DataConfig:
-    source: str = str(default_data_dir() or HUB_DATASET)  # folder with train/test.jsonl, a datasets save_to_disk folder, or a hub id
+    source: str = str(default_data_dir())  # folder with train/test.jsonl(.gz) (default: the repo's data/gsm8k), a datasets save_to_disk folder, or a hub id (openai/gsm8k)
     hub_config: Optional[str] = "main"  # dataset config when source is a hub id (openai/gsm8k: main | socratic)
     prompt_style: Literal["chat", "paper"] = "chat"  # model's chat template, or the paper's [MATH TASK] template
     train_limit: Optional[int] = None   # use only the first N training problems
@@ -278,4 +278,4 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    task.script(main)

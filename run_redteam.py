@@ -316,4 +316,4 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    task.script(main)

@@ -114,7 +114,7 @@ def format_prompt(post: str, tokenizer, style: str = "chat") -> str:
 # ---------------------------------------------------------------------------------------- config
 @dataclass
 class DataConfig:
-    source: str = str(default_data_dir("tldr") or HUB_DATASET)  # folder with <split>.jsonl, a datasets folder, or a hub id
+    source: str = str(default_data_dir("tldr"))  # folder with <split>.jsonl(.gz) (default: the repo's data/tldr sample), a datasets folder, or a hub id
     hub_config: Optional[str] = None    # dataset config when source is a hub id
     train_split: str = "train"          # split the policy trains on (and the RMs are built from)
     eval_split: str = "val"             # split of the fixed evaluation posts (trl-lib/tldr: validation)
@@ -343,4 +343,4 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    task.script(main)

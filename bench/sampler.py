@@ -41,7 +41,7 @@ from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa:
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.runtime.process import keep_freed_memory  # noqa: E402
-from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
+from run_gsm8k import default_data_dir, format_prompt, load_split  # noqa: E402
 from tests.tiny import save_hf  # noqa: E402
 
 
@@ -205,7 +205,7 @@ def main():
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)
-    data = load_gsm8k(os.path.join(default_data_dir(), "test.jsonl"), limit=a.prompts)
+    data = load_split(str(default_data_dir()), "test", limit=a.prompts)
     prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
     eos = tok.eos_token_id
     params = SamplingParams(max_new_tokens=a.max_new, temperature=0.7, n=a.n, stop_token_ids=(eos,), seed=0)

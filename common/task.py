@@ -30,6 +30,7 @@ import torch
 from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
 from common.config import cli
+from common.data import DataSourceError
 from common.engine.hf_io import load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.log import plot_metrics
@@ -117,6 +118,17 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     if _flag(argv, "algo") == "areal":
         cfg = areal_defaults(cfg)
     return cli(cfg, argv, description=description)
+
+
+def script(main: Callable[[], object]) -> None:
+    """A task script's `if __name__ == "__main__":` body: `main()`, with a data source that cannot
+    be read (a hub id offline, a folder that does not exist) reported in one line with what to do
+    instead, exit status 2, rather than as a traceback."""
+    try:
+        main()
+    except DataSourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def setup(cfg: RunConfig) -> None:
