@@ -224,8 +224,8 @@ class DataConfig:
 @dataclass
 class GSM8KConfig(task.RunConfig):
     name: str = "gsm8k_tba"             # run directory name under run_root
-    # CPU preset (2 cores, ~30 min): 2 prompts x 4 samples per step (a step of ~2.6k tokens
-    # trains in ~35 s on one core), 40 steps, paper lr and beta schedule compressed to 40 steps.
+    # CPU preset (run times measured on 2-core boxes: BENCHMARKS.md, "TBA on GSM8K"): 2 prompts x 4
+    # samples per step (~2.6k tokens), 40 steps, paper lr and beta schedule compressed to 40 steps.
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=32, max_new_tokens=192, n=4))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         steps=40, lr=1e-5, warmup_steps=2, prompts_per_step=2, sync_every=2, min_buffer=8,
@@ -258,8 +258,11 @@ def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
             for ex in examples]
 
 
-def main(argv: list[str] | None = None, loss=None) -> dict:
-    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
+def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
+    """Run the task; returns the last metrics. `reward`: None (`reward_fn`: 1 when the final answer
+    equals the gold one), fn(text, gold) -> float, or a factory for reward workers
+    (`task.split_reward`); evaluation keeps the task's own grader. `loss`: a loss function or an
+    Algorithm for `task.run` (None: the algorithm's own)."""
     cfg = make_config(argv)
     task.setup(cfg)
     train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:
@@ -273,8 +276,9 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
         return greedy_pass_at_1(model, tokenizer, eval_prompts, [ex.gold for ex in test_ex], reward_fn,
                                 cfg.data.eval_max_new_tokens, stops, max_batch=cfg.data.eval_max_batch)
 
-    return task.run(cfg, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K",
-                    loss=loss)
+    fn, factory = task.split_reward(reward) if reward is not None else (reward_fn, None)
+    return task.run(cfg, prompts, fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K",
+                    reward_factory=factory, loss=loss)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,9 @@ from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
+from common.engine.tiny_model import build_tiny  # noqa: E402
 from common.runtime.process import keep_freed_memory  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_split  # noqa: E402
-from tests.tiny import save_hf  # noqa: E402
 
 
 def bandwidths(nbytes=512 * 2**20, reps=5) -> tuple[float, float]:
@@ -197,7 +197,7 @@ def main():
     keep_freed_memory()  # as a generator process does (ASYNCRL_MALLOC=system: glibc's defaults)
     if a.host_only:
         with tempfile.TemporaryDirectory() as d:
-            save_hf("llama_tied", d)
+            build_tiny(d, vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8)
             tiny = load_model(d, tokenizer=False)[0]
             print(json.dumps({"bench": "sampler_host", "device": "cpu", "model": "tiny llama",
                               **host_ms_per_step(tiny)}))
