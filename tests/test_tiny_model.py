@@ -28,6 +28,7 @@ def test_build_tiny_writes_a_complete_directory_transformers_loads(tmp_path):
     x = torch.randint(0, 97, (2, 7))
     with torch.no_grad():
         assert torch.allclose(ours(x), hf(x).logits, atol=1e-5)
+    (tmp_path / "again").mkdir()  # an empty folder made for it (tempfile.mkdtemp) is filled
     again = load_model(str(build_tiny(tmp_path / "again", vocab_size=97, seed=3)), tokenizer=False)[0]
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), again.state_dict().values()))
 

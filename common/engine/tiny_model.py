@@ -73,9 +73,11 @@ def build_tiny(out_dir, base_dir=None, vocab_size: int | None = None, seed: int 
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
     try:
         save_pretrained(model, tmp, tokenizer=tok)
-        if out.exists():  # another process built it meanwhile: keep theirs
+        if (out / "config.json").exists():  # another process built it meanwhile: keep theirs
             shutil.rmtree(tmp)
         else:
+            if out.is_dir():
+                out.rmdir()  # an empty folder made for it (a non-empty one is an error, never overwritten)
             tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
