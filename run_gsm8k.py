@@ -10,8 +10,9 @@ What is here: the prompt (chat template, or the paper's "[MATH TASK]" template),
 (final answer after '####' / "answer is" / last number, compared numerically, math-verify as a
 fallback; exactly 1 or 0), the dataset (`--data.source`: local jsonl, a `datasets` folder or
 the hub's openai/gsm8k; default: the repository's copy in data/gsm8k), the config presets, the
-evaluation (greedy pass@1 on a fixed test subset) and main(). The trainer runs in this process;
-generator processes import this module to call `reward_fn`, so it must stay importable.
+evaluation (greedy pass@1 on a fixed test subset) and main(reward=, loss=). The trainer runs in
+this process; the generators get `reward_fn` by reference when this module was imported (they
+import it), by value when it runs as the main script (common/runtime/pickling.py).
 
 Reward r(x, y) = 1[ extract_answer(y) == gold(x) ]; TBA's target is pi_ref(y|x) exp(r / beta).
 Data rows are JSONL {"question": ..., "answer": "<reasoning>#### 42"}; the gold answer is the
