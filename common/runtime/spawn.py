@@ -92,7 +92,12 @@ class Popen(popen_spawn_posix.Popen):
         self.sentinel, self._err = parent_r, err_r
         # parent_w stays open for the child's life: its end of file tells the child the parent died
         self.finalizer = util.Finalize(self, util.close_fds, (parent_r, parent_w, err_r))
-        self.start_failure = _send(parent_w, fp.getbuffer(), parent_r, START_TIMEOUT_S)
+        try:
+            self.start_failure = _send(parent_w, fp.getbuffer(), parent_r, START_TIMEOUT_S)
+        except BaseException:  # a Ctrl-C while it starts: the caller never gets this Popen, leave no child
+            self.kill()
+            self.wait()
+            raise
         if self.start_failure is not None and self.poll(os.WNOHANG) is None:
             self.kill()  # alive but not reading: stuck; nothing is left running
 
