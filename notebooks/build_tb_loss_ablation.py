@@ -36,8 +36,8 @@ shared graph.
 
 **Which run.** `RUN_DIR` is a GSM8K run of your own: `python run_gsm8k.py` (from the repository
 root; README, Quick start) writes `runs/gsm8k_tba`. On a fresh clone there is none yet: then the
-notebook makes a short run of the tiny random model (`--model=tiny`, about half a minute on a
-CPU) and analyses that, which shows every step of the analysis but nothing about learning (its
+notebook makes a short run of the tiny random model (`--model=tiny`, under a minute on a CPU)
+and analyses that, which shows every step of the analysis but nothing about learning (its
 rewards are all 0).
 
 **Parameters** (the next cell is tagged `parameters`, so papermill or a test can override it).
