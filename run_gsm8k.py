@@ -20,11 +20,9 @@ text after the last '####' with thousands separators removed ("1,200" -> "1200")
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path

@@ -36,10 +36,8 @@ import importlib
 import json
 import math
 import random
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import torch
 
