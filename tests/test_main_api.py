@@ -69,3 +69,36 @@ def test_split_reward_tells_a_factory_from_a_per_sample_reward():
     assert split_reward(lam) == (lam, None)
     with pytest.raises(TypeError, match="reward must be"):
         split_reward(0.5)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    from tests.tiny import save_hf, tokenizer
+    save_hf("llama_tied", tmp_path / "m")
+    tokenizer().save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def _argv(tmp_path, model, *extra):
+    return [f"--model={model}", f"--run_root={tmp_path / 'runs'}", "--precision.dtype=fp32", "--train.steps=2",
+            "--train.prompts_per_step=2", "--gen.n=2", "--train.min_buffer=4", "--gen.max_new_tokens=4",
+            "--train.checkpoint_every=0", *extra]
+
+
+def _const_reward(text, meta):
+    return 0.75
+
+
+def test_tldr_and_redteam_take_a_reward_without_their_reward_models(tmp_path, tiny_dir):
+    """TL;DR without its reward models (none is trained or loaded: evaluation is off) and
+    red-teaming without its victim: the given reward scores every sample, in the task's reward
+    worker (TL;DR's reward of a sample cut without EOS is set to the same value, so that the mean
+    is exact whichever samples stop)."""
+    import run_redteam
+    import run_tldr
+    last = run_tldr.main(_argv(tmp_path, tiny_dir, "--name=tldr", "--data.train_limit=8", "--data.eval_size=0",
+                               "--gen.no_stop_reward=0.75"), reward=_const_reward)
+    assert last["reward_mean"] == 0.75
+    last = run_redteam.main(_argv(tmp_path, tiny_dir, "--name=redteam", "--data.eval_attacks=0"),
+                            reward=_const_reward)
+    assert last["reward_mean"] == 0.75
