@@ -41,9 +41,9 @@ from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
+from common.engine.tiny_model import build_tiny  # noqa: E402
 from common.runtime.process import keep_freed_memory  # noqa: E402
-from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
-from tests.tiny import save_hf  # noqa: E402
+from run_gsm8k import default_data_dir, format_prompt, load_split  # noqa: E402
 
 
 def bandwidths(nbytes=512 * 2**20, reps=5) -> tuple[float, float]:
@@ -233,7 +233,7 @@ def main():
     keep_freed_memory()  # as a generator process does (ASYNCRL_MALLOC=system: glibc's defaults)
     if a.host_only:
         with tempfile.TemporaryDirectory() as d:
-            save_hf("llama_tied", d)
+            build_tiny(d, vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8)
             tiny = load_model(d, tokenizer=False)[0]
             print(json.dumps({"bench": "sampler_host", "device": "cpu", "model": "tiny llama",
                               **host_ms_per_step(tiny), "steady": host_ms_per_step(tiny, n=4, ragged=False)}))
@@ -241,7 +241,7 @@ def main():
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)
-    data = load_gsm8k(os.path.join(default_data_dir(), "test.jsonl"), limit=a.prompts)
+    data = load_split(str(default_data_dir()), "test", limit=a.prompts)
     prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
     eos = tok.eos_token_id
     params = SamplingParams(max_new_tokens=a.max_new, temperature=0.7, n=a.n, stop_token_ids=(eos,), seed=0)

