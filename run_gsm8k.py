@@ -9,9 +9,10 @@
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
 (final answer after '####' / "answer is" / last number, compared numerically, math-verify as a
 fallback; exactly 1 or 0), the dataset (`--data.source`: local jsonl, a `datasets` folder or
-the hub's openai/gsm8k), the config presets, the
-evaluation (greedy pass@1 on a fixed test subset) and main(). The trainer runs in this process;
-generator processes import this module to call `reward_fn`, so it must stay importable.
+the hub's openai/gsm8k; default: the repository's copy in data/gsm8k), the config presets, the
+evaluation (greedy pass@1 on a fixed test subset) and main(reward=, loss=). The trainer runs in
+this process; the generators get `reward_fn` by reference when this module was imported (they
+import it), by value when it runs as the main script (common/runtime/pickling.py).
 
 Reward r(x, y) = 1[ extract_answer(y) == gold(x) ]; TBA's target is pi_ref(y|x) exp(r / beta).
 Data rows are JSONL {"question": ..., "answer": "<reasoning>#### 42"}; the gold answer is the
@@ -19,11 +20,9 @@ text after the last '####' with thousands separators removed ("1,200" -> "1200")
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
-import sys
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,8 +54,8 @@ class GSM8KExample:
 # ---------------------------------------------------------------------------------------------
 # data
 
-def default_data_dir() -> Path | None:
-    """First existing of $ASYNCRL_DATA_DIR/gsm8k, <repo>/../shared/data/gsm8k, <repo>/data/gsm8k."""
+def default_data_dir() -> Path:
+    """The repository's GSM8K (data/gsm8k: train/test.jsonl.gz, MIT), or $ASYNCRL_DATA_DIR/gsm8k if that exists."""
     return find_data_dir("gsm8k")
 
 
@@ -212,7 +211,7 @@ def reward_fn(completion_text: str, gold: str) -> float:
 
 @dataclass
 class DataConfig:
-    source: str = str(default_data_dir() or HUB_DATASET)  # folder with train/test.jsonl, a datasets save_to_disk folder, or a hub id
+    source: str = str(default_data_dir())  # folder with train/test.jsonl(.gz) (default: the repo's data/gsm8k), a datasets save_to_disk folder, or a hub id (openai/gsm8k)
     hub_config: Optional[str] = "main"  # dataset config when source is a hub id (openai/gsm8k: main | socratic)
     prompt_style: Literal["chat", "paper"] = "chat"  # model's chat template, or the paper's [MATH TASK] template
     train_limit: Optional[int] = None   # use only the first N training problems
@@ -224,8 +223,8 @@ class DataConfig:
 @dataclass
 class GSM8KConfig(task.RunConfig):
     name: str = "gsm8k_tba"             # run directory name under run_root
-    # CPU preset (2 cores, ~30 min): 2 prompts x 4 samples per step (a step of ~2.6k tokens
-    # trains in ~35 s on one core), 40 steps, paper lr and beta schedule compressed to 40 steps.
+    # CPU preset (run times measured on 2-core boxes: BENCHMARKS.md, "TBA on GSM8K"): 2 prompts x 4
+    # samples per step (~2.6k tokens), 40 steps, paper lr and beta schedule compressed to 40 steps.
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=32, max_new_tokens=192, n=4))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
         steps=40, lr=1e-5, warmup_steps=2, prompts_per_step=2, sync_every=2, min_buffer=8,
@@ -258,8 +257,11 @@ def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
             for ex in examples]
 
 
-def main(argv: list[str] | None = None, loss=None) -> dict:
-    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
+def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
+    """Run the task; returns the last metrics. `reward`: None (`reward_fn`: 1 when the final answer
+    equals the gold one), fn(text, gold) -> float, or a factory for reward workers
+    (`task.split_reward`); evaluation keeps the task's own grader. `loss`: a loss function or an
+    Algorithm for `task.run` (None: the algorithm's own)."""
     cfg = make_config(argv)
     task.setup(cfg)
     train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:
@@ -273,9 +275,10 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
         return greedy_pass_at_1(model, tokenizer, eval_prompts, [ex.gold for ex in test_ex], reward_fn,
                                 cfg.data.eval_max_new_tokens, stops, max_batch=cfg.data.eval_max_batch)
 
-    return task.run(cfg, prompts, reward_fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K",
-                    loss=loss)
+    fn, factory = task.split_reward(reward) if reward is not None else (reward_fn, None)
+    return task.run(cfg, prompts, fn, stops, evaluate=evaluate if cfg.data.eval_size else None, title="GSM8K",
+                    reward_factory=factory, loss=loss)
 
 
 if __name__ == "__main__":
-    main()
+    task.script(main)

@@ -74,7 +74,6 @@ import functools
 import json
 import math
 import random
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -153,8 +152,8 @@ class RewardConfig:
 @dataclass
 class RedTeamConfig(task.RunConfig):
     name: str = "redteam_tba"           # run directory name under run_root
-    # CPU preset (2 cores, ~30 min): 2 prompts x 4 attacks of <= 32 tokens per step (~10 s),
-    # 120 steps, k = 5 (paper: 10); TBA beta = 1 so that r / beta = log R (module docstring);
+    # CPU preset (run times: BENCHMARKS.md, "Red-teaming"): 2 prompts x 4 attacks of <= 32 tokens
+    # per step, 120 steps, k = 5 (paper: 10); TBA beta = 1 so that r / beta = log R (module docstring);
     # m = 0.5 with uniform replay (the TBA paper's red-teaming runs use m = 0.5-0.6)
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=32, n=4, temperature=1.0,
                                                              error_reward=math.log(P_FLOOR) / 0.05))
@@ -346,10 +345,14 @@ PANELS = (("reward_mean", "train log R"), ("eval_success_rate", "attack success 
           ("eval_diversity", "diversity (1 - cos, all attacks)"), ("staleness_mean", "staleness (versions behind)"))
 
 
-def main(argv: list[str] | None = None, loss=None) -> dict:
-    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
+def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
+    """Run the task; returns the last metrics. `reward`: None (log R: the victim's answers scored by
+    the toxicity classifier, plus the reference likelihood, in reward workers), fn(attack,
+    attacker prompt ids) -> float, or a factory for reward workers (`task.split_reward`);
+    evaluation keeps the task's own scorer. `loss`: a loss function or an Algorithm for
+    `task.run` (None: the algorithm's own)."""
     cfg = make_config(argv)
-    if cfg.train.reward_workers < 1:
+    if reward is None and cfg.train.reward_workers < 1:
         raise ValueError("red-teaming runs the victim in reward-worker processes: --train.reward_workers >= 1")
     task.setup(cfg)
     tox_fn = None
@@ -361,8 +364,9 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
     stops = tokenizer_stop_ids(tok)
     run_dir = Path(cfg.run_root) / cfg.name
     evaluate = Evaluator(cfg, prompts, stops, run_dir / "attacks.jsonl", tox_fn)
-    factory = functools.partial(make_scorer, to_dict(cfg), tox_fn)
-    last = task.run(cfg, PromptSet(prompts, prompts), None, stops, reward_factory=factory, title="Red-teaming",
+    fn, factory = (task.split_reward(reward) if reward is not None else
+                   (None, functools.partial(make_scorer, to_dict(cfg), tox_fn)))
+    last = task.run(cfg, PromptSet(prompts, prompts), fn, stops, reward_factory=factory, title="Red-teaming",
                     evaluate=evaluate if cfg.data.eval_attacks else None, panels=PANELS, loss=loss)
     if len(evaluate.success) >= 2:
         s = bootstrap_diff(evaluate.success[0], evaluate.success[-1], seed=cfg.seed)
@@ -375,4 +379,4 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    task.script(main)

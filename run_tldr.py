@@ -141,7 +141,7 @@ def format_prompt(post: str, tokenizer, style: str = "chat") -> str:
 # ---------------------------------------------------------------------------------------- config
 @dataclass
 class DataConfig:
-    source: str = str(default_data_dir("tldr") or HUB_DATASET)  # folder with <split>.jsonl, a datasets folder, or a hub id
+    source: str = str(default_data_dir("tldr"))  # folder with <split>.jsonl(.gz) (default: the repo's data/tldr sample), a datasets folder, or a hub id
     hub_config: Optional[str] = None    # dataset config when source is a hub id
     train_split: str = "train"          # split the policy trains on (and the RMs are built from)
     eval_split: str = "val"             # split of the fixed evaluation posts (trl-lib/tldr: validation)
@@ -176,8 +176,8 @@ class RMTrainConfig:
 @dataclass
 class TLDRConfig(task.RunConfig):
     name: str = "tldr_tba"              # run directory name under run_root
-    # CPU preset (2 cores, ~30 min with RM training): 2 posts x 4 summaries of <= 64 tokens per
-    # step, 48 steps; the paper's beta 1.0 -> 0.05 dropping by step 32 of 256, scaled to step 16
+    # CPU preset (run times, RM training included: BENCHMARKS.md, "TL;DR"): 2 posts x 4 summaries of
+    # <= 64 tokens per step, 48 steps; the paper's beta 1.0 -> 0.05 dropping by step 32 of 256, scaled to step 16
     gen: GenConfig = field(default_factory=lambda: GenConfig(max_batch=16, max_new_tokens=64, n=4, temperature=0.7,
                                                              no_stop_reward=-1.0))
     train: TrainConfig = field(default_factory=lambda: TrainConfig(
@@ -353,20 +353,25 @@ PANELS = (("reward_mean", "train reward (policy RM)"), ("eval_win_rate", "win-ra
           ("eval_kl", "KL to reference (nats / summary)"), ("staleness_mean", "staleness (versions behind)"))
 
 
-def main(argv: list[str] | None = None, loss=None) -> dict:
-    """Run the task; `loss`: a loss function or an Algorithm for `task.run` (None: the algorithm's own)."""
+def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
+    """Run the task; returns the last metrics. `reward`: None (the policy reward model, in reward
+    workers), fn(summary, post) -> float, or a factory for reward workers (`task.split_reward`);
+    evaluation keeps the gold reward model. `loss`: a loss function or an Algorithm for
+    `task.run` (None: the algorithm's own)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-rm"]:
         cfg = make_config(argv[1:])
         task.setup(cfg)
         return train_offline_rms(cfg)
     cfg = make_config(argv)
-    if cfg.train.reward_workers < 1:
+    if reward is None and cfg.train.reward_workers < 1:
         raise ValueError("TL;DR scores with a reward model in reward-worker processes: --train.reward_workers >= 1")
     task.setup(cfg)
     train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
     eval_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.data.eval_size, cfg.data.hub_config)
-    rm_path, gold_path = resolve_rm(cfg.reward.model, "policy", cfg), resolve_rm(cfg.reward.gold_model, "gold", cfg)
+    # reward models only where they are used: the policy RM for the task's own reward, the gold RM to evaluate
+    rm_path = resolve_rm(cfg.reward.model, "policy", cfg) if reward is None else None
+    gold_path = resolve_rm(cfg.reward.gold_model, "gold", cfg) if cfg.data.eval_size else None
     tok = task.tokenizer_of(cfg)
 
     def encode(examples):
@@ -377,14 +382,15 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
     eval_posts, eval_tokens = encode(eval_ex)
     stops = tokenizer_stop_ids(tok)
     evaluate = Evaluator(cfg, eval_tokens, eval_posts, [ex.summary for ex in eval_ex], stops, gold_path)
-    factory = functools.partial(make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size,
-                                cfg.reward.device)
-    last = task.run(cfg, PromptSet(tokens, posts), None, stops, evaluate=evaluate if cfg.data.eval_size else None,
+    fn, factory = task.split_reward(reward) if reward is not None else (None, functools.partial(
+        make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size, cfg.reward.device))
+    last = task.run(cfg, PromptSet(tokens, posts), fn, stops, evaluate=evaluate if cfg.data.eval_size else None,
                     reward_factory=factory, title="TL;DR", panels=PANELS, loss=loss)
     if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts
         s = bootstrap_diff(evaluate.wins[0], evaluate.wins[-1], seed=cfg.seed)
         out = Path(cfg.run_root) / cfg.name / "eval_summary.json"
-        out.write_text(json.dumps({"win_rate": s, "reward_model": rm_path, "gold_model": gold_path}, indent=2) + "\n")
+        out.write_text(json.dumps({"win_rate": s, "reward_model": rm_path or "the reward passed to main",
+                                   "gold_model": gold_path}, indent=2) + "\n")
         print(f"[tldr] win-rate vs reference (gold RM, {s['n']} posts): before {s['before']:.3f}, after "
               f"{s['after']:.3f}, change {s['diff']:+.3f} (95% bootstrap CI {s['ci_low']:+.3f} .. {s['ci_high']:+.3f})")
         last["win_rate_change"] = s
@@ -392,4 +398,4 @@ def main(argv: list[str] | None = None, loss=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    task.script(main)

@@ -134,10 +134,16 @@ def backend_ab(cfg, rows: int, tokens: int, scored: int, pairs: int = 7) -> dict
                 t = backend_times(fn, pairs)
                 total["onednn"] += count * statistics.median(t[True])
                 total["aten"] += count * statistics.median(t[False])
-                by_gemm[f"{part}[{i}] {m}x{k}->{nout} {name}"] = round(statistics.median(
-                    [a / b for a, b in zip(t[True], t[False])]), 3)
-    return {"onednn_s": round(total["onednn"], 3), "aten_s": round(total["aten"], 3),
-            "onednn_over_aten": round(total["onednn"] / total["aten"], 3), "by_gemm_onednn_over_aten": by_gemm}
+                by_gemm[f"{part}[{i}] {m}x{k}->{nout} {name}"] = _sig(statistics.median(
+                    [a / b for a, b in zip(t[True], t[False])]))
+    return {"onednn_s": _sig(total["onednn"]), "aten_s": _sig(total["aten"]),
+            "onednn_over_aten": _sig(total["onednn"] / total["aten"]), "by_gemm_onednn_over_aten": by_gemm}
+
+
+def _sig(x: float, digits: int = 4) -> float:
+    """`x` to `digits` significant digits: a small model's GEMMs on a fast backend (AMX) take under
+    half a millisecond per step, which rounding to 3 decimals would report as 0.0 seconds."""
+    return float(f"{x:.{digits}g}")
 
 
 def frac_of_floor(floors: list[dict], times: list[float]) -> float:

@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
+from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy task's model
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
 
 STEPS, INJECT_AT, STALL_S, PACE_S, LOW = 60, 3, 5.0, 0.1, 20  # 60 paced steps (~8 s) outlast a 5 s stall
@@ -312,9 +313,8 @@ def main():
     a = ap.parse_args()
     if a.child:
         return child(a)
-    from tests.tiny import save_hf
     root = Path(a.root or tempfile.mkdtemp(prefix="asyncrl_faults_"))
-    save_hf("llama_tied", root / "model")
+    build_tiny(root / "model", vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8)  # the toy task's ids
     rows = []
     for name in a.only or SCENARIOS:
         t = time.monotonic()

@@ -51,6 +51,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from common.batch import Trajectory  # noqa: E402
+from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy run's model (--staleness)
 from common.log import read_metrics  # noqa: E402
 from common.runtime.buffer import ReplayBuffer  # noqa: E402
 from common.runtime.generator import Control  # noqa: E402
@@ -60,7 +61,6 @@ from common.runtime.nodes import Node  # noqa: E402
 from common.runtime.run_keys import DistConfig  # noqa: E402
 from common.runtime.ranks import receive_rows, send_rows, shard_rows  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
-from tests.tiny import save_hf  # noqa: E402 - the tiny random model of the tests (--staleness)
 
 P_LEN, C_LEN, N = 100, 200, 4  # a GSM8K-shaped group: prompt, completion tokens, samples
 
@@ -245,7 +245,7 @@ def _agents(argv: list[str], env: dict) -> list[str]:
 def staleness(args) -> None:
     """One node vs two on the toy async AReaL config (module docstring)."""
     root = Path(tempfile.mkdtemp(prefix="bench_nodes_"))
-    save_hf("llama_tied", root / "model")
+    build_tiny(root / "model", vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8)  # the toy task's ids
     toy = os.path.join(ROOT, "tests", "nodes_toy.py")
     argv = [f"--model={root / 'model'}", "--algo=areal", f"--train.steps={args.steps}"]
     env = {"PYTHONPATH": ROOT, "NODES_TOY_STEP_S": str(args.step_s)}

@@ -13,6 +13,7 @@ bandwidth). Prints one JSON line.
     python bench/sampler.py --vs-fp32  # full benchmark (~20 min on 2 CPU cores)
     python bench/sampler.py --quick    # smoke check (< 1 min)
     python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
+    python bench/sampler.py --compile-ab --skip-hf  # the decode step's layer body eager vs compiled
     python bench/sampler.py --arch pythia-160m  # a random GPT-NeoX of Pythia-160M's shape (bench/_arch.py)
 
 `--arch` runs another family on the same workload: a random model of that published shape built
@@ -44,10 +45,10 @@ from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
+from common.engine.tiny_model import build_tiny  # noqa: E402
 from common.runtime.process import keep_freed_memory  # noqa: E402
-from run_gsm8k import default_data_dir, format_prompt, load_gsm8k  # noqa: E402
+from run_gsm8k import default_data_dir, format_prompt, load_split  # noqa: E402
 from bench._arch import add_arch_arg, arch_dir, prompt_tokenizer  # noqa: E402
-from tests.tiny import save_hf  # noqa: E402
 
 
 def bandwidths(nbytes=512 * 2**20, reps=5) -> tuple[float, float]:
@@ -92,7 +93,10 @@ def decode_tok_s_batch1(model, prompt, n_tokens=64) -> float:
 def run_ours(model, prompts, params, max_batch) -> dict:
     P = max(len(p) for p in prompts)
     s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P)
-    s.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.7))  # warm-up
+    t = time.perf_counter()
+    for k in (1, 2):  # warm-up: one row, then several (a compiled layer body compiles for both here)
+        s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
+    warm = time.perf_counter() - t
     t = time.perf_counter()
     outs = s.generate(prompts, params, progress=True)
     dt = time.perf_counter() - t
@@ -100,13 +104,39 @@ def run_ours(model, prompts, params, max_batch) -> dict:
     return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "max_batch": max_batch, "onednn": onednn_enabled(),
             "dtype": str(model.dtype).replace("torch.", ""), "kv_dtype": str(s.cache.dtype).replace("torch.", ""),
             "prefill_tokens": s.stats["prefill_tokens"], "decode_steps": s.stats["decode_steps"],
-            "decode_rows": s.stats["decode_rows"]}
+            "decode_rows": s.stats["decode_rows"], "compiled": s.dec.compile, "warmup_s": warm}
 
 
-def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0) -> dict:
+def compile_ab(model, prompts, params, max_batch, rounds: int) -> dict:
+    """The decode step's layer body eager vs compiled, same weights and work: both samplers warmed
+    up (the compiled one compiles there), then `rounds` alternating timed runs (eager, compiled, ...),
+    so a drifting machine speed hits both; the median of the per-round tok/s ratios."""
+    P = max(len(p) for p in prompts)
+    samplers = {c: Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P,
+                           compile=c) for c in (False, True)}
+    warm = {}
+    for c, s in samplers.items():
+        t = time.perf_counter()
+        for k in (1, 2):  # one row, then several: every graph a run meets
+            s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
+        warm[c] = time.perf_counter() - t
+    rates = {False: [], True: []}
+    for _ in range(rounds):
+        for c, s in samplers.items():
+            t = time.perf_counter()
+            ntok = sum(len(o.tokens) for o in s.generate(prompts, params))
+            rates[c].append(ntok / (time.perf_counter() - t))
+    ratios = sorted(b / a for a, b in zip(rates[False], rates[True]))
+    return {"eager_tok_s": rates[False], "compiled_tok_s": rates[True], "compiled_over_eager": ratios[len(ratios) // 2],
+            "ratios": ratios, "warmup_s": {"eager": warm[False], "compiled": warm[True]}, "rounds": rounds}
+
+
+def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0, ragged: bool = True) -> dict:
     """Host ms per decode step: `Sampler.step` time minus the time inside the model calls it
     makes (decode step, prompt and continuation prefill, first-token draws), over a schedule of
-    ceil(rows / n) + 1 prompts x n samples of random lengths (stop token 3 of a random model)."""
+    ceil(rows / n) + 1 prompts x n samples of random lengths (stop token 3 of a random model);
+    `ragged=False`: rows / n prompts, no stop token, every row busy every step (steady decode,
+    the GPU decode section's shape; the admitting first step is not counted)."""
     inside, ops = [0.0, 0], [0]
     names = ("decode_step", "prefill_prompts", "prefill_continuations", "sample")
     saved = {k: getattr(sampler_mod, k) for k in names if hasattr(sampler_mod, k)}
@@ -131,8 +161,8 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
             return func(*args, **(kwargs or {}))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(4, model.cfg.vocab_size, (int(L),), generator=g).tolist()
-               for L in torch.randint(20, 120, (rows // n + 2,), generator=g)]
-    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, stop_token_ids=(3,), seed=seed)
+               for L in torch.randint(20, 120, (rows // n + 2 if ragged else rows // n,), generator=g)]
+    params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, stop_token_ids=(3,) if ragged else (), seed=seed)
     s = Sampler(model, max_batch=rows, max_seq_len=128 + max_new, max_prompt_len=128)
     s.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0, n=2))  # warm-up
     for k, fn in saved.items():
@@ -140,6 +170,9 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
     try:
         for q in prompts:
             s.submit(q, params)
+        if not ragged:
+            s.step()  # admits every prompt
+            inside[0] = 0.0
         t, steps, peak = time.perf_counter(), 0, 0
         while s.has_work():
             peak = max(peak, s.num_active)
@@ -193,6 +226,9 @@ def main():
     ap.add_argument("--vs-fp32", action="store_true", help="also run ours in fp32 (the pre-auto default)")
     ap.add_argument("--skip-hf-bf16", action="store_true", help="run transformers in fp32 only")
     ap.add_argument("--host-only", action="store_true", help="only host ms per decode step, on a tiny random model")
+    ap.add_argument("--compile-ab", action="store_true",
+                    help="also run ours with the decode step's layer body compiled (inductor's C++ backend on CPU)")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="--compile-ab: alternating timed rounds")
     ap.add_argument("--ablate-onednn", action="store_true",
                     help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
     add_arch_arg(ap)
@@ -205,16 +241,16 @@ def main():
     keep_freed_memory()  # as a generator process does (ASYNCRL_MALLOC=system: glibc's defaults)
     if a.host_only:
         with tempfile.TemporaryDirectory() as d:
-            save_hf("llama_tied", d)
+            build_tiny(d, vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8)
             tiny = load_model(d, tokenizer=False)[0]
             print(json.dumps({"bench": "sampler_host", "device": "cpu", "model": "tiny llama",
-                              **host_ms_per_step(tiny)}))
+                              **host_ms_per_step(tiny), "steady": host_ms_per_step(tiny, n=4, ragged=False)}))
         return
     prec = resolve(PrecisionConfig(dtype=a.dtype)).apply()
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)
     tok = tok or prompt_tokenizer(a.model)
-    data = load_gsm8k(os.path.join(default_data_dir(), "test.jsonl"), limit=a.prompts)
+    data = load_split(str(default_data_dir()), "test", limit=a.prompts)
     prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
     eos = tok.eos_token_id
     params = SamplingParams(max_new_tokens=a.max_new, temperature=0.7, n=a.n, stop_token_ids=(eos,), seed=0)
@@ -230,6 +266,8 @@ def main():
                batch1_frac_of_read_bw=b1 * wb / rbw)
     res["ours"] = run_ours(model, prompts, params, a.max_batch)
     res["host"] = host_ms_per_step(model, max_new=8 if a.quick else 48)
+    if a.compile_ab:
+        res["compile_ab"] = compile_ab(model, prompts, params, a.max_batch, a.ab_rounds)
     if a.ablate_onednn:
         old = set_onednn(False)
         res["ours_mkl_gemm"] = run_ours(model, prompts, params, a.max_batch)

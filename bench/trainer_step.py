@@ -182,8 +182,8 @@ def main():
             fb, o = step_times(*models[name], tokens, mask)
             times[name]["fwd_bwd_s"].append(fb)
             times[name]["opt_s"].append(o)
-    from run_gsm8k import default_data_dir, format_prompt, load_gsm8k
-    ex = load_gsm8k(default_data_dir() / "test.jsonl", limit=a.mismatch_prompts)
+    from run_gsm8k import default_data_dir, format_prompt, load_split
+    ex = load_split(str(default_data_dir()), "test", limit=a.mismatch_prompts)
     prompts = [tok(format_prompt(e.question, tok), add_special_tokens=False)["input_ids"] for e in ex]
     res = {"bench": "trainer_step", "model": a.model, "cpu": auto.cpu.get("model"), "threads": 1, "rows": a.rows,
            "tokens": a.tokens, "reps": a.reps, "precision": {k: v for k, v in auto.to_dict().items() if k != "cpu"}}

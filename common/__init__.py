@@ -1,0 +1,9 @@
+"""asyncrl's shared code (README, "Layout"). Importing it sets one thing for the process: in a
+Jupyter kernel without ipywidgets, `tqdm.auto` (which transformers and huggingface_hub import)
+warns "IProgress not found" and falls back to its text bar, which works in a notebook too; that
+fallback is kept quiet."""
+import warnings
+
+from tqdm import TqdmWarning
+
+warnings.filterwarnings("ignore", message="IProgress not found", category=TqdmWarning)

@@ -2,37 +2,76 @@
 
 A task script names its splits and turns one row (a dict) into its example type; this file only
 finds the rows. `source` is one of
-  - a local folder with `<split>.jsonl` files (the offline default; errors name file:line),
+  - a local folder with `<split>.jsonl` or `<split>.jsonl.gz` files (errors name file:line). The
+    default is the repository's own copy, `data/<task>/` (data/README.md: what it is, its
+    licence), or `$ASYNCRL_DATA_DIR/<task>` when that variable names a folder that exists;
   - a local folder written by the `datasets` library (`DatasetDict.save_to_disk`, or a
-    `Dataset.save_to_disk` per split in `<folder>/<split>`),
+    `Dataset.save_to_disk` per split in `<folder>/<split>`);
   - a hub dataset id, `owner/name` (the task supplies the config name, e.g. openai/gsm8k
-    "main"), loaded through `datasets.load_dataset` when the hub is reachable. Offline, or
-    without `datasets` installed, the error says what to do instead.
+    "main"), loaded through `datasets.load_dataset`, only when asked for. Offline
+    (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE set, or the hub's host unreachable within a few
+    seconds) it fails at once with a `DataSourceError` saying what to do instead, rather than
+    after `datasets`' retries (~25 s); task scripts print that message as one line.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlparse
 from typing import Callable, Iterator, TypeVar
 
 T = TypeVar("T")
+REPO_DATA = Path(__file__).resolve().parent.parent / "data"  # the repository's copy (data/README.md)
+_PROBE_S = 3.0  # how long the hub's host may take to accept a connection before we call it unreachable
 
 
 class DataSourceError(RuntimeError):
     """The data source could not be read; the message says what was tried and the fix."""
 
 
-def default_data_dir(task: str) -> Path | None:
-    """First existing of $ASYNCRL_DATA_DIR/<task>, <repo>/../shared/data/<task>, <repo>/data/<task>."""
-    repo = Path(__file__).resolve().parent.parent
-    candidates = [Path(os.environ["ASYNCRL_DATA_DIR"]) / task] if os.environ.get("ASYNCRL_DATA_DIR") else []
-    candidates += [repo.parent / "shared" / "data" / task, repo / "data" / task]
-    return next((c for c in candidates if c.is_dir()), None)
+def default_data_dir(task: str) -> Path:
+    """$ASYNCRL_DATA_DIR/<task> when that folder exists, else the repository's data/<task>."""
+    env = os.environ.get("ASYNCRL_DATA_DIR")
+    if env and (Path(env).expanduser() / task).is_dir():
+        return Path(env).expanduser() / task
+    return REPO_DATA / task
+
+
+def jsonl_file(source: str | os.PathLike, split: str) -> Path | None:
+    """`<source>/<split>.jsonl`, else `<split>.jsonl.gz`, whichever exists; None if neither."""
+    for name in (f"{split}.jsonl", f"{split}.jsonl.gz"):
+        if (Path(source).expanduser() / name).is_file():
+            return Path(source).expanduser() / name
+    return None
 
 
 def is_jsonl_folder(source: str | os.PathLike, split: str) -> bool:
-    return (Path(source) / f"{split}.jsonl").is_file()
+    return jsonl_file(source, split) is not None
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face hub cannot be used now (offline mode set, or its host refusing or
+    not answering a connection within _PROBE_S), or None when it may be. Behind a proxy
+    (HTTPS_PROXY / ALL_PROXY) no direct probe is made: the proxy decides."""
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if _truthy(var):
+            return f"{var} is set"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=_PROBE_S).close()
+    except OSError as e:
+        return f"{host}:{port} cannot be reached ({type(e).__name__}: {e})"
+    return None
 
 
 def _saved_split(folder: Path, split: str):
@@ -63,15 +102,18 @@ def iter_rows(source: str, split: str, hub_config: str | None = None) -> Iterato
     if source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise DataSourceError(f"data source {source!r} is not a local folder (it does not exist) and not a "
                               f"hub id of the form owner/name")
+    local = (f"use a local folder instead (--data.source=<folder with {split}.jsonl or {split}.jsonl.gz>; the "
+             f"default is the repository's copy in {REPO_DATA}), or one written by datasets' save_to_disk on a "
+             f"machine with access")
+    offline = hub_unreachable()
+    if offline:
+        raise DataSourceError(f"hub dataset {source!r} cannot be loaded: {offline}; {local}")
     try:
         ds = datasets.load_dataset(source, hub_config, split=split)
-    except Exception as e:  # offline (connection errors), unknown id, missing split: all end here
+    except Exception as e:  # connection errors, unknown id, missing split: all end here
         first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-        raise DataSourceError(
-            f"could not load hub dataset {source!r} (config {hub_config!r}, split {split!r}): {first}. "
-            f"Offline or behind a firewall? Use a local folder instead: one with {split}.jsonl, or one "
-            f"written by datasets' save_to_disk on a machine with access (HF_HUB_OFFLINE=1 makes the "
-            f"failure immediate)") from e
+        raise DataSourceError(f"could not load hub dataset {source!r} (config {hub_config!r}, split {split!r}): "
+                              f"{first}; {local}") from None
     yield from ds
 
 
@@ -83,7 +125,7 @@ def read_jsonl(path: str | os.PathLike, make: Callable[[dict, str], T], limit: i
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}" + (f" ({hint})" if hint else ""))
     out: list[T] = []
-    with path.open(encoding="utf-8") as f:
+    with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
         for lineno, line in enumerate(f, start=1):
             if limit is not None and len(out) >= limit:
                 break
@@ -99,11 +141,11 @@ def read_jsonl(path: str | os.PathLike, make: Callable[[dict, str], T], limit: i
 
 def load_examples(source: str, split: str, make: Callable[[dict, str], T], limit: int | None = None,
                   hub_config: str | None = None) -> list[T]:
-    """`split` of `source` (a folder with <split>.jsonl, a `datasets` folder or a hub id) as
+    """`split` of `source` (a folder with <split>.jsonl[.gz], a `datasets` folder or a hub id) as
     examples: `make(row, where)` turns one row into the task's example type, or raises naming
     `where`."""
     if is_jsonl_folder(source, split):
-        return read_jsonl(Path(source) / f"{split}.jsonl", make, limit)
+        return read_jsonl(jsonl_file(source, split), make, limit)
     out: list[T] = []
     for i, row in enumerate(iter_rows(source, split, hub_config)):
         if limit is not None and len(out) >= limit:

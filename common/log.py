@@ -17,6 +17,8 @@ TensorBoard and W&B are extras: requested but not installed -> one warning, the 
 """
 from __future__ import annotations
 
+import functools
+import io
 import json
 import math
 import numbers
@@ -195,12 +197,29 @@ def _run_source(run) -> tuple[Path, str | None]:
     return path, run[1] if given else path.parent.name
 
 
+@functools.lru_cache(maxsize=None)
+def _shown_figure(figure_cls):
+    """A subclass of matplotlib's Figure that a Jupyter kernel displays as a PNG image. Our figures
+    are made without pyplot (no global backend state to disturb in a script or a run), so the
+    kernel's inline backend never registers them and a bare Figure would show as its text repr;
+    IPython displays any object with `_repr_png_` as an image."""
+
+    class ShownFigure(figure_cls):
+        def _repr_png_(self) -> bytes:
+            buf = io.BytesIO()
+            self.savefig(buf, format="png", dpi=100)
+            return buf.getvalue()
+
+    return ShownFigure
+
+
 def plot_runs(runs, out_png=None, x: str = "time", panels=_PANELS, title: str | None = None):
-    """Overlay several runs; returns the matplotlib Figure (a notebook shows it inline), or None
-    when matplotlib is missing or no panel has data. runs: [(metrics.jsonl or run dir, label),
-    ...] or just paths (labelled by run directory name). One subplot per panel (metric key,
-    panel title) that has data, one colour per run in every panel; x = wall-clock minutes
-    ("time") or "step". out_png: also write the figure there."""
+    """Overlay several runs; returns the matplotlib Figure, which a notebook displays as an image
+    (the last expression of a cell, or `display(fig)`), or None when matplotlib is missing or no
+    panel has data. runs: [(metrics.jsonl or run dir, label), ...] or just paths (labelled by run
+    directory name). One subplot per panel (metric key, panel title) that has data, one colour
+    per run in every panel; x = wall-clock minutes ("time") or "step". out_png: also write the
+    figure there."""
     try:
         # lazy: matplotlib takes seconds to import and only the end of a run plots (no pyplot:
         # no global backend state to disturb)
@@ -218,7 +237,7 @@ def plot_runs(runs, out_png=None, x: str = "time", panels=_PANELS, title: str | 
     if not shown:
         _warn(f"none of the metrics {[k for k, _ in panels]} has data points; no plot made")
         return None
-    fig = Figure(figsize=(5.0 * len(shown), 3.6), layout="constrained")
+    fig = _shown_figure(Figure)(figsize=(5.0 * len(shown), 3.6), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, len(shown), squeeze=False)[0]
     for ax, (key, panel_title) in zip(axes, shown):

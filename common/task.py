@@ -11,8 +11,12 @@ defaults, its data, prompt, reward, evaluation and presets. It then calls
 
 `loss` (of `run` and `make_algo`) is None (the algorithm's own), a loss function for the
 algorithm `cfg.algo` names (common/algorithm.py: the loss contract), or a whole `Algorithm`
-object used as is; a task script's `main(argv, loss=None)` passes it on, so a notebook can
-drive a task with its own loss.
+object used as is. A reward is `fn(text, meta) -> float` (meta: the prompt's entry of
+`PromptSet.meta`), run in the generators, or in reward workers with `train.reward_workers` > 0;
+or a factory for reward workers (`reward_factory`, or any function of no arguments given as a
+reward: `split_reward`) that builds `fn(texts, metas) -> list[float]` once per worker. A task
+script's `main(argv, reward=None, loss=None)` passes both on (None: the task's own), so a
+notebook drives a task with its own reward and loss.
 
 Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA),
 `--algo=areal` (decoupled PPO, `areal_defaults`) and `--algo=grpo` (the on-policy baseline);
@@ -20,6 +24,8 @@ Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
 from dataclasses import dataclass, field
@@ -31,6 +37,7 @@ import torch
 from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
 from common.config import cli, to_dict
+from common.data import DataSourceError
 from common.engine.hf_io import load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.log import plot_metrics
@@ -133,6 +140,17 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     return cfg
 
 
+def script(main: Callable[[], object]) -> None:
+    """A task script's `if __name__ == "__main__":` body: `main()`, with a data source that cannot
+    be read (a hub id offline, a folder that does not exist) reported in one line with what to do
+    instead, exit status 2, rather than as a traceback."""
+    try:
+        main()
+    except DataSourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def setup(cfg: RunConfig) -> None:
     """Per-process torch defaults (one CPU thread) and the run's seed."""
     set_process_defaults(cfg.train.device)
@@ -163,13 +181,38 @@ def make_algo(cfg: RunConfig, loss: Union[Callable, Algorithm, None] = None) -> 
     raise ValueError(f"algo {cfg.algo!r}: expected one of {ALGOS}")
 
 
+def split_reward(reward: Callable) -> tuple[Optional[Callable], Optional[Callable]]:
+    """(reward_fn, reward_factory) of a reward a user passes to a task's `main`: a function of no
+    required arguments is a factory (it builds the batched fn(texts, metas) once per reward
+    worker), anything else is fn(text, meta) -> float."""
+    if not callable(reward):
+        raise TypeError(f"reward must be fn(text, meta) -> float or a factory of no arguments, got "
+                        f"{type(reward).__name__}")
+    try:
+        params = inspect.signature(reward).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: called per sample
+        return reward, None
+    required = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (None, reward) if not required else (reward, None)
+
+
+def _batched(fn: Callable) -> Callable:
+    """A reward worker's batched fn built from a per-sample reward fn(text, meta)."""
+    return lambda texts, metas: [fn(t, m) for t, m in zip(texts, metas)]
+
+
 def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate: Optional[Callable] = None,
         reward_factory: Optional[Callable] = None, title: str = "", panels=None,
         loss: Union[Callable, Algorithm, None] = None) -> dict:
     """Train (`common.runtime.trainer.train`) with `make_algo(cfg, loss)`, then plot the metrics
-    against wall-clock into runs/<name>/curves.png; returns the last logged metrics."""
+    against wall-clock into runs/<name>/curves.png; returns the last logged metrics. With
+    `train.reward_workers` > 0 and no `reward_factory`, `reward_fn` runs in the reward workers."""
     if cfg.resume and cfg.overwrite:
         raise ValueError("resume and overwrite both set: continue the run, or replace it, not both")
+    if cfg.train.reward_workers > 0 and reward_factory is None and reward_fn is not None:
+        reward_factory = functools.partial(_batched, reward_fn)
+    if cfg.train.reward_workers == 0 and reward_fn is None:
+        raise ValueError("a reward factory runs in reward-worker processes: set --train.reward_workers=1 (or more)")
     last = train(cfg, make_algo(cfg, loss), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
                  reward_factory=reward_factory)
     if is_generator_node(cfg) or is_trainer_member_node(cfg):  # under torchrun: the first trainer node logs and plots

@@ -77,7 +77,7 @@ from common.runtime.stream import read_meta, read_steps
 from common.runtime.trainer import TrainConfig
 from common.task import RunConfig, run, setup
 from notebooks.toy_task import prompts, tiny_model, toy_reward
-from tba.algo import TBA, TBAConfig
+from tba.algo import TBAConfig
 from tba.loss import group_mean, tb_loss_no_ref
 
 root = Path(RUN_ROOT) if Path(RUN_ROOT).is_absolute() else (ROOT / "notebooks" / RUN_ROOT).resolve()
@@ -128,10 +128,10 @@ print(f"step {s.step}: {len(s.batch)} rows trained by version {s.version}, token
 md("""
 ## 2. Replay it under several losses
 
-`replay(stream, algo, name=...)` takes the algorithm as a name (`"tba"`, `"grpo"`, `"areal"`), an
-`Algorithm` object, or a function of the run config that builds one, which is how a loss of our
-own gets in: TBA takes any pure function with `tb_loss`'s signature
-`(seq_logp, ref_seq_logp, reward, group_id, beta) -> (loss, stats)` as `loss_fn`.
+`replay(stream, algo, loss=..., name=...)` takes the algorithm as a name (`"tba"`, `"grpo"`,
+`"areal"`; none: the recording's) and, as `loss`, a loss function for it, the same argument a
+task's `main(argv, loss=...)` takes (README, "In a notebook"): for TBA any pure function with
+`tb_loss`'s signature `(seq_logp, ref_seq_logp, reward, group_id, beta) -> loss or (loss, stats)`.
 The one defined in the next cell lives only in this notebook: that works because a replay with
 one trainer rank runs the loss in this process (`--train.trainer_devices` > 1 would have to send
 it to other processes).
@@ -150,22 +150,18 @@ def reinforce_group_baseline(seq_logp, ref_seq_logp, reward, group_id, beta):
     return -(adv * seq_logp).mean(), {"adv_abs": adv.abs().mean().item()}
 
 
-def tba_with(loss_fn):
-    '''An algorithm factory: TBA built from the replay's config, with `loss_fn` as its loss.'''
-    return lambda c: TBA(c.tba, c.train.prompts_per_step, c.gen.n, c.gen.temperature,
-                         c.train.micro_batch_tokens, seed=c.seed, loss_fn=loss_fn)
-
-
+# label -> what `replay` is given besides the stream: an algorithm's name and / or a loss for it
+# (no algorithm named: the recording's, TBA here)
 variants = {
-    "tb (as recorded)": None,
-    "tb, no reference": tba_with(tb_loss_no_ref),
-    "grpo": "grpo",
-    "reinforce, group baseline": tba_with(reinforce_group_baseline),
+    "tb (as recorded)": {},
+    "tb, no reference": {"loss": tb_loss_no_ref},
+    "grpo": {"algo": "grpo"},
+    "reinforce, group baseline": {"loss": reinforce_group_baseline},
 }
 runs = {}
-for i, (label, algo) in enumerate(variants.items()):
+for i, (label, how) in enumerate(variants.items()):
     name = f"replay{i}"
-    replay(stream, algo, name=name, evaluate=evaluate)
+    replay(stream, name=name, evaluate=evaluate, **how)
     runs[label] = root / name
 """)
 
@@ -201,7 +197,7 @@ for label, d in {"recorded run": root / "recorded", **runs}.items():
 code("""
 fig = plot_replays([(root / "recorded", "recorded run (tb)"), *[(d, label) for label, d in runs.items()]],
                    root / "replays_side_by_side.png", title="one recorded stream, four losses")
-fig  # the last expression of a cell: Jupyter shows the figure inline
+fig  # the last expression of a cell: Jupyter shows the figure as an image
 """)
 
 md("""
@@ -210,7 +206,7 @@ md("""
 - Record any task: `python run_gsm8k.py --train.record=true --name=x` (any algorithm).
 - Replay from the command line: `python -m common.replay runs/x/stream --name=x_grpo --algo=grpo`,
   with `--tba.*` / `--train.lr=...` overrides; `runs/x/replays.png` then lays the recorded run and
-  its replays side by side. From Python: `replay("runs/x", tba_with(my_loss), name="x_mine")`.
+  its replays side by side. From Python: `replay("runs/x", loss=my_loss, name="x_mine")`.
 - The stream's size per step is printed at the end of the run and logged as `record_bytes`.
 - Read the caveat again before drawing conclusions: beyond step 1 every variant except the
   recorded one learns from data another policy sampled.

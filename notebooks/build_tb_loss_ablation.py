@@ -34,12 +34,20 @@ Nothing is trained here: we load the latest checkpoint of a run (policy + replay
 compute the policy's sequence log-probs once, and differentiate every variant through that one
 shared graph.
 
+**Which run.** `RUN_DIR` is a GSM8K run of your own: `python run_gsm8k.py` (from the repository
+root; README, Quick start) writes `runs/gsm8k_tba`. On a fresh clone there is none yet: then the
+notebook makes a short run of the tiny random model (`--model=tiny`, under a minute on a CPU)
+and analyses that, which shows every step of the analysis but nothing about learning (its
+rewards are all 0).
+
 **Parameters** (the next cell is tagged `parameters`, so papermill or a test can override it).
 Relative paths are relative to this notebook's folder (`notebooks/`).
 """)
 
 code("""
 RUN_DIR = "../runs/gsm8k_tba"    # a run directory written by run_gsm8k.py
+MAKE_TINY_RUN = True             # RUN_DIR has no checkpoint: analyse a short run of the tiny model instead
+TINY_RUN_DIR = "../runs/gsm8k_tiny_notebook"  # where that run goes (made once, reused after)
 TEMPERATURE = 0.7                # log-probs at the sampling temperature (gen.temperature)
 N_GROUPS = 2                     # prompt groups to analyse; the autograd graph of K ~300-token responses
                                  # costs ~3 GB per group on CPU (8 groups x 4 ran out of 24 GB)
@@ -52,7 +60,9 @@ md("""
 ## 1. Load the latest checkpoint: replay buffer and policy
 
 The repository root is found by walking up from the working directory, so the notebook runs
-from `notebooks/` (Jupyter's default) or from the repository root.
+from `notebooks/` (Jupyter's default) or from the repository root. The policy is loaded as this
+machine's runs use it (`machine_precision()`: the GEMM backend, attention kernel and dtype a run
+here picks, measured once per machine), so its passes cost what a trainer step's do.
 """)
 
 code("""
@@ -73,33 +83,48 @@ if ROOT is None:
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.engine.hf_io import load_model
+import run_gsm8k
+from common.engine.precision import machine_precision
 from common.ops import seq_logp, token_logp
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from tba.loss import group_mean, linear_beta, tb_loss, tb_loss_no_ref
 
-run_dir = Path(RUN_DIR).expanduser()
-if not run_dir.is_absolute() and not run_dir.exists() and (ROOT / "notebooks" / run_dir).exists():
-    run_dir = ROOT / "notebooks" / run_dir  # relative to the notebook, whatever the cwd
-run_dir = run_dir.resolve()
+
+def here(path):
+    '''A path of this notebook's parameters: relative ones are relative to notebooks/, whatever the cwd.'''
+    p = Path(path).expanduser()
+    return (p if p.is_absolute() else ROOT / "notebooks" / p).resolve()
+
+
+run_dir = here(RUN_DIR)
 ckpt = latest_checkpoint(run_dir)
+if ckpt is None and MAKE_TINY_RUN:
+    print(f"no checkpoint under {run_dir}: `python run_gsm8k.py` makes a real run there; "
+          f"analysing a short run of the tiny model instead")
+    run_dir = here(TINY_RUN_DIR)
+    if latest_checkpoint(run_dir) is None:  # made once: 4 steps of the tiny random model, no evaluation
+        run_gsm8k.main(["--model=tiny", f"--run_root={run_dir.parent}", f"--name={run_dir.name}",
+                        "--train.steps=4", "--data.eval_size=0", "--overwrite"])
+    ckpt = latest_checkpoint(run_dir)
 if ckpt is None:
     raise FileNotFoundError(
         f"no checkpoint under {run_dir}/checkpoints (RUN_DIR={RUN_DIR!r}). Train a run first: "
-        "run `python run_gsm8k.py` first (it checkpoints every train.checkpoint_every steps), "
-        "or point RUN_DIR at an existing run directory.")
+        "run `python run_gsm8k.py` (it checkpoints every train.checkpoint_every steps), "
+        "point RUN_DIR at an existing run directory, or set MAKE_TINY_RUN = True.")
 if not (ckpt / "buffer.pt").is_file():
     raise FileNotFoundError(f"{ckpt} has no buffer.pt: this checkpoint was saved without its replay buffer")
 
 meta_json = json.loads((ckpt / "meta.json").read_text())
 buf = ReplayBuffer.load(ckpt / "buffer.pt")
-model, _ = load_model(str(ckpt / "model"), device=DEVICE, tokenizer=False)
+prec = machine_precision(DEVICE)  # what a run on this machine picks, applied here (README, "In a notebook")
+model, _ = prec.load(str(ckpt / "model"), device=DEVICE, role="trainer", tokenizer=False)
 model.requires_grad_(True)
 params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
 
 print(f"checkpoint  {ckpt}  (step {meta_json['step']}, version {meta_json.get('version')})")
 print(f"policy      {sum(p.numel() for p in params) / 1e6:.2f}M parameters on {DEVICE}")
+print(f"precision   {prec.summary()}")
 for k, v in buf.stats().items():
     print(f"buffer      {k:<13} {v}")
 

@@ -7,10 +7,9 @@ near LOW / vocab ~ 0.2; a policy that learns the task moves towards 1.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
+from common.engine.tiny_model import build_tiny
 from common.runtime.generator import PromptSet
 
 LOW = 20      # token ids below this earn reward
@@ -23,15 +22,9 @@ def toy_reward(tokens, meta) -> float:
 
 
 def tiny_model(path, seed: int = 0) -> str:
-    """Write a random 2-layer Llama (hidden 32) as a Hugging Face directory at `path`; returns it."""
-    import transformers  # lazy: seconds to import, needed once per notebook
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                   tie_word_embeddings=True, rope_theta=10000.0)
-    torch.manual_seed(seed)
-    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    return str(Path(path))
+    """Write a random 2-layer model of the default architecture (hidden 32, no tokenizer) as a
+    Hugging Face directory at `path` (`common/engine/tiny_model.py`); returns it."""
+    return str(build_tiny(path, vocab_size=VOCAB, seed=seed, hidden_size=32, intermediate_size=64, head_dim=8))
 
 
 def prompts(n: int = 16, seed: int = 0) -> PromptSet:

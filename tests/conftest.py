@@ -1,4 +1,9 @@
-"""Shared test setup: one thread, fp32, deterministic seeds, default kernels; skip `gpu` tests without CUDA."""
+"""Shared test setup: one thread, fp32, deterministic seeds, default kernels; skip `gpu` tests without CUDA;
+nothing beside the clone may be opened."""
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +12,23 @@ from common.engine.fused import set_fused
 from common.engine.linear import set_onednn
 
 torch.set_num_threads(1)
+
+# A fresh clone has nothing beside it, so no test (and nothing a test runs in this process) may read
+# there: an audit hook makes every open or listing of a path under the clone's parent's "shared"
+# folder fail. (Processes a test spawns are not covered; tests/test_data.py also checks that no
+# file of the repository names such a path.)
+BESIDE = Path(__file__).resolve().parents[1].parent / "shared"
+_BESIDE = os.path.join(str(BESIDE), "")
+
+
+def _refuse_beside(event, args):
+    if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        path = os.path.abspath(os.fsdecode(args[0]))
+        if path.startswith(_BESIDE) or path == str(BESIDE):
+            raise PermissionError(f"{path}: tests may not read beside the clone (a fresh clone has nothing there)")
+
+
+sys.addaudithook(_refuse_beside)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -206,6 +206,21 @@ def test_a_rank_failing_while_unpickling_the_algorithm_raises_with_the_original_
     assert torch.distributed.is_initialized() is False
 
 
+def test_a_rank_dying_before_its_function_runs_raises_rank_failed_with_its_cause(tmp_path, monkeypatch):
+    """A rank whose process cannot even unpickle its entry point (here: `common` shadowed on the
+    child's sys.path) is named with its traceback within seconds, nothing left running."""
+    save_hf("llama_tied", tmp_path / "m")
+    fp32 = Precision("fp32", "aten", "fp32")
+    model = fp32.load(str(tmp_path / "m"), role="trainer", tokenizer=False)[0]
+    (tmp_path / "shadow" / "common").mkdir(parents=True)
+    (tmp_path / "shadow" / "common" / "__init__.py").write_text('raise ImportError("rank cannot import 41")')
+    monkeypatch.syspath_prepend(str(tmp_path / "shadow"))
+    with pytest.raises(RankFailed, match=r"(?s)'trainer1'.*ImportError: rank cannot import 41"):
+        TrainerGroup(model, TrainConfig(trainer_devices=2), fp32, str(tmp_path / "m"), _tba(),
+                     WeightStore.from_module(model), tmp_path)
+    assert multiprocessing.active_children() == []
+
+
 def test_a_redteam_classifier_defined_in_a_notebook_reaches_the_reward_worker_by_value(tmp_path):
     """module:function is resolved in the launching process (`__main__:fn` names a notebook's
     function) and the reward-worker factory carries the function itself."""

@@ -104,8 +104,8 @@ def test_decode_step_reads_nothing_back_on_meta(flags):
     raises, and the step's outputs have the bucket's shape."""
     model, cache, rows, shape = _meta_setup()
     with torch.inference_mode(), NoHostRead():  # as Sampler.step runs it
-        tok, logp = decode_step(model, cache, rows, shape, *flags)
-    assert tok.shape == (shape.B,) and logp.shape == (shape.B,) and logp.dtype == torch.float32
+        out = decode_step(model, cache, rows, shape, *flags)
+    assert out.shape == (2, shape.B) and out.dtype == torch.float64  # tokens and log-probs, one copy to the host
 
 
 @pytest.mark.parametrize("flags", [(False, False), (True, True)])

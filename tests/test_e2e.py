@@ -4,6 +4,8 @@ Toy task: the reward of a completion is the fraction of its tokens below LOW (id
 tiny random model starts near LOW/V ~ 0.2; trajectory balance towards pi_ref * exp(r / beta) must
 raise it.
 """
+import re
+
 import pytest
 import torch
 
@@ -92,12 +94,19 @@ def test_sync_mode_is_on_policy(tmp_path):
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
 
 
-def test_grpo_baseline_and_failing_reward_runs(tmp_path):
+def test_grpo_baseline_and_failing_reward_runs(tmp_path, capfd):
     cfg = _cfg(tmp_path, mode="sync", steps=4)
     algo = GRPO(GRPOConfig(), cfg.train.prompts_per_step, cfg.gen.n, cfg.gen.temperature, cfg.train.micro_batch_tokens)
     last = train(cfg, algo, _prompts(), flaky_reward, stop_token_ids=())
-    assert last["reward_errors"] > 0  # scored 0 and counted, the run went on
+    assert last["reward_errors"] > 1  # scored 0 and counted, the run went on
     assert torch.isfinite(torch.tensor(last["loss"]))
+    # the generator logged the first failure with its traceback, and only that one; the run ended
+    # with a warning that counts them all (also those scored after the last step's row)
+    err = capfd.readouterr().err
+    assert err.count("RuntimeError: grader crashed on this sample") == 1 and "Traceback" in err and "in flaky_reward" in err
+    total = int(re.search(r"\[asyncrl\] warning: (\d+) rewards raised or were not finite and scored "
+                          r"gen.error_reward = 0 ", err).group(1))
+    assert total >= last["reward_errors"]
 
 
 def test_resume_continues_counters_buffer_and_metrics(tmp_path):

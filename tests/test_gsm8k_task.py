@@ -6,21 +6,23 @@ import logging
 import pytest
 
 import run_gsm8k as gsm
+from common.data import REPO_DATA
 from run_gsm8k import (PAPER_TEMPLATE, GSM8KExample, default_data_dir, extract_answer,
                          format_prompt, load_gsm8k, reward_correct)
 
-DATA = default_data_dir()
+DATA = REPO_DATA / "gsm8k"
 
 
-@pytest.mark.skipif(DATA is None or not (DATA / "train.jsonl").exists(), reason="shared GSM8K data not present")
-def test_load_real_files():
-    train, test = load_gsm8k(DATA / "train.jsonl"), load_gsm8k(DATA / "test.jsonl")
+def test_load_the_repositorys_copy(monkeypatch):
+    monkeypatch.delenv("ASYNCRL_DATA_DIR", raising=False)
+    assert default_data_dir() == REPO_DATA / "gsm8k" and gsm.DataConfig().source == str(REPO_DATA / "gsm8k")
+    train, test = gsm.load_split(str(DATA), "train"), gsm.load_split(str(DATA), "test")
     assert (len(train), len(test)) == (7473, 1319)
     assert isinstance(train[0], GSM8KExample) and train[0].gold == "72"
     assert all("," not in ex.gold for ex in train + test)
     # every reference solution earns reward 1 against its own gold
     assert all(reward_correct(ex.answer, ex.gold) == 1.0 for ex in test[:200])
-    assert len(load_gsm8k(DATA / "test.jsonl", limit=5)) == 5
+    assert len(load_gsm8k(DATA / "test.jsonl.gz", limit=5)) == 5
 
 
 def _write(tmp_path, lines):
@@ -203,7 +205,7 @@ def test_hub_id_offline_says_use_a_local_folder(monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", "/nonexistent-asyncrl-test-cache")
     from common.data import DataSourceError
     from run_gsm8k import load_split
-    with pytest.raises(DataSourceError, match="Use a local folder") as e:
+    with pytest.raises(DataSourceError, match="use a local folder instead") as e:
         load_split("openai/gsm8k", "train", hub_config="main")
     assert "openai/gsm8k" in str(e.value)
     with pytest.raises(DataSourceError, match="not a local folder"):

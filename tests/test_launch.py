@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from common.runtime import spawn
 from common.runtime.launch import WorkerError, Workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -299,6 +300,91 @@ def test_worker_releases_its_arguments_before_teardown():
         w.start("holder", _hold_then_return, _Witness(freed))
         assert freed.wait(30), "the worker's argument was still referenced when its function had returned"
         w.shutdown()
+
+
+# ---- a worker that cannot start ---------------------------------------------------------------------
+def _payload_len(data, *, stop_event):
+    print("ran", len(data), flush=True)
+
+
+def _shadow_common(tmp_path, body: str) -> str:
+    """A folder whose `common` package runs `body` on import: put first on sys.path after this
+    process imported the real one, it is what a child finds when it unpickles its process object
+    (before `_worker_main` runs), as a sys.path changed after the imports would do."""
+    (tmp_path / "shadow" / "common").mkdir(parents=True)
+    (tmp_path / "shadow" / "common" / "__init__.py").write_text(body)
+    return str(tmp_path / "shadow")
+
+
+@pytest.mark.parametrize("size", [10, 4 << 20])  # 4 MiB: far more than a pipe holds
+def test_a_worker_failing_before_its_function_runs_raises_with_its_traceback(tmp_path, monkeypatch, size):
+    """It used to block `start` forever when its start-up data did not fit the pipe (the parent
+    kept the pipe's read end open while it wrote), and said nothing of its cause when it did."""
+    monkeypatch.syspath_prepend(_shadow_common(tmp_path, 'raise ImportError("no common here 41")'))
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError) as e:
+        with Workers(join_timeout=5) as w:
+            w.start("gen0", _payload_len, b"x" * size)
+            w.wait_event(lambda: False, timeout=60)
+    assert time.monotonic() - t0 < 30
+    assert e.value.worker == "gen0" and "ImportError: no common here 41" in e.value.traceback
+    msg = str(e.value)
+    assert "'gen0'" in msg and "ImportError: no common here 41" in msg and "Traceback" in msg
+    assert ("could not start" in msg) == (size > 1 << 20)  # the big payload: `start` itself raised
+    _assert_all_gone(w)
+
+
+def test_a_worker_stuck_before_reading_its_start_up_data_is_killed_and_named(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(_shadow_common(tmp_path, "import time\ntime.sleep(600)"))
+    monkeypatch.setattr(spawn, "START_TIMEOUT_S", 3.0)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match=r"'gen0' could not start: it did not read its start-up data within 3 s"):
+        with Workers(join_timeout=5) as w:
+            w.start("gen0", _payload_len, b"x" * (4 << 20))
+    assert time.monotonic() - t0 < 30
+    _assert_all_gone(w)
+    assert w.procs["gen0"].exitcode == -signal.SIGKILL
+
+
+def test_a_worker_failing_in_device_init_is_named_with_its_cause():
+    with pytest.raises(WorkerError) as e:
+        with Workers(join_timeout=5) as w:
+            w.start("gen0", _payload_len, b"x", cuda_device="cuda:99")  # no such GPU anywhere
+            w.wait_event(lambda: False, timeout=60)
+    assert e.value.worker == "gen0" and "set_device" in e.value.traceback and "'gen0' failed" in str(e.value)
+
+
+_NO_GUARD = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+with open({marker!r}, "a") as f:  # runs once per interpreter that runs this file
+    f.write(f"{{os.getpid()}}\\n")
+from common.runtime.launch import Workers
+
+def report(q, data, *, stop_event):
+    q.put(len(data))
+
+with Workers(join_timeout=5) as w:  # no `if __name__ == "__main__":` guard
+    q = w.queue()
+    w.start("a", report, q, b"x" * (1 << 20))
+    print("got", q.get(timeout=60), flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["stdin", "file"])
+def test_workers_start_from_stdin_and_never_rerun_the_main_file(tmp_path, how):
+    """`python - <<EOF` (main file '<stdin>') works like `python -c`; a script without a main
+    guard is not run again in its workers (spawn's standard re-import would start it again)."""
+    marker = tmp_path / "runs.txt"
+    code = _NO_GUARD.format(root=ROOT, marker=str(marker))
+    if how == "file":
+        (tmp_path / "script.py").write_text(code)
+    args = [sys.executable, "-"] if how == "stdin" else [sys.executable, str(tmp_path / "script.py")]
+    p = subprocess.run(args, input=code if how == "stdin" else None, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "ASYNCRL_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "got 1048576" in p.stdout
+    assert len(marker.read_text().split()) == 1  # the parent alone ran the file
 
 
 # ---- keep_freed_memory ---------------------------------------------------------------------------

@@ -199,3 +199,15 @@ def test_planted_local_imports_are_caught():
 def test_unplaced_module_is_refused():
     mods = {**sources(), "common.newthing": "import torch\n"}
     assert "common.newthing: not in any layer (place it in tests/test_layers.py)" in violations(mods)
+
+
+def test_benchmarks_and_notebooks_do_not_import_the_tests():
+    """bench/ and notebooks/ are part of the product: what they need (e.g. a tiny model,
+    common/engine/tiny_model.py) lives in common/, never in tests/."""
+    bad = []
+    for p in sorted([*(ROOT / "bench").glob("*.py"), *(ROOT / "notebooks").glob("*.py")]):
+        for node in ast.walk(ast.parse(p.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{p.relative_to(ROOT)}:{node.lineno}: imports {n}" for n in names if n.split(".")[0] == "tests"]
+    assert bad == []

@@ -123,6 +123,9 @@ def test_plot_runs_takes_run_dirs_and_writes_no_file_unless_asked(tmp_path):
     fig = plot_runs([tmp_path / "tb", tmp_path / "tb_no_ref"], x="step")
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["tb", "tb_no_ref"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tb", "tb_no_ref"]  # no PNG written
+    # what a Jupyter kernel displays (no pyplot, so no inline backend knows this figure): a PNG
+    png = fig._repr_png_()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 1000
 
 
 def test_fmt_and_progress(capsys):

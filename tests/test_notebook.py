@@ -99,11 +99,12 @@ def test_notebook_runs_on_tiny_run(run_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT / "notebooks")  # where Jupyter starts it
     nb = json.loads(NB.read_text())
 
-    # no checkpoint: a clear error that says how to make one
+    # no checkpoint and no tiny run asked for: a clear error that says how to make one (with
+    # MAKE_TINY_RUN, the default, it makes one: tests/test_notebooks_kernel.py runs that)
     empty = tmp_path / "empty_run"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="run_gsm8k.py"):
-        _run(nb, {"RUN_DIR": str(empty)}, upto=2)
+        _run(nb, {"RUN_DIR": str(empty), "MAKE_TINY_RUN": False}, upto=2)
 
     ns = _run(nb, {"RUN_DIR": str(run_dir), "N_GROUPS": 3})
     try:

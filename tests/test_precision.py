@@ -14,6 +14,7 @@ import json
 import pytest
 import torch
 
+from common.engine.causal_attention import kernel_enabled, set_kernel
 from common.engine.hf_io import load_model
 from common.engine.linear import Linear, onednn_available, onednn_enabled, set_onednn
 import common.engine.machine as machine
@@ -81,9 +82,12 @@ def test_forced_choices_skip_the_measurement(monkeypatch):
     calls = _fake_machine(monkeypatch, ["amx_bf16"])
     p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa"))
     assert (p.dtype, p.gemm, p.kv, p.attention, p.why) == ("bf16", "aten", "bf16", "sdpa", "all forced") and calls == []
+    assert p.decode == "eager" and resolve(PrecisionConfig(decode="compiled", dtype="fp32", gemm="aten",
+                                                           attention="sdpa")).decode == "compiled"
     p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", attention="kernel"))  # kv auto needs the attention timing
     assert p.kv == "fp32" and calls == [True]
     assert resolve(PrecisionConfig(dtype="fp32"), device="cuda").dtype == "fp32"
+    assert resolve(PrecisionConfig(), device="cuda").decode == "compiled"
     p = resolve(PrecisionConfig(), device="cuda")
     assert (p.dtype, p.kv) == ("bf16", "bf16")
 
@@ -105,6 +109,21 @@ def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
     assert p.attention in ("kernel", "sdpa")
     old = {k: v for k, v in p.to_dict().items() if k != "attention"}  # saved before the field existed
     assert Precision.from_dict(old).attention == "sdpa" and Precision.from_dict(p.to_dict()) == p
+
+
+@pytest.mark.parametrize("flags, picked", [([], ("fp32", "onednn", "kernel")), (["amx_bf16"], ("bf16", "onednn", "kernel"))])
+def test_machine_precision_applies_what_a_run_would_pick_outside_a_run(tmp_path, monkeypatch, flags, picked):
+    """One line in a notebook: the process's kernels become the run's choice, and a model loaded
+    through it for the trainer's role gets the run's dtype (autocast over fp32 weights)."""
+    _fake_machine(monkeypatch, flags, {**FAKE, "full_attn_kernel_ms": 5.0, "full_attn_sdpa_ms": 8.0})
+    set_onednn(False)
+    set_kernel(False)
+    prec = P.machine_precision()
+    assert (prec.dtype, prec.gemm, prec.attention) == picked
+    assert onednn_enabled() == onednn_available() and kernel_enabled()
+    save_hf("llama_tied", tmp_path / "m")
+    model = prec.load(str(tmp_path / "m"), role="trainer", tokenizer=False)[0]
+    assert model.dtype == torch.float32 and model.compute_dtype == (torch.bfloat16 if flags else None)
 
 
 # ------------------------------------------------------------------------------ numerics

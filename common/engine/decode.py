@@ -120,11 +120,11 @@ class Rows:
         self.plan_key = key
 
 
-def decode_step(dec, cache, rows: Rows, shape: Shape, any_filtered: bool,
-                any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advance rows 0..B-1 by one token through `dec` (a `DecodeModel`); returns the new tokens (B,)
-    and their log-probs (B,). E entries with n query rows each must match the entry plan in `rows`;
-    S > every slot column of a live row, P >= every live prompt (module docstring)."""
+def decode_step(dec, cache, rows: Rows, shape: Shape, any_filtered: bool, any_greedy: bool) -> torch.Tensor:
+    """Advance rows 0..B-1 by one token through `dec` (a `DecodeModel`); returns (2, B) float64:
+    the new tokens (exact in float64) and their log-probs, packed for the host's one copy. E entries
+    with n query rows each must match the entry plan in `rows`; S > every slot column of a live
+    row, P >= every live prompt (module docstring)."""
     B, E, n = shape.B, shape.E, shape.n
     active = rows.active[:B]
     pos = torch.where(active, rows.pos[:B], 0)
@@ -134,7 +134,7 @@ def decode_step(dec, cache, rows: Rows, shape: Shape, any_filtered: bool,
                          any_filtered, any_greedy)
     rows.tok[:B] = torch.where(active, tok, rows.tok[:B])
     rows.pos[:B] += active
-    return tok, logp
+    return torch.stack((tok.double(), logp.double()))
 
 
 def bucket(x: int, cap: int) -> int:
@@ -180,13 +180,13 @@ class GraphedDecode:
         if cache.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the sampler's cache is on {cache.device}")
         self.dec, self.cache, self.rows, self.max_graphs = dec, cache, rows, max_graphs
-        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.graphs: OrderedDict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle()
         self.stats = {"captures": 0, "replays": 0, "evictions": 0, "invalidations": 0}
         self._tables = None  # the RoPE tables the graphs were captured against
         self._generation = None  # the decode model's weight addresses they were captured against
 
-    def __call__(self, shape: Shape, any_filtered: bool, any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, shape: Shape, any_filtered: bool, any_greedy: bool) -> torch.Tensor:
         """`decode_step` at a `captured_shape`."""
         args = (self.dec, self.cache, self.rows, shape, any_filtered, any_greedy)
         key = (*shape, any_filtered, any_greedy)
@@ -195,25 +195,25 @@ class GraphedDecode:
             self.stats["invalidations"] += 1
         if key in self.graphs:
             self.graphs.move_to_end(key)
-            g, tok, logp = self.graphs[key]
+            g, out = self.graphs[key]
             g.replay()
             self.stats["replays"] += 1
-            return tok, logp
+            return out
         dev = self.cache.device
         with torch.cuda.device(dev):
             main = torch.cuda.current_stream(dev)
             side = torch.cuda.Stream(dev)
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                tok, logp = decode_step(*args)  # the real step, eagerly: warm-up (and RoPE table) before capture
+                first = decode_step(*args)  # the real step, eagerly: warm-up (compile, RoPE table) before capture
             main.wait_stream(side)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):  # records kernels, runs none: the state stays as the step left it
                 out = decode_step(*args)
         self._tables, self._generation = self.dec.model._rope_cache, self.dec.generation
-        self.graphs[key] = (g, *out)
+        self.graphs[key] = (g, out)
         self.stats["captures"] += 1
         if len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
             self.stats["evictions"] += 1
-        return tok, logp
+        return first

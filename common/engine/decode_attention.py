@@ -127,5 +127,7 @@ def attend(cache, layer: int, q_own: torch.Tensor, q_prompt: torch.Tensor, p: De
     o_s, l_s = attend_lse(q_own.transpose(1, 2), kc[:B, :, :S], vc[:B, :, :S], p.own_mask)  # (B, Hkv, G, hd), (B, Hkv, G)
     qp = q_prompt.view(E, n * G, Hkv, hd).transpose(1, 2)                                   # (E, Hkv, n*G, hd)
     o_p, l_p = attend_lse(qp, pk[:E, :, :P], pv[:E, :, :P], p.prompt_mask)                 # (E, Hkv, n*G, hd)
-    return (o_s.transpose(1, 2), l_s.transpose(1, 2), o_p.view(E, Hkv, n, G, hd).permute(0, 2, 3, 1, 4),
-            l_p.view(E, Hkv, n, G).permute(0, 2, 3, 1))
+    # the prompt part copied into the flash path's layout (small): a compiled layer body then sees the
+    # same strides whatever E and n are (a size-1 dim's stride would otherwise vary: a recompile)
+    o_p, l_p = o_p.view(E, Hkv, n, G, hd).permute(0, 2, 3, 1, 4), l_p.view(E, Hkv, n, G).permute(0, 2, 3, 1)
+    return o_s.transpose(1, 2), l_s.transpose(1, 2), o_p.new_empty(o_p.shape).copy_(o_p), l_p.new_empty(l_p.shape).copy_(l_p)

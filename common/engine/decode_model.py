@@ -35,6 +35,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from common.engine import decode_attention
@@ -156,15 +157,26 @@ def tail(x, d, norm_w, norm_b, eps: float, head_w, temp, greedy, top_k, top_p, k
 @functools.cache
 def _compiled(fn):
     """`fn` through torch.compile: default mode (no CUDA graphs of its own: the capture is
-    `GraphedDecode`'s), one graph for the whole piece. Shared by every sampler of the process."""
+    `GraphedDecode`'s), one graph for the whole piece. Shared by every sampler of the process.
+    The caller marks the row dims dynamic (`_dynamic`); shapes are traced without duck sizing (rows
+    that happen to equal another size, the cache's slot count at a full batch, stay a symbol of
+    their own) and without specialising sizes 0 and 1 (size-oblivious), so the first compile
+    serves every batch size."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(fn, fullgraph=True)
+    compiled = torch.compile(fn, fullgraph=True)
+
+    @functools.wraps(fn)
+    def run(*args):
+        with shape_config.patch(use_duck_shape=False, backed_size_oblivious=True):
+            return compiled(*args)
+    return run
 
 
-def _rows_dynamic(*ts: torch.Tensor) -> None:
-    """Mark dim 0 (rows) dynamic where it can be, so a new batch bucket reuses the compiled graph."""
-    for t in ts:
-        torch._dynamo.maybe_mark_dynamic(t, 0)
+def _dynamic(*marks) -> None:
+    """(tensor, dims...) pairs: mark those dims dynamic for the compiled pieces."""
+    for t, *dims in marks:
+        for d in dims:
+            torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 class DecodeModel:
@@ -235,17 +247,18 @@ class DecodeModel:
             x = x + m.model.embed_positions(pos)
         body = Body(cfg.hidden_act, cfg.gated_mlp, cfg.parallel_residual)
         d = torch.zeros_like(x)  # layer 0 adds nothing: one graph for every layer
-        if self.compile:
-            _rows_dynamic(x, pos, own, q_rows, back, p.back_e, p.back_i, temp, greedy, top_k, top_p, key)
         f_in, f_out = self._fn(attn_in), self._fn(attn_out)
         H, Hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
+        mark = _dynamic if self.compile else (lambda *_: None)  # rows B, query rows E*n, entries E and n
+        mark((pos, 0), (own, 0), (q_rows, 0), (p.back_e, 0), (p.back_i, 0))
         for i, w in enumerate(self.layers):
             cos_t, sin_t = tables[2 * w.local:2 * w.local + 2]  # the layer's RoPE table (None: learned positions)
+            mark((x, 0), (d, 0))
             x, q_own, q_prompt = f_in(x, d, w, eps, cos_t, sin_t, pos, cache.k[i], cache.v[i], own, q_rows, H, Hkv)
             o_s, l_s, o_p, l_p = decode_attention.attend(cache, i, q_own, q_prompt, p)
-            if self.compile:
-                _rows_dynamic(q_own, q_prompt, o_s, l_s)
+            mark((x, 0), (o_s, 0), (l_s, 0), (o_p, 0, 1), (l_p, 0, 1))
             x, d = f_out(x, o_s, l_s, o_p, l_p, p.back_e, p.back_i, w, eps, body)
+        mark((x, 0), (d, 0), (temp, 0), (greedy, 0), (top_k, 0), (top_p, 0), (key, 0))
         norm = m.model.norm
         return self._fn(tail)(x, d, norm.weight, _d(getattr(norm, "bias", None)), eps, m.lm_head.weight, temp, greedy,
                               top_k, top_p, key, own, any_filtered, any_greedy)

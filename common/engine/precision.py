@@ -21,8 +21,17 @@ processes, which apply it without measuring again. Four choices, each `auto` or 
           passes): our kernel (`common/engine/causal_attention.py`) or PyTorch's CPU flash kernel
           (F.scaled_dot_product_attention); auto = the faster one measured. bf16, autocast and
           CUDA always take F.scaled_dot_product_attention.
+  decode  the sampler's decode step: its layer body run eagerly or through torch.compile
+          (`common/engine/decode_model.py`). auto on CUDA = compiled (a few fused kernels per layer
+          instead of ~90); on CPU = eager: the CPU step is GEMM-bound, compiled measured 0.99x eager
+          on an AVX2 EPYC, and measuring it here would cost a cold compile of a minute or two at
+          every first run (`bench/sampler.py --compile-ab` measures a machine; BENCHMARKS.md).
 
 The measurements behind `auto` (and their per-machine cache) are `common/engine/machine.py`'s.
+Outside a run (a notebook or a script calling `load_model` and `token_logp`) the process keeps its
+import-time kernels (oneDNN GEMMs, our attention kernel, fp32) until `machine_precision()` applies
+what a run on this machine would pick: one line, `prec = machine_precision()`, then
+`prec.load(path, role="trainer")` for the run's dtype too.
 """
 from __future__ import annotations
 
@@ -50,6 +59,7 @@ class PrecisionConfig:
     gemm: Literal["auto", "onednn", "aten"] = "auto"  # CPU fp32 GEMM backend; auto: the faster on the trainer's GEMMs, measured
     kv: Literal["auto", "fp32", "bf16"] = "auto"      # sampler KV cache / attention dtype; auto: measured (CPU), = dtype (CUDA)
     attention: Literal["auto", "kernel", "sdpa"] = "auto"  # CPU fp32 full-pass attention: ours or the flash kernel; auto: measured
+    decode: Literal["auto", "eager", "compiled"] = "auto"  # sampler decode step's layer body; auto: compiled on CUDA, eager on CPU
     remeasure: bool = False                           # ignore this machine's cached measurement and measure again
 
 
@@ -60,6 +70,7 @@ class Precision:
     gemm: str = "aten"       # "onednn" | "aten" (CPU fp32 GEMMs)
     kv: str = "fp32"         # "fp32" | "bf16"
     attention: str = "kernel"  # "kernel" | "sdpa" (CPU fp32 full passes)
+    decode: str = "eager"      # "eager" | "compiled" (the sampler's decode step)
     why: str = ""            # one line: what decided it
     cpu: dict = field(default_factory=dict)       # model name, bf16-relevant flags, torch capability
     measured: dict = field(default_factory=dict)  # GFLOP/s and attention ms, when measured
@@ -92,6 +103,7 @@ class Precision:
         if role == "trainer":
             model.compute_dtype = None if self.dtype == "fp32" else self.torch_dtype
         model.kv_dtype = self.kv_dtype
+        model.decode_compile = self.decode == "compiled"
         return model
 
     def inference_copy(self, model):
@@ -104,7 +116,8 @@ class Precision:
         return m
 
     def summary(self) -> str:
-        return f"dtype={self.dtype} gemm={self.gemm} kv={self.kv} attention={self.attention} ({self.why})"
+        return (f"dtype={self.dtype} gemm={self.gemm} kv={self.kv} attention={self.attention} decode={self.decode} "
+                f"({self.why})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -121,7 +134,9 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         dtype = "bf16" if cfg.dtype == "auto" else cfg.dtype
         kv = dtype if cfg.kv == "auto" else cfg.kv
         gemm = cfg.gemm if cfg.gemm != "auto" else "aten"
-        return Precision(dtype, gemm, kv, "sdpa", why="CUDA: bf16 autocast with fp32 master weights unless forced")
+        decode = "compiled" if cfg.decode == "auto" else cfg.decode
+        return Precision(dtype, gemm, kv, "sdpa", decode, why="CUDA: bf16 autocast with fp32 master weights, compiled "
+                         "decode, unless forced")
     info = cpu_info()
     hw = has_bf16_hardware(info)
     need = (cfg.gemm == "auto" or cfg.dtype == "auto" or cfg.attention == "auto"
@@ -156,4 +171,13 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         ours, sdpa = m["full_attn_kernel_ms"], m["full_attn_sdpa_ms"]
         attention = "kernel" if ours < sdpa else "sdpa"
         why.append(f"causal attention kernel {ours:.1f} vs SDPA {sdpa:.1f} ms")
-    return Precision(dtype, gemm, kv, attention, why="; ".join(why) or "all forced", cpu=info, measured=m)
+    decode = "eager" if cfg.decode == "auto" else cfg.decode  # a rule, not a measurement (module docstring)
+    return Precision(dtype, gemm, kv, attention, decode, why="; ".join(why) or "all forced", cpu=info, measured=m)
+
+
+def machine_precision(device: str = "cpu") -> Precision:
+    """What a run on this machine picks (`auto` everywhere: measured once per machine, ~2-3 s,
+    then read from the cache), applied to this process (GEMM backend, attention kernel) and
+    returned. Load a model through it to get the run's dtype as well (bf16 autocast over fp32
+    weights where the machine measured bf16 faster): `machine_precision().load(path, role="trainer")`."""
+    return resolve(PrecisionConfig(), device).apply()

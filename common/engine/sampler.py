@@ -57,10 +57,9 @@ class _Request:
 
 
 @dataclass
-class _Seq:  # one in-flight sample occupying one slot (its tokens so far: the sampler's SlotLog)
-    req: _Request
+class _Seq:  # one in-flight sample occupying one slot (its tokens so far: the sampler's SlotLog, whose
+    req: _Request         # count - 1 is also the slot column of its pending token)
     out: Completion       # filled from the SlotLog when the sample is handed out
-    pos: int = 0          # absolute position of the pending token (prompt length + generated - 1)
 
 
 def _compaction(items: list) -> tuple[list[int], list[int]]:
@@ -86,7 +85,7 @@ class Sampler:
         `common/engine/decode.py`); None = `model.decode_graphs` (the run's --gen.cuda_graphs, set by
         the trainer on the model it evaluates) where the model is on CUDA; static_shapes: run the
         captured shapes eagerly (tests). compile: the decode step's layer body through torch.compile
-        (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's --gen.compile_decode),
+        (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's `--precision.decode`),
         else on for CUDA; flash: decode attention through the flash kernel (None: where available)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
@@ -116,6 +115,10 @@ class Sampler:
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
+        # The busy slots and what a step's shape needs of them change only when samples start, end
+        # or move: `_membership` is recomputed then (`_changed`), not every step (host time per step
+        # is what must hide behind a captured step's device time: BENCHMARKS.md)
+        self._epoch, self._members, self._compacted, self._plan_key = 0, None, -1, None
         self.stats = {"prefill_tokens": 0, "prefill_forwards": 0, "decode_steps": 0, "decode_tokens": 0,
                       "decode_rows": 0, "interrupts": 0, **{f"{a}_{b}": 0 for a in ("run", "live")
                                                             for b in ("prompt_rows", "own_cols", "prompt_cols")}}
@@ -208,12 +211,15 @@ class Sampler:
         self.rows.active.zero_()
         self.queue.clear()
         self.entries = [None] * len(self.entries)
+        self._changed()
         return out
 
     # ------------------------------------------------------------------ scheduling
     def _admit(self) -> list[Completion]:
         """Give free slots to waiting samples, first come first served; prefill new prompts
         together; draw every admitted sample's first token in one call."""
+        if not self.queue or self._pending_update is not None:
+            return []
         free = [s for s, q in enumerate(self.slots) if q is None]
         plan: list[tuple[_Request, list[int]]] = []
         for req in self.queue:
@@ -233,7 +239,7 @@ class Sampler:
         for req, take in plan:
             p, P = req.params, len(req.prompt)
             for s in take:
-                self.slots[s] = _Seq(req, Completion(req.request_id, req.next_sample, req.prompt), P)
+                self.slots[s] = _Seq(req, Completion(req.request_id, req.next_sample, req.prompt))
                 self.log.start(s, min(p.max_new_tokens, self.max_seq_len - P), p.stop_token_ids)
                 rids.append(req.request_id)
                 sidx.append(req.next_sample)
@@ -245,6 +251,7 @@ class Sampler:
                 req.logits = None
         while self.queue and self.queue[0].next_sample == self.queue[0].params.n:
             self.queue.popleft()
+        self._changed()
         params = [self.slots[s].req.params for s in slots]
         rows = r.start(slots, [len(self.slots[s].req.prompt) for s in slots], params,
                        row_keys(self.seed, torch.tensor(rids, device=dev), torch.tensor(sidx, device=dev)))
@@ -265,9 +272,11 @@ class Sampler:
         where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). All of a
         step's moves are one copy per cache store and per row tensor (a few kernel launches,
         not a few per moved sample and layer)."""
+        if self._compacted == self._epoch:  # nothing started or ended since the last compaction
+            return
         src, dst = _compaction(self.slots)
         if src:
-            self.cache.move_slots(src, dst, max(self.slots[s].pos - len(self.slots[s].req.prompt) for s in src))
+            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1)  # own columns written so far
             si, di = (torch.tensor(x, device=self.rows.tok.device) for x in (src, dst))
             for t in self.rows.per_slot():
                 t[di] = t[si]
@@ -281,6 +290,28 @@ class Sampler:
             for s, d in zip(src, dst):
                 self.entries[d], self.entries[s] = self.entries[s], None
                 self.entries[d].entry = d
+        self._changed()
+        self._compacted = self._epoch
+
+    def _changed(self) -> None:
+        """Samples started, ended or moved: the step's membership is computed again."""
+        self._epoch += 1
+        self._members = None
+
+    def _membership(self):
+        """(busy slots as a numpy array and a list, B, E, n, P, flags) of the live batch, or None."""
+        if self._members is None:
+            busy = [s for s, q in enumerate(self.slots) if q is not None]
+            if not busy:
+                return None
+            seqs = [self.slots[s] for s in busy]
+            counts: dict[int, int] = {}
+            for q in seqs:
+                counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
+            self._members = (np.asarray(busy, dtype=np.int64), busy, busy[-1] + 1, max(counts) + 1,
+                             max(counts.values()), max(len(q.req.prompt) for q in seqs),
+                             self._flags([q.req.params for q in seqs]))
+        return self._members
 
     def _release(self, req: _Request) -> None:
         """Free a request's prompt entry once all its samples were admitted and have finished."""
@@ -288,10 +319,10 @@ class Sampler:
             self.entries[req.entry] = None
             req.entry = -1
 
-    def _record(self, slots: list[int], out: torch.Tensor) -> list[Completion]:
+    def _record(self, slots: list[int], out: torch.Tensor, slots_np: np.ndarray | None = None) -> list[Completion]:
         """Append each slot's new token (out: (2, len(slots)) host tensor, tokens and log-probs);
         free the slots whose sample is finished (a stop token, max_new_tokens or max_seq_len)."""
-        slots_np = np.asarray(slots, dtype=np.int64)
+        slots_np = np.asarray(slots, dtype=np.int64) if slots_np is None else slots_np
         fin, stopped = self.log.append(slots_np, out[0].numpy().astype(np.int64), out[1].numpy(), self.version)
         finished, done = [], slots_np[fin].tolist()
         for s, stop in zip(done, stopped[fin].tolist()):
@@ -304,6 +335,7 @@ class Sampler:
             self._release(seq.req)
         if done:
             self.rows.active[torch.tensor(done, device=self.rows.active.device)] = False
+            self._changed()
         return finished
 
     def _plan(self, B: int, E: int, n: int) -> None:
@@ -318,30 +350,22 @@ class Sampler:
             self._apply(*self._pending_update)
         finished = self._admit()
         self._compact()
-        busy = [s for s, q in enumerate(self.slots) if q is not None]
-        if not busy:
+        members = self._membership()
+        if members is None:
             return finished
-        hi = busy[-1] + 1
-        seqs = [self.slots[s] for s in busy]
-        counts: dict[int, int] = {}
-        for q in seqs:
-            counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
-        flags = self._flags([q.req.params for q in seqs])
-        live = Shape(B=hi, E=max(counts) + 1, n=max(counts.values()),
-                     S=max(q.pos - len(q.req.prompt) for q in seqs) + 1,  # slot columns in use, the new one included
-                     P=max(len(q.req.prompt) for q in seqs))
+        busy_np, busy, hi, E, n, P, flags = members
+        live = Shape(B=hi, E=E, n=n, S=int(self.log.count[busy_np].max()), P=P)  # S: own columns, the new one included
         shape = live
         if self.static_shapes:  # the shapes a captured step runs at (eagerly: tests compare them with the live ones)
             shape = captured_shape(live, self.max_batch, self.cache.max_prefixes, self.max_seq_len,
                                    self.max_prompt_len)
-        self._plan(shape.B, shape.E, shape.n)
+        if self._plan_key != (self._epoch, shape.B, shape.E, shape.n):
+            self._plan(shape.B, shape.E, shape.n)
+            self._plan_key = (self._epoch, shape.B, shape.E, shape.n)
         if self.graphed is not None:
-            tok, lp = self.graphed(shape, *flags)
+            out = self.graphed(shape, *flags)
         else:
-            tok, lp = decode_step(self.dec, self.cache, self.rows, shape, *flags)
-        tok, lp = tok[:hi], lp[:hi]
-        for q in seqs:
-            q.pos += 1
+            out = decode_step(self.dec, self.cache, self.rows, shape, *flags)
         self.stats["decode_steps"] += 1
         self.stats["decode_tokens"] += len(busy)
         self.stats["decode_rows"] += shape.B  # rows computed, idle and padding ones included
@@ -349,8 +373,8 @@ class Sampler:
             self.stats[f"{name}_prompt_rows"] += sh.E * sh.n  # query rows against shared prompts
             self.stats[f"{name}_own_cols"] += sh.S            # slot columns attended per row
             self.stats[f"{name}_prompt_cols"] += sh.P         # prompt columns attended per entry
-        out = torch.stack((tok.double(), lp.double())).cpu()  # the step's one device-to-host transfer
-        return finished + self._record(busy, out[:, busy])
+        out = out[:, :hi].cpu()  # the step's one device-to-host transfer: tokens and log-probs
+        return finished + self._record(busy, out[:, busy], busy_np)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list[Completion]:
         """Sample params.n completions per prompt; results ordered by (prompt, sample).

@@ -31,7 +31,7 @@ from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import reference_seq_logp
 from common.runtime.process import set_process_defaults
-from common.runtime.reward_service import RewardClient
+from common.runtime.reward_service import RewardClient, reward_failed
 from common.runtime.watchdog import Beat
 
 log = logging.getLogger("asyncrl.generator")
@@ -120,8 +120,8 @@ def prompt_order(seed: int, n_prompts: int, claim_idx: int) -> int:
 def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer, stats_row,
           rank: int = 0, stop_event=None, beat=None, no_stop_reward: float | None = None,
           error_reward: float = 0.0) -> list[float] | None:
-    """Rewards for one group; a reward_fn that raises scores `error_reward`, is counted and logged,
-    never fatal.
+    """Rewards for one group; a reward_fn that raises scores `error_reward` and is counted, never
+    fatal (the first failure in this process is logged with its traceback: `reward_failed`).
     `reward_fn` is fn(text, meta), or a RewardClient (reward-worker processes, batched; while
     waiting for it this generator keeps beating, so a stuck reward worker is the one named).
     With `no_stop_reward` set, a sample cut at max_new_tokens gets that value unscored."""
@@ -143,7 +143,7 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
                 if not math.isfinite(r):
                     raise ValueError(f"reward_fn returned {r}")
             except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
-                log.warning("reward_fn failed on prompt %d (scored %g): %r", prompt_idx, error_reward, e)
+                reward_failed("reward_fn", error_reward, e, f" on prompt {prompt_idx}")
                 stats_row[Control.REWARD_ERRORS] += 1
                 r = error_reward
             out.append(r)

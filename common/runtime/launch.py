@@ -13,17 +13,24 @@ Who runs what
   and events as handles.
 
 Processes are started with the *spawn* method: forking a process that has touched CUDA is
-unsafe, and spawn gives every worker a clean interpreter. Anything shared with workers (queues,
+unsafe, and spawn gives every worker a clean interpreter. Ours (`common/runtime/spawn.py`) never
+re-runs the parent's main module in a child (so `python - <<EOF`, `python -c`, a notebook and a
+script start workers alike), never blocks on a child that died while starting, and keeps the
+traceback of one that died before its function ran. Anything shared with workers (queues,
 events, shared-memory tensors) must come from `Workers.ctx` / `Workers.queue()`.
 
 Shutdown protocol
 -----------------
 1. A worker raising (in `fn`, or before it: unpickling its arguments, an import, device init)
    puts `(name, formatted traceback)` on the error queue, sets `stop_event` (so its siblings
-   wind down) and exits with code 1. A worker dying without a word (signal, `os._exit`,
-   segfault) shows up as a non-zero exit code.
-2. The next `check()` (or `wait_event`, or leaving the `with` block) sees either, shuts down and
-   raises `WorkerError` carrying the child's traceback, so the run ends within seconds.
+   wind down) and exits with code 1. One that fails earlier still, before `_worker_main` runs
+   (an import while its process object is unpickled), leaves its traceback in its start-up
+   error pipe (spawn.py). A worker dying without a word (signal, `os._exit`, segfault) shows up
+   as a non-zero exit code.
+2. The next `check()` (or `wait_event`, or leaving the `with` block) sees any of these, shuts
+   down and raises `WorkerError` carrying the child's traceback, so the run ends within seconds;
+   `start()` itself raises it for a child that died (or got stuck) before it had read its
+   start-up data.
 3. `shutdown()` (idempotent) SIGKILLs workers the watchdog reported hung (they cannot honour
    `stop_event`), sets `stop_event`, joins everyone against one deadline, then
    SIGTERMs stragglers, then SIGKILLs them; every join has a timeout and every child is reaped
@@ -58,10 +65,10 @@ import time
 import traceback
 
 import torch
-import torch.multiprocessing as tmp
 
 from common.runtime.pickling import Payload
 from common.runtime.process import cap_threads
+from common.runtime.spawn import Context
 from common.runtime.watchdog import Watchdog, WorkerStalled
 
 _TERM_GRACE_S = 2.0   # how long SIGTERM / SIGKILL get before we give up waiting on a process
@@ -133,7 +140,7 @@ class Workers:
 
     def __init__(self, join_timeout: float = 10.0):
         self.join_timeout = join_timeout
-        self.ctx = tmp.get_context("spawn")
+        self.ctx = Context()  # spawn, safe to start from stdin and never blocking (spawn.py)
         self.stop_event = self.ctx.Event()
         self.error_queue = self.ctx.Queue()
         self.procs: dict[str, multiprocessing.process.BaseProcess] = {}
@@ -166,7 +173,8 @@ class Workers:
         """Spawn worker `name` running fn(*args, stop_event=..., **kwargs). An argument that
         cannot be pickled raises `NotSendable` here, naming it, and no process is left.
         cuda_device ("cuda:N"): the GPU the worker runs on, current before its arguments are
-        unpickled (`_worker_main`)."""
+        unpickled (`_worker_main`). A child that exits, or gets stuck, before it has read its
+        start-up data raises WorkerError here (everything started is stopped first)."""
         if self._closed:
             raise RuntimeError("Workers already shut down")
         if name in self.procs:
@@ -176,6 +184,13 @@ class Workers:
                                    cuda_device))
         p.start()
         self.procs[name] = p
+        if p._popen.start_failure is not None:
+            p.join(_TERM_GRACE_S)  # it has exited, or was killed as stuck: reap it
+            tb = p._popen.early_error()
+            cause = f"; its traceback:\n{tb}" if tb else f" (exit code {p.exitcode}; see its stderr)"
+            err = WorkerError(f"worker {name!r} could not start: {p._popen.start_failure}{cause}", name, tb)
+            self.shutdown()
+            raise err
 
     # ---- monitoring -----------------------------------------------------------------------
     def _pending_error(self) -> WorkerError | None:
@@ -190,6 +205,9 @@ class Workers:
             pass
         if dead:
             name, code = dead[0]
+            tb = self.procs[name]._popen.early_error()
+            if tb:  # it failed before its function ran (spawn.py keeps that traceback)
+                return WorkerError(f"worker {name!r} failed before its function ran:\n{tb}", name, tb)
             how = (f"killed by {signal.Signals(-code).name}" if code < 0 else
                    "os._exit, or failed while Python started it: see its stderr")
             return WorkerError(f"worker {name!r} died with exit code {code} ({how})", name)

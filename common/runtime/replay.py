@@ -132,7 +132,7 @@ REPLAY_PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("eval_accuracy",
 def plot_replays(runs, out_png, panels=REPLAY_PANELS, title: Optional[str] = None):
     """Several replays of one stream side by side against the step: runs = [run_dir or
     (run_dir, label), ...], one colour per run, written to out_png; returns the matplotlib Figure
-    (a notebook shows it inline), None when there is nothing to plot."""
+    (a notebook displays it as an image: `common.log.plot_runs`), None when there is nothing to plot."""
     items = [(r, Path(r).name) if isinstance(r, (str, Path)) else tuple(r) for r in runs]
     return plot_runs([(Path(d) / "metrics.jsonl", label) for d, label in items], out_png, x="step",
                      panels=panels, title=title)

@@ -9,8 +9,11 @@ common/runtime/pickling.py), which returns `fn(texts: list, metas: list) -> list
 
 Failure rules: a batched call that raises is retried sample by sample; a sample that still
 raises scores `error_reward` (`gen.error_reward`, default 0) and is counted (`n_errors` in the answer), the same contract as in-process
-rewards (common/runtime/generator.py: score). A worker that dies is noticed by the trainer's
-`Workers.check()`; a generator waiting on it gives up after `timeout` seconds with an error.
+rewards (common/runtime/generator.py: score). Each process logs its first failing reward with
+the traceback and only counts the later ones (`reward_failed`): one line per sample would bury
+the log (a step of 64 samples printed 64), and the counts reach the metrics (`reward_errors` per
+step) and the end of the run (`train` prints the total). A worker that dies is noticed by the
+trainer's `Workers.check()`; a generator waiting on it gives up after `timeout` seconds with an error.
 """
 from __future__ import annotations
 
@@ -20,6 +23,19 @@ import queue as queue_mod
 from typing import Callable
 
 log = logging.getLogger("asyncrl.reward")
+_logged: set[str] = set()  # the kinds of failure this process has already logged in full
+
+
+def reward_failed(what: str, error_reward: float, exc: BaseException, where: str = "") -> None:
+    """Log a failing reward (`what`: which function; `where`: e.g. the prompt): the first failure
+    of `what` in this process with its traceback, later ones at DEBUG only (the caller counts them)."""
+    if what in _logged:
+        log.debug("%s failed%s (scored %g): %r", what, where, error_reward, exc)
+        return
+    _logged.add(what)
+    log.warning("%s failed%s and scored %g; its traceback follows. Further failures are counted, not logged "
+                "(reward_errors in each step's metrics, the total at the end of the run)", what, where,
+                error_reward, exc_info=exc)
 
 
 class RewardClient:
@@ -59,7 +75,9 @@ def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0
         if all(math.isfinite(r) for r in out):
             return out, 0
     except Exception as e:  # noqa: BLE001 - find the bad sample(s) one by one below
-        log.warning("batched reward failed (%r); scoring the %d samples one by one", e, len(texts))
+        if "batched reward" not in _logged:
+            _logged.add("batched reward")
+            log.warning("batched reward failed (%r); scoring its samples one by one (said once per process)", e)
     out, errors = [], 0
     for t, m in zip(texts, metas):
         try:
@@ -67,7 +85,7 @@ def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0
             if not math.isfinite(r):
                 raise ValueError(f"reward {r}")
         except Exception as e:  # noqa: BLE001 - one bad sample scores error_reward, the run goes on
-            log.warning("reward failed on one sample (scored %g): %r", error_reward, e)
+            reward_failed("the reward worker's reward fn", error_reward, e)
             r, errors = error_reward, errors + 1
         out.append(r)
     return out, errors

@@ -248,12 +248,14 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
                     checkpoint()
         except RankFailed:  # a trainer rank: its shards went with it, nothing whole is left to save
             bar.close()
+            _reward_errors_note(control, cfg.gen.error_reward)
             print(f"\n[asyncrl] stopped at step {step}: a trainer rank failed; no checkpoint (its shards are "
                   f"lost); fix the cause, then continue with --resume from the last one", file=sys.stderr)
             raise
         except (WorkerStalled, WorkerError) as e:  # a hung (reported with its stack) or dead worker:
             bar.close()  # the trainer's own state is whole (checks run between updates): keep it, stop non-zero
             what = "is hung" if isinstance(e, WorkerStalled) else "failed"
+            _reward_errors_note(control, cfg.gen.error_reward)
             print(f"\n[asyncrl] stopped at step {step}: a worker {what}; checkpoint {checkpoint()}; "
                   f"fix the cause, then continue with --resume", file=sys.stderr)
             raise
@@ -261,6 +263,7 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
             # (a Ctrl-C inside opt.step(), ~1% of a CPU step, saves a half-applied update: still
             # a valid model, one partial step off)
             bar.close()
+            _reward_errors_note(control, cfg.gen.error_reward)
             ck = checkpoint()
             print(f"\n[asyncrl] interrupted (Ctrl-C or SIGTERM) at step {step}: checkpoint {ck}; continue with --resume")
             raise
@@ -275,5 +278,17 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
         print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in {run_dir / 'metrics.jsonl'}")
         if stream is not None and stream.steps:
             print(f"[asyncrl] stream: {stream.steps} steps in {stream.dir}, {stream.bytes_per_step() / 1e6:.3g} MB per step")
+        _reward_errors_note(control, cfg.gen.error_reward)
         logger.close()
     return last
+
+
+def _reward_errors_note(control: Control, error_reward: float) -> int:
+    """Print a warning with the run's count of rewards that raised (or were not finite) and were
+    scored `error_reward`, if there were any (each process logged its first one's traceback)."""
+    n = int(control.stats[:, Control.REWARD_ERRORS].sum().item())
+    if n:
+        print(f"[asyncrl] warning: {n} reward{'s' if n > 1 else ''} raised or were not finite and scored "
+              f"gen.error_reward = {error_reward:g} (metrics.jsonl: reward_errors, the count so far at each step; "
+              f"the first traceback of each process is in the log above)", file=sys.stderr, flush=True)
+    return n

@@ -108,12 +108,12 @@ class TrainerGroup:
         names = [f"trainer{r}" for r in range(1, self.local)]
         hb = Heartbeats(names, run_dir / "stacks")
         self.workers.watch(hb, tc.stall_timeout, tc.stall_action)
-        for r, name in enumerate(names, 1):
-            self.queues.append(self.workers.queue())
-            dev = rank_device(tc.device, r)
-            self.workers.start(name, rank_main, r, setup, algo_bytes, self.store, self.queues[-1], hb.beat_for(name),
-                               cuda_device=dev if dev.startswith("cuda") else None)
-        try:  # a rank that fails while loading is reported here, not after a rendezvous timeout
+        try:  # a rank that fails while starting or loading is reported here, not after a rendezvous timeout
+            for r, name in enumerate(names, 1):
+                self.queues.append(self.workers.queue())
+                dev = rank_device(tc.device, r)
+                self.workers.start(name, rank_main, r, setup, algo_bytes, self.store, self.queues[-1],
+                                   hb.beat_for(name), cuda_device=dev if dev.startswith("cuda") else None)
             self.workers.wait_event(lambda: self.check_nodes() or self._tcp.check([f"ready{r}" for r in range(1, self.world)]),
                                     float("inf"))
         except (WorkerError, WorkerStalled) as e:
