@@ -1,4 +1,4 @@
-"""Benchmark: several nodes (common/runtime/nodes.py): weights out, trajectories back, over gloo.
+"""Benchmark: several nodes (common/runtime/nodes/world.py): weights out, trajectories back, over gloo.
 
 Two nodes (a trainer node, a generator node), one process each, in a torchrun world:
 
@@ -55,11 +55,11 @@ from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy run's mo
 from common.log import read_metrics  # noqa: E402
 from common.runtime.buffer import ReplayBuffer  # noqa: E402
 from common.runtime.generator import Control  # noqa: E402
-from common.runtime.node_traj import Ingest, StoreControl, TrajSender  # noqa: E402
-from common.runtime.node_weights import WeightReceiver, send_weights  # noqa: E402
-from common.runtime.nodes import Node  # noqa: E402
-from common.runtime.run_keys import DistConfig  # noqa: E402
-from common.runtime.ranks import receive_rows, send_rows, shard_rows  # noqa: E402
+from common.runtime.nodes.trajectories import Ingest, StoreControl, TrajSender  # noqa: E402
+from common.runtime.nodes.weights import WeightReceiver, send_weights  # noqa: E402
+from common.runtime.nodes.world import Node  # noqa: E402
+from common.runtime.nodes.keys import DistConfig  # noqa: E402
+from common.runtime.ranks.fsdp import receive_rows, send_rows, shard_rows  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
 
 P_LEN, C_LEN, N = 100, 200, 4  # a GSM8K-shaped group: prompt, completion tokens, samples
@@ -127,7 +127,7 @@ def trainer_rows(node: Node, args, dtype) -> dict:
     """dist.trainer_nodes = 2, one rank each: at a publish the second node's rank sends its rows of
     every parameter (the second half of the fp32 master weights, cast to the store's dtype) to rank
     0, which receives them straight into its store (`send_rows` / `receive_rows`,
-    common/runtime/ranks.py; `rows_s`: until the store holds them), against a raw gloo send/recv of
+    common/runtime/ranks/fsdp.py; `rows_s`: until the store holds them), against a raw gloo send/recv of
     the same bytes as one message, in the same run."""
     shapes = {k: s for k, (s, _) in smollm2_shapes(dtype).items()}
     g = torch.Generator().manual_seed(2)  # rank 0 draws the same rows, to check what arrived

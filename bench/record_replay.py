@@ -40,7 +40,7 @@ from common.engine.precision import Precision  # noqa: E402
 from common.log import read_metrics  # noqa: E402
 from common.replay import replay_config  # noqa: E402
 from common.runtime.checkpoint import latest_checkpoint  # noqa: E402
-from common.runtime.ranks import make_optimizer, update  # noqa: E402
+from common.runtime.ranks.fsdp import make_optimizer, update  # noqa: E402
 from common.runtime.replay import replay_stream  # noqa: E402
 from common.runtime.stream import read_meta, read_steps  # noqa: E402
 from common.task import make_algo  # noqa: E402

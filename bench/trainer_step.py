@@ -18,7 +18,7 @@ bench/trainer_floor.py has the profile). Prints one JSON line.
     python bench/trainer_step.py --quick      # 4 x 64 tokens, 1 rep
 
 Ranks (`--ranks 1,2`): the trainer-only step time with N FSDP2 ranks (`train.trainer_devices`),
-the same work for every N: one TBA step (`common/runtime/trainer_group.py: TrainerGroup.update`,
+the same work for every N: one TBA step (`common/runtime/ranks/group.py: TrainerGroup.update`,
 what the trainer runs: every micro-batch's forward and backward, grad clip, AdamW) on one
 fixed batch of `--rows` x `--tokens` (groups of 4, loss on the second half), micro-batches of
 `--micro-rows` rows, at the precision `auto` picks here (or `--dtype`). Ranks are processes of one thread
@@ -50,9 +50,9 @@ from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
-from common.runtime.ranks import make_optimizer  # noqa: E402
+from common.runtime.ranks.fsdp import make_optimizer  # noqa: E402
 from common.runtime.trainer import TrainConfig  # noqa: E402
-from common.runtime.trainer_group import TrainerGroup  # noqa: E402
+from common.runtime.ranks.group import TrainerGroup  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
 from tba.algo import TBA, TBAConfig  # noqa: E402
 

@@ -42,9 +42,9 @@ from common.engine.hf_io import load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.log import plot_metrics
 from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.nodes import is_generator_node, is_trainer_member_node
+from common.runtime.nodes.world import is_generator_node, is_trainer_member_node
 from common.runtime.process import set_process_defaults
-from common.runtime.run_keys import DistConfig
+from common.runtime.nodes.keys import DistConfig
 from common.runtime.trainer import LogConfig, TrainConfig, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 

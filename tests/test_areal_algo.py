@@ -11,7 +11,7 @@ from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import token_logp
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.ranks import update
+from common.runtime.ranks.fsdp import update
 from tests.test_tba_algo import _batch
 from tests.tiny import save_hf
 

@@ -31,7 +31,7 @@ from common.runtime.generator import GenConfig, PromptSet
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.pickling import NotSendable, check_sendable, dumps
 from common.runtime.trainer import TrainConfig, train
-from common.runtime.trainer_group import RankFailed, TrainerGroup
+from common.runtime.ranks.group import RankFailed, TrainerGroup
 from common.runtime.weights import WeightStore
 from common.task import RunConfig
 from tba.algo import TBA, TBAConfig

@@ -17,9 +17,9 @@ from common.engine.precision import Precision
 from common.micro import micro_batches
 from common.ops import token_logp
 from common.runtime.pickling import NotSendable
-from common.runtime.ranks import rank_device, resolve_reshard, shard_rows
+from common.runtime.ranks.fsdp import rank_device, resolve_reshard, shard_rows
 from common.runtime.trainer import TrainConfig, _gen_device, check_config
-from common.runtime.trainer_group import TrainerGroup
+from common.runtime.ranks.group import TrainerGroup
 from common.runtime.weights import WeightStore
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf

@@ -14,7 +14,7 @@ import torch
 
 from common.log import read_metrics
 from common.runtime.trainer import train
-from common.runtime.trainer_group import RankFailed
+from common.runtime.ranks.group import RankFailed
 from tests.test_e2e import _cfg, _policy_reward, _prompts, _reward_curve, _tba, toy_reward
 
 

@@ -147,7 +147,7 @@ class ReplayBuffer:
 
     def add_rows(self, cols: dict[str, torch.Tensor]) -> None:
         """Append whole rows another buffer gave out with `take_rows` (a generator node's groups,
-        common/runtime/node_traj.py), in their order, as `add` would have (all or nothing)."""
+        common/runtime/nodes/trajectories.py), in their order, as `add` would have (all or nothing)."""
         n = len(cols["reward"])
         T = cols["tokens"].shape[1]
         if T > self.max_seq_len or set(cols) != set(_COLUMNS) - {"insert_idx", "consumed"}:

@@ -1,7 +1,7 @@
 """Resumable training checkpoints: model (HF format), model and optimizer state (sharded),
 scheduler, RNG, counters, replay buffer, run config. Written and read by the trainer: rank 0
 (the launching process) writes everything but the other ranks' shards, which each rank writes
-itself when rank 0 tells it to (`notify`, common/runtime/trainer_group.py; `rank_state.py`).
+itself when rank 0 tells it to (`notify`, common/runtime/ranks/group.py; `rank_state.py`).
 
 Layout (one directory per checkpoint, named by the trainer step):
 

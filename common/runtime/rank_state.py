@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from common.runtime.ranks import full_model, group_of
+from common.runtime.ranks.fsdp import full_model, group_of
 
 
 @contextlib.contextmanager
@@ -32,7 +32,7 @@ def _dcp_ranks(model) -> dict:
 
 def write_state(d: Path, model, optimizer):
     """Model and optimizer state into directory `d` (DCP, one file per rank), then the whole
-    model as a plain module for the export (`common/runtime/ranks.py: full_model`: rank 0 gets
+    model as a plain module for the export (`common/runtime/ranks/fsdp.py: full_model`: rank 0 gets
     it, other ranks None). Sharded, every rank calls this at the same point."""
     fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
     msd, osd = get_state_dict(model, optimizer)

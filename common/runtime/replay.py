@@ -1,6 +1,6 @@
 """Replay a recorded trajectory stream through the trainer's own update, with no generators.
 Runs in the launching process (rank 0; with `train.trainer_devices` = N > 1 the ranks as in
-training, `common/runtime/trainer_group.py`).
+training, `common/runtime/ranks/group.py`).
 
     load the recorded run's initial weights (checked against the stream's fingerprint)
     -> for each recorded step s: lr = the recorded one (or the schedule's, if the config's
@@ -32,11 +32,11 @@ from common.config import to_dict
 from common.engine.precision import Precision
 from common.log import MetricsLogger, Progress, plot_runs
 from common.runtime.process import trainer_process
-from common.runtime.ranks import rank_device
+from common.runtime.ranks.fsdp import rank_device
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
 from common.runtime.train_config import check_config, lr_lambda
-from common.runtime.trainer_group import TrainerGroup
+from common.runtime.ranks.group import TrainerGroup
 
 _LR_KEYS = ("lr", "warmup_steps", "decay_steps")
 

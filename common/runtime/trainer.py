@@ -9,11 +9,11 @@ form a batch, how a step splits into optimizer updates (TBA: one; AReaL: PPO min
 and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
 is its only writer), the `Control` quota (only writer of version/quota) and the buffer's
 reading side. With `train.trainer_devices` = N > 1 the model and optimizer are sharded over N
-ranks (`common/runtime/trainer_group.py`, `ranks.py`): this process is rank 0 and the
+ranks (`common/runtime/ranks/group.py`, `ranks.py`): this process is rank 0 and the
 coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
 evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
-Several nodes (under torchrun, `common/runtime/nodes.py`): a generator node hands over to
-`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/node_link.py, whose
+Several nodes (under torchrun, `common/runtime/nodes/world.py`): a generator node hands over to
+`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/nodes/link.py, whose
 node-link process joins the world in this process's place, so its ranks keep their own group)
 sends each publish to the generator nodes, mirrors the quota to them and fills the buffer from
 them; without torchrun every call on it does nothing.
@@ -48,19 +48,19 @@ from common.log import MetricsLogger, Progress
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.generator import Control, PromptSet, generator_main
-from common.runtime.generator_node import generator_node
+from common.runtime.nodes.generator_node import generator_node
 from common.runtime.launch import WorkerError, Workers
-from common.runtime.node_link import TrainerLink
-from common.runtime.nodes import is_generator_node, is_trainer_member_node, join, restarted
+from common.runtime.nodes.link import TrainerLink
+from common.runtime.nodes.world import is_generator_node, is_trainer_member_node, join, restarted
 from common.runtime.pickling import check_sendable
 from common.runtime.process import sigterm_as_interrupt, trainer_process
-from common.runtime.ranks import rank_device
+from common.runtime.ranks.fsdp import rank_device
 from common.runtime.reward_service import start_reward_workers
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
 from common.runtime.stream import StreamWriter
 from common.runtime.train_config import LogConfig, TrainConfig, check_config, lr_lambda
-from common.runtime.trainer_group import RankFailed, TrainerGroup
-from common.runtime.trainer_node import trainer_node
+from common.runtime.ranks.group import RankFailed, TrainerGroup
+from common.runtime.nodes.trainer_node import trainer_node
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
@@ -97,7 +97,7 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
     check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
                    reward_factory=reward_factory if tc.reward_workers else None,
                    algorithm=algo if tc.trainer_devices > 1 else None)
-    if is_generator_node(cfg):  # under torchrun, a node that generates: joins the world (common/runtime/nodes.py)
+    if is_generator_node(cfg):  # under torchrun, a node that generates: joins the world (common/runtime/nodes/world.py)
         return generator_node(join(cfg, tc), cfg, prompts, reward_fn, stop_token_ids, reward_factory)
     if is_trainer_member_node(cfg):  # under torchrun, a trainer node after the first: its trainer ranks
         return trainer_node(cfg)

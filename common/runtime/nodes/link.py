@@ -29,11 +29,11 @@ import time
 
 from common.runtime.generator import Control
 from common.runtime.launch import Workers
-from common.runtime.node_traj import Ingest, RemoteControl, StoreControl
-from common.runtime.node_weights import send_weights
-from common.runtime.nodes import generation, host_keys, join
-from common.runtime.run_keys import NodeFailed, RunKeys
-from common.runtime.trainer_group import RankFailed
+from common.runtime.nodes.trajectories import Ingest, RemoteControl, StoreControl
+from common.runtime.nodes.weights import send_weights
+from common.runtime.nodes.world import generation, host_keys, join
+from common.runtime.nodes.keys import NodeFailed, RunKeys
+from common.runtime.ranks.group import RankFailed
 from common.runtime.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop

@@ -2,9 +2,9 @@
 (`rank_main`): build the same sharded model as rank 0, then run rank 0's commands until "stop".
 
 Runs in each spawned rank process: on the trainer's node spawned by `TrainerGroup`
-(common/runtime/trainer_group.py, which documents the commands and the fault rules), on other
-trainer nodes by that node's process (common/runtime/trainer_node.py), which hands it a
-`StoreCommands` (common/runtime/rank_commands.py) in place of the queue and no weight store.
+(common/runtime/ranks/group.py, which documents the commands and the fault rules), on other
+trainer nodes by that node's process (common/runtime/nodes/trainer_node.py), which hands it a
+`StoreCommands` (common/runtime/ranks/commands.py) in place of the queue and no weight store.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from common.engine.precision import Precision
 from common.micro import set_ranks
 from common.runtime.process import set_process_defaults
 from common.runtime.rank_state import read_state, write_state
-from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device, shard,
+from common.runtime.ranks.fsdp import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device, shard,
                                   update)
 from common.runtime.weights import WeightStore
 
@@ -40,7 +40,7 @@ class RankSetup:
     precision: Precision      # resolved by rank 0
     activation_checkpointing: bool  # train.activation_checkpointing
     share_prompts: bool | None  # train.share_prompts
-    reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks.py)
+    reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks/fsdp.py)
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
     grad_clip: float          # max global grad norm; 0 = off

@@ -1,5 +1,5 @@
 """The run's key-value store as each node sees it, the `dist` config section, and how a node is
-named in errors (common/runtime/nodes.py has the world, its groups and the roles' entry points).
+named in errors (common/runtime/nodes/world.py has the world, its groups and the roles' entry points).
 
 The store is a `TCPStore` the trainer process hosts (on torchrun's MASTER_ADDR) for the run's
 small keys: the published version and the acknowledgements, the staleness quota, trajectory

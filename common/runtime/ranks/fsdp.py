@@ -3,7 +3,7 @@ every rank runs, publishing shards into the weight store, gathering the full mod
 
 Runs in every trainer rank: rank 0 is the trainer in the launching process (the coordinator:
 it draws batches, logs, evaluates, checkpoints, publishes), ranks 1..N-1 are spawned workers
-driven by it (`common/runtime/trainer_group.py`). With N = 1 nothing here makes a process
+driven by it (`common/runtime/ranks/group.py`). With N = 1 nothing here makes a process
 group: `update` and `full_model` run on the plain module, as before sharding existed.
 
 Sharding (FSDP2, `torch.distributed.fsdp.fully_shard`): each transformer block and then the

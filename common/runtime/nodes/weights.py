@@ -6,7 +6,7 @@ Processes: `send_weights` runs in the trainer's main thread (rank 0), right afte
 generators (spawned processes) read the node's store exactly as they read the trainer's on one
 node: they see no difference.
 
-Protocol for version v (gloo point-to-point on CPU, the `weights` group of common/runtime/nodes.py):
+Protocol for version v (gloo point-to-point on CPU, the `weights` group of common/runtime/nodes/world.py):
   trainer   store key weights/version = v  ->  send the active slot's bytes to every receiver
             ->  wait for every receiver's key weights/ack/<rank>/<v>  ->  raise the quota
   receiver  polls weights/version (never waits inside a transfer it was not told of)
@@ -26,8 +26,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from common.runtime.nodes import Node, NodeThread
-from common.runtime.run_keys import NodeFailed
+from common.runtime.nodes.world import Node, NodeThread
+from common.runtime.nodes.keys import NodeFailed
 from common.runtime.weights import WeightStore
 
 _POLL_S = 0.005  # how often a receiver reads the published version (a store round trip)

@@ -1,13 +1,13 @@
 """A trainer node after the first: its `train.trainer_devices` ranks of the trainer.
 
 Runs in the one process torchrun starts on world rank j, 0 < j < `dist.trainer_nodes`
-(common/runtime/nodes.py); `train` hands over to `trainer_node` before anything else. This
+(common/runtime/nodes/world.py); `train` hands over to `trainer_node` before anything else. This
 process loads no model and draws nothing: it reads the run's store's address from torchrun's
 store (the world forms only after the trainer has built its buffer, while these ranks must
 join the trainer's group before that), waits for the setup the first node's trainer puts there
 (`RankSetup`, the algorithm by value), spawns ranks j D .. (j + 1) D - 1 (`rank_main`, the very
 loop the trainer node's own ranks run, reading commands from the store:
-common/runtime/rank_commands.py), then watches them and beats, while a helper thread joins the
+common/runtime/ranks/commands.py), then watches them and beats, while a helper thread joins the
 torchrun world (every node must, though this one moves nothing over it). Checkpoints: each rank
 writes its shards into the run's directory, so `run_root` must be one shared filesystem path on
 every trainer node (as for any multi-node checkpoint with torch.distributed.checkpoint).
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from common.runtime.launch import Workers
-from common.runtime.nodes import join, member_keys
-from common.runtime.rank_commands import StoreCommands
-from common.runtime.trainer_rank import rank_main
+from common.runtime.nodes.world import join, member_keys
+from common.runtime.ranks.commands import StoreCommands
+from common.runtime.ranks.rank import rank_main
 from common.runtime.watchdog import Heartbeats
 
 _POLL_S = 0.05  # how often the node beats and looks at its ranks

@@ -1,7 +1,7 @@
 """A generator node: its generators, a weight receiver and a trajectory sender.
 
 Runs in the one process torchrun starts on a node whose role is "generator"
-(common/runtime/nodes.py); `train` hands over to `generator_node` right after the world is
+(common/runtime/nodes/world.py); `train` hands over to `generator_node` right after the world is
 joined, with the same arguments every node got from the same command line. This process
 loads no model: it builds the node's `WeightStore` (the trainer's layout, from the "setup" key)
 and a local `ReplayBuffer` as the outbox, starts its `train.reward_workers` reward workers (an
@@ -31,10 +31,10 @@ from pathlib import Path
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import generator_main
 from common.runtime.launch import Workers
-from common.runtime.node_traj import RemoteControl, TrajSender
-from common.runtime.node_weights import WeightReceiver
+from common.runtime.nodes.trajectories import RemoteControl, TrajSender
+from common.runtime.nodes.weights import WeightReceiver
 from common.runtime.reward_service import start_reward_workers
-from common.runtime.nodes import Node
+from common.runtime.nodes.world import Node
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 

@@ -1,8 +1,8 @@
 """The trainer's commands to its ranks on other trainer nodes, through the run's key-value store.
 
 Ranks on the trainer's own node read rank 0's commands from a queue each
-(common/runtime/trainer_group.py); a rank on another trainer node (common/runtime/trainer_node.py)
-reads the same commands, in the same order, from the run's store (common/runtime/nodes.py): the
+(common/runtime/ranks/group.py); a rank on another trainer node (common/runtime/nodes/trainer_node.py)
+reads the same commands, in the same order, from the run's store (common/runtime/nodes/world.py): the
 n-th one under `trainer/cmd/<n>`, pickled (a step's batch by value). `StoreCommands` looks like
 a queue to `rank_main`, so a remote rank runs exactly the loop a local one does.
 

@@ -22,7 +22,7 @@ Who runs what:
   copies the node's stats into the trainer's `Control` table and the store's started counter
   into `Control.t` (shared memory: the metrics read both as on one node). Watching the nodes (a
   failure one reported, a beat that stood still) is the trainer's main thread's job (`NodeWatch`,
-  common/runtime/node_link.py), so a receive this thread is stuck in cannot hide a dead node.
+  common/runtime/nodes/link.py), so a receive this thread is stuck in cannot hide a dead node.
 Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads (two
 processes, one shared-memory buffer, as with local generators);
 each thread owns its process group (weights and trajectories never share sockets).
@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
-from common.runtime.nodes import Node, NodeThread
-from common.runtime.run_keys import RunKeys
+from common.runtime.nodes.world import Node, NodeThread
+from common.runtime.nodes.keys import RunKeys
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 

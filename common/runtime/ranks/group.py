@@ -1,10 +1,10 @@
 """The trainer's ranks as one object for rank 0 (ranks 1..N-1 run `rank_main`,
-common/runtime/trainer_rank.py).
+common/runtime/ranks/rank.py).
 
 Processes: `TrainerGroup` lives in the launching process, which is rank 0 and the coordinator
 (it draws batches, runs the algorithm's batch logic, logs, evaluates, checkpoints). With
 N = `train.trainer_devices` > 1 it spawns ranks 1..N-1 (`rank_main`) through a `Workers` of
-their own, joins them in a process group, shards its model (`common/runtime/ranks.py`) and
+their own, joins them in a process group, shards its model (`common/runtime/ranks/fsdp.py`) and
 drives them with commands, one queue per rank:
 
     ("step", step, lr, batch)   every rank: ranks.update on the whole batch, its share of micro-batches
@@ -20,10 +20,10 @@ runs on the plain model, as the trainer did before it could be sharded.
 
 Several trainer nodes (`dist.trainer_nodes` = T > 1 under torchrun): N = T x trainer_devices
 ranks, node j running ranks j D .. (j + 1) D - 1 (D = trainer_devices). Node j > 0's ranks are
-spawned by that node's process (common/runtime/trainer_node.py) from the setup rank 0 puts on
+spawned by that node's process (common/runtime/nodes/trainer_node.py) from the setup rank 0 puts on
 the run's store, join the same group through rank 0's TCPStore (on torchrun's MASTER_ADDR), and
-read the same commands from the run's store (common/runtime/rank_commands.py). At a publish
-they send their rows to rank 0, which writes them into its store (common/runtime/ranks.py).
+read the same commands from the run's store (common/runtime/ranks/commands.py). At a publish
+they send their rows to rank 0, which writes them into its store (common/runtime/ranks/fsdp.py).
 
 Faults: a waiting rank polls its queue and beats its heartbeat, and beats while it trains,
 so the watchdog (`common/runtime/watchdog.py`) can tell a hung rank from an idle one; the
@@ -49,10 +49,10 @@ from common.micro import set_ranks
 from common.runtime.checkpoint import load_checkpoint, save_checkpoint
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.pickling import check_sendable, dumps
-from common.runtime.rank_commands import CommandSender
-from common.runtime.ranks import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
+from common.runtime.ranks.commands import CommandSender
+from common.runtime.ranks.fsdp import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
                                   resolve_reshard, shard, update)
-from common.runtime.trainer_rank import RankSetup, rank_main
+from common.runtime.ranks.rank import RankSetup, rank_main
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
@@ -77,7 +77,7 @@ class TrainerGroup:
         self.world = self.local * (keys.cfg.trainer_nodes if keys is not None else 1)
         self.device, self.check_nodes = model.device, check_nodes
         # a whole trainer node lost (its process and ranks) says nothing: its silence is named
-        # after the stall timeout (common/runtime/node_link.py: NodeWatch), so wait that long for it
+        # after the stall timeout (common/runtime/nodes/link.py: NodeWatch), so wait that long for it
         stall = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         self._blame_s = max(_BLAME_WAIT_S, stall + 1.0) if self.world > self.local else _BLAME_WAIT_S
         self.workers, self.share, self.queues, self._remote = None, None, [], None

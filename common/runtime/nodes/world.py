@@ -4,11 +4,11 @@ run's key-value store.
 Torchrun starts one process per node (`--nproc-per-node=1`). On a generator node that process
 joins the world (`join`, called by `train` in common/runtime/trainer.py before anything else)
 and runs the node's generators; on a trainer node after the first it runs that node's trainer
-ranks (common/runtime/trainer_node.py). On the first trainer node it is today's trainer, which never joins
+ranks (common/runtime/nodes/trainer_node.py). On the first trainer node it is today's trainer, which never joins
 the world itself: it hosts the run's store (`host_keys`) and its own ranks keep their private
-group (`train.trainer_devices`, common/runtime/trainer_group.py; a process holds one default
+group (`train.trainer_devices`, common/runtime/ranks/group.py; a process holds one default
 group), while a node-link process it spawns stands for it as world rank 0 and moves weights and
-trajectories (common/runtime/node_link.py). Without torchrun (no `RANK` / `WORLD_SIZE` in the
+trajectories (common/runtime/nodes/link.py). Without torchrun (no `RANK` / `WORLD_SIZE` in the
 environment, or a world of one) both return None and nothing here runs: the single-node path is
 untouched.
 
@@ -17,19 +17,19 @@ untouched.
 
 Roles come from the config after the rendezvous (c10d numbers nodes by arrival, not by
 `--node-rank`): world ranks 0..trainer_nodes-1 stand for the trainer, the others run generators
-(`common/runtime/generator_node.py`). Every node gathers every node's view (host, pid, role,
+(`common/runtime/nodes/generator_node.py`). Every node gathers every node's view (host, pid, role,
 a hash of its config) with `all_gather_object`, so all agree on one table and a node started
 with another command line is refused, naming it.
 
 Groups, created on every rank in this one order (a different order deadlocks), each gloo
 with `dist.timeout`: `control` (every node: the start barrier, the table), `weights` (the
-trainer + one receiver per generator node: common/runtime/node_weights.py), `traj` (the same
-ranks: trajectories to the trainer, common/runtime/node_traj.py). Weights and trajectories
+trainer + one receiver per generator node: common/runtime/nodes/weights.py), `traj` (the same
+ranks: trajectories to the trainer, common/runtime/nodes/trajectories.py). Weights and trajectories
 move in different threads, so each has its own group (its own sockets and tags).
 `monitored_barrier` on the world, before any group, names a node that never arrived.
 
 The store: a `TCPStore` the trainer process (on torchrun's MASTER_ADDR) hosts for the run's
-small keys (common/runtime/run_keys.py: the published version, the staleness quota, trajectory
+small keys (common/runtime/nodes/keys.py: the published version, the staleness quota, trajectory
 headers, stop, failures). Nobody waits inside a transfer without having learnt from a key that
 its peer is in it too. Trainer nodes after the first read the store's port from torchrun's own
 store (`member_keys`): their ranks join the trainer's group before the world exists.
@@ -46,7 +46,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from common.config import to_dict
-from common.runtime.run_keys import DistConfig, NodeFailed, RunKeys, role_of
+from common.runtime.nodes.keys import DistConfig, NodeFailed, RunKeys, role_of
 
 _STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
 
@@ -194,7 +194,7 @@ def _checked(cfg, tc) -> DistConfig:
 
 def host_keys(cfg, tc) -> RunKeys | None:
     """The trainer process under torchrun: the run's store, hosted here, as `RunKeys` (the world
-    itself is joined by its node-link process: common/runtime/node_link.py); None otherwise."""
+    itself is joined by its node-link process: common/runtime/nodes/link.py); None otherwise."""
     if not under_torchrun():
         return None
     dc = _checked(cfg, tc)
