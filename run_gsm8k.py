@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from common import task
+from common.batch import PromptSet
 from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
 from common.engine.hf_save import tokenizer_stop_ids
 from common.evaluate import greedy_pass_at_1
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.trainer import TrainConfig
+from common.runtime.generator import GenConfig
+from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
 
 log = logging.getLogger("asyncrl.gsm8k")

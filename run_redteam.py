@@ -81,6 +81,7 @@ from typing import Literal
 import torch
 
 from common import task
+from common.batch import PromptSet
 from common.batch import Trajectory
 from common.config import load_config, to_dict
 from common.embed import SentenceEncoder, mean_pairwise_cosine_distance
@@ -90,8 +91,8 @@ from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.evaluate import bootstrap_diff, sample_completions
 from common.ops import reference_seq_logp
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.trainer import TrainConfig
+from common.runtime.generator import GenConfig
+from common.runtime.train_config import TrainConfig
 from common.toxicity import Toxicity
 from tba.algo import TBAConfig
 

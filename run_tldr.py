@@ -72,14 +72,15 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from common import task
+from common.batch import PromptSet
 from common.data import default_data_dir, load_examples
 from common.embed import minilm_dir
 from common.engine.hf_io import cache_root, load_model
 from common.engine.hf_save import tokenizer_stop_ids
 from common.evaluate import bootstrap_diff, completion_logps, greedy_completions, win_vector
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.trainer import TrainConfig
+from common.runtime.generator import GenConfig
+from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}

@@ -4,7 +4,8 @@ Per trainer step (the AReaL paper's algorithm):
   batch       the oldest B = prompts_per_step x n unconsumed trajectories whose oldest token is
               at most eta = max_staleness versions behind the current weights, each used once
               (`ReplayBuffer.pop_oldest`; rows past the bound are dropped and counted). Sync mode
-              (eta = 0) takes exactly the batch the current weights generated.
+              (eta = 0, settled by the run's config check) takes exactly the batch the current
+              weights generated.
   prox pass   one no-grad pass of the current weights over the batch, at the sampling
               temperature, through the one log-prob function (`common.ops.token_logp`):
               prox_logp, fixed for every minibatch of the step. With several trainer ranks
@@ -78,7 +79,7 @@ class AReaL(Algorithm):
         self._batch_stats: dict = {}
 
     def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
-        eta = 0 if sync else self.max_staleness
+        eta = self.max_staleness
         if buffer.capacity < (eta + 2) * self.B:  # rows in flight must never lap unconsumed ones
             raise ValueError(f"train.buffer_capacity={buffer.capacity} is too small for AReaL: need at least "
                              f"(max_staleness + 2) x batch = {(eta + 2) * self.B} rows")

@@ -47,11 +47,12 @@ import run_gsm8k
 from bench._gpu_util import (FIRST_ID, Ctx, device_ms, free_memory, median, random_prompts, sync, top_kernels,
                              toy_reward)
 from common import task
+from common.batch import PromptSet
 from common.log import read_metrics
 from common.ops import token_logp
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.trainer import train
+from common.runtime.generator import GenConfig
 from common.runtime.weights import WeightStore
+from common.train import train
 
 
 # ------------------------------------------------------------------ trainer

@@ -2,7 +2,7 @@
 parameters, `single`) and its multi-tensor path (`foreach`).
 
 Single process, one thread (as the trainer runs), fp32 parameters of the default model with
-random gradients, the trainer's optimizer settings (`common.runtime.ranks.make_optimizer`: betas
+random gradients, the trainer's optimizer settings (`common.runtime.step.make_optimizer`: betas
 0.9 / 0.95, weight decay). Both optimizers start from the same weights and state and take the
 same steps on the same gradients, alternating `--reps` times after one warm-up each (drift on a
 shared machine hits all alike); medians. `max_abs_diff`: how far the fused path's weights are

@@ -28,7 +28,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.log import plot_runs, read_metrics  # noqa: E402
+from common.log import read_metrics  # noqa: E402
+from common.plots import plot_runs  # noqa: E402
 
 
 # per task: the flag that turns evaluation off, and the batch this bench uses unless told (None = the task's preset)

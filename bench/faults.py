@@ -5,7 +5,7 @@ fills up, or one of two trainer ranks (train.trainer_devices=2) dies, raises or 
     python bench/faults.py                                 # every scenario, ~3 min on 2 cores
     python bench/faults.py --only generator_sigkill ctrl_c
 
-Each scenario is a real training job (`common.runtime.trainer.train`, TBA, one generator process, a
+Each scenario is a real training job (`common.train.train`, TBA, one generator process, a
 tiny random Llama, a toy reward) run as a child process (this file with --child) in a session of
 its own, so the parent can signal and count its whole process group. The parent waits until the
 job has trained a few steps, injects the fault, times how long until the job reports it (its exit
@@ -114,10 +114,12 @@ def _patch_checkpoint_writes(fault: str, d: Path) -> None:
 
 def child(a) -> None:
     import torch
-    from common.runtime.generator import GenConfig, PromptSet
-    from common.runtime.trainer import TrainConfig, train
+    from common.batch import PromptSet
     from common.engine.precision import PrecisionConfig
+    from common.runtime.generator import GenConfig
+    from common.runtime.train_config import TrainConfig
     from common.task import RunConfig
+    from common.train import train
     from tba.algo import TBAConfig
     d = Path(a.dir)
     if a.child == "malformed_data_line":
@@ -182,8 +184,8 @@ def _start(name: str, d: Path, model: str, resume: bool, marker: Path, checkpoin
 def inspect_checkpoints(d: Path, model: str) -> dict:
     """Load every checkpoint; check the ring rows of the latest one."""
     import torch
-    from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
     from common.engine.hf_io import load_model
+    from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
     root = d / "runs" / "job" / "checkpoints"
     ckpts = sorted(root.glob("step_*")) if root.is_dir() else []
     ok = 0

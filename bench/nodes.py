@@ -58,8 +58,8 @@ from common.runtime.generator import Control  # noqa: E402
 from common.runtime.nodes.trajectories import Ingest, StoreControl, TrajSender  # noqa: E402
 from common.runtime.nodes.weights import WeightReceiver, send_weights  # noqa: E402
 from common.runtime.nodes.world import Node  # noqa: E402
-from common.runtime.nodes.keys import DistConfig  # noqa: E402
-from common.runtime.ranks.fsdp import receive_rows, send_rows, shard_rows  # noqa: E402
+from common.runtime.ranks.publish import receive_rows, send_rows, shard_rows  # noqa: E402
+from common.runtime.train_config import DistConfig  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
 
 P_LEN, C_LEN, N = 100, 200, 4  # a GSM8K-shaped group: prompt, completion tokens, samples
@@ -127,7 +127,7 @@ def trainer_rows(node: Node, args, dtype) -> dict:
     """dist.trainer_nodes = 2, one rank each: at a publish the second node's rank sends its rows of
     every parameter (the second half of the fp32 master weights, cast to the store's dtype) to rank
     0, which receives them straight into its store (`send_rows` / `receive_rows`,
-    common/runtime/ranks/fsdp.py; `rows_s`: until the store holds them), against a raw gloo send/recv of
+    common/runtime/ranks/publish.py; `rows_s`: until the store holds them), against a raw gloo send/recv of
     the same bytes as one message, in the same run."""
     shapes = {k: s for k, (s, _) in smollm2_shapes(dtype).items()}
     g = torch.Generator().manual_seed(2)  # rank 0 draws the same rows, to check what arrived

@@ -6,9 +6,9 @@
    config. Per run: mean wall seconds per trainer step (`step_s`) after `--warmup` steps. Reports
    each pair's ratio recorded / not recorded, their median and spread, and the stream's bytes
    per step.
-2. Replay vs update: the last recorded run's stream, replayed (`common.runtime.replay.replay_stream`,
+2. Replay vs update: the last recorded run's stream, replayed (`common.replay.replay_stream`,
    per step: read the step file + the update) and, in the same process, the trainer's update
-   (`common.runtime.ranks.update`, what `TrainerGroup.update` runs with one rank) on the same
+   (`common.runtime.step.update`, what `OneRank.update` runs) on the same
    batches already in memory, from the same initial weights, `--reps` times alternating. Reports
    the ratio of seconds per step after `--warmup` steps, and the largest weight difference
    between the replay and the recorded run's final checkpoint.
@@ -38,10 +38,9 @@ import run_gsm8k  # noqa: E402  (the task script, run as bench/async_speedup.py 
 from common.engine.hf_io import load_model  # noqa: E402
 from common.engine.precision import Precision  # noqa: E402
 from common.log import read_metrics  # noqa: E402
-from common.replay import replay_config  # noqa: E402
+from common.replay import replay_config, replay_stream  # noqa: E402
 from common.runtime.checkpoint import latest_checkpoint  # noqa: E402
-from common.runtime.ranks.fsdp import make_optimizer, update  # noqa: E402
-from common.runtime.replay import replay_stream  # noqa: E402
+from common.runtime.step import make_optimizer, update  # noqa: E402
 from common.runtime.stream import read_meta, read_steps  # noqa: E402
 from common.task import make_algo  # noqa: E402
 

@@ -9,7 +9,7 @@ learning rate moves the policy far in one step, which is what makes stale data o
 default SmolLM2 model was not used: it solves ~4% of sampled 2-digit additions, too weak a
 signal for runs of a few minutes.
 
-Per run (one generator process + the trainer, `common.runtime.trainer.train`): eta = 0 is synchronous
+Per run (one generator process + the trainer, `common.train.train`): eta = 0 is synchronous
 AReaL (`train.mode=sync`); eta > 0 is asynchronous with k = 1 and interruptible generation.
 Reported per (loss, eta), mean over seeds: final train reward (mean of the last 5 steps'
 batches), final policy reward (fresh samples of the final weights, 16 prompts x 16), wall-clock,
@@ -33,9 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from common.batch import PromptSet  # noqa: E402
 from common.engine.precision import PrecisionConfig
-from common.runtime.generator import GenConfig, PromptSet  # noqa: E402
-from common.runtime.trainer import TrainConfig  # noqa: E402
+from common.runtime.generator import GenConfig  # noqa: E402
+from common.runtime.train_config import TrainConfig  # noqa: E402
 from common.task import RunConfig  # noqa: E402
 
 LOW, VOCAB = 64, 512
@@ -77,7 +78,7 @@ def run_one(a, model_dir: str, root: str, loss_name: str, eta: int, seed: int) -
     from areal.algo import AReaL, AReaLConfig
     from areal.loss import decoupled_ppo_loss, ppo_loss
     from common.log import read_metrics
-    from common.runtime.trainer import train
+    from common.train import train
     name = f"{loss_name}_eta{eta}_s{seed}"
     cfg = RunConfig(name=name, run_root=root, model=model_dir, seed=seed,
                       gen=GenConfig(max_batch=a.prompts * a.n, max_new_tokens=a.max_new, n=a.n, temperature=1.0,

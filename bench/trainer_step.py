@@ -18,11 +18,11 @@ bench/trainer_floor.py has the profile). Prints one JSON line.
     python bench/trainer_step.py --quick      # 4 x 64 tokens, 1 rep
 
 Ranks (`--ranks 1,2`): the trainer-only step time with N FSDP2 ranks (`train.trainer_devices`),
-the same work for every N: one TBA step (`common/runtime/ranks/group.py: TrainerGroup.update`,
+the same work for every N: one TBA step (`common/runtime/step.py: OneRank.update`, `TrainerGroup.update` for N,
 what the trainer runs: every micro-batch's forward and backward, grad clip, AdamW) on one
 fixed batch of `--rows` x `--tokens` (groups of 4, loss on the second half), micro-batches of
 `--micro-rows` rows, at the precision `auto` picks here (or `--dtype`). Ranks are processes of one thread
-each (on CPU: gloo, one rank per core). The one-rank group (no process group) and each N > 1
+each (on CPU: gloo, one rank per core). The one rank (no process group) and each N > 1
 group (for each `--reshard` mode) are built once and their steps alternate, `--reps` each
 after one warm-up; medians and the ratio step_s(1) / step_s(N) (against the one-rank steps of
 the same window) are reported, with the CPU and the load average.
@@ -50,10 +50,10 @@ from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
 from common.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
-from common.runtime.ranks.fsdp import make_optimizer  # noqa: E402
-from common.runtime.trainer import TrainConfig  # noqa: E402
-from common.runtime.ranks.group import TrainerGroup  # noqa: E402
+from common.runtime.step import make_optimizer  # noqa: E402
+from common.runtime.train_config import TrainConfig  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
+from common.train import trainer_ranks  # noqa: E402
 from tba.algo import TBA, TBAConfig  # noqa: E402
 
 
@@ -106,7 +106,7 @@ def bench_ranks(a, prec: Precision) -> dict:
 
     def group(mode):
         m, _ = prec.load(a.model, role="trainer", tokenizer=False)
-        return TrainerGroup(m.train(), tc[mode], prec, a.model, algo, WeightStore.from_module(m), run_dir)
+        return trainer_ranks(tc[mode])(m.train(), tc[mode], prec, a.model, algo, WeightStore.from_module(m), run_dir)
 
     def step(g) -> float:
         t = time.perf_counter()

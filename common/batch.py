@@ -1,5 +1,5 @@
-"""Typed data contracts shared by every process: one response (`Trajectory`) and a padded
-training batch (`Batch`).
+"""Typed data contracts shared by every process: the prompts a task hands the runtime (`PromptSet`),
+one response (`Trajectory`) and a padded training batch (`Batch`).
 
 Alignment convention (used everywhere, established by `common.ops.token_logp`):
 per-token arrays are *target-aligned* over the full sequence: `x[b, t]` describes token
@@ -16,6 +16,20 @@ from dataclasses import dataclass, field
 import torch
 
 FINISH_REASONS = ("stop", "length", "interrupted")
+
+
+@dataclass
+class PromptSet:
+    """Tokenised prompts plus whatever per-prompt data the reward needs (picklable): what a task
+    gives `train` (common/train.py), which every generator draws its prompts from."""
+    tokens: list[list[int]]
+    meta: list = field(default_factory=list)  # e.g. gold answers; meta[i] goes to reward_fn
+
+    def __post_init__(self):
+        if not self.tokens:
+            raise ValueError("PromptSet is empty")
+        if self.meta and len(self.meta) != len(self.tokens):
+            raise ValueError(f"PromptSet: {len(self.tokens)} prompts but {len(self.meta)} meta entries")
 
 
 @dataclass

@@ -10,7 +10,7 @@ what a right-padded tensor costs: rows x longest row.
 Ranks (`--train.trainer_devices=N`): every rank runs the algorithm's code on the whole batch,
 so every weight an algorithm derives from the batch (a micro-batch's share of rows or tokens)
 is already global; `micro_batches` keeps only this rank's share of the micro-batches. The
-runtime (`common/runtime/ranks/fsdp.py`) installs a `Ranks` that does so in every trainer rank and
+runtime (`common/runtime/ranks/share.py`) installs a `Ranks` that does so in every trainer rank and
 pads the ranks with fewer micro-batches with zero-loss passes, because every rank of a
 sharded model must run the same number of forward/backward passes. What an algorithm adds up
 over its micro-batches is then this rank's part of the total: `rank_sum` / `rank_sum_stats`
@@ -25,7 +25,7 @@ from common.batch import Batch
 
 class Ranks:
     """One rank: every micro-batch is this rank's, sums are the values themselves. The runtime
-    installs a subclass in each trainer rank while N > 1 (`common/runtime/ranks/fsdp.py`)."""
+    installs a subclass in each trainer rank while N > 1 (`common/runtime/ranks/share.py`)."""
 
     def share(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's micro-batches out of `parts` (every rank's list is the same)."""
@@ -38,6 +38,10 @@ class Ranks:
     def sum_stats(self, stats: dict) -> dict:
         """{key: float} summed over ranks, key by key (a key a rank lacks counts 0 there)."""
         return stats
+
+    def end_backward(self) -> None:
+        """After an optimizer update's backward, before its gradient norm: what the other ranks
+        still need from this one (nothing with one rank)."""
 
 
 _ranks = Ranks()

@@ -99,14 +99,6 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=-1) -> torch.Tensor:
     return (x * mask).sum(dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Mean over valid entries; 0 when there are none (never NaN)."""
-    mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
-
-
 def seq_logp(token_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Sequence log-prob (B,): SUM of completion-token log-probs (no length normalisation)."""
     return masked_sum(token_logp, loss_mask, dim=-1)

@@ -36,16 +36,16 @@ import torch
 
 from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
+from common.batch import PromptSet
 from common.config import cli, to_dict
 from common.data import DataSourceError
 from common.engine.hf_io import load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
-from common.log import plot_metrics
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.nodes.world import is_generator_node, is_trainer_member_node
+from common.plots import plot_metrics
+from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
-from common.runtime.nodes.keys import DistConfig
-from common.runtime.trainer import LogConfig, TrainConfig, train
+from common.runtime.train_config import DistConfig, LogConfig, TrainConfig, check_config
+from common.train import logs_here, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 
 ALGOS = ("tba", "areal", "grpo")
@@ -163,19 +163,20 @@ def tokenizer_of(cfg: RunConfig):
 
 
 def make_algo(cfg: RunConfig, loss: Union[Callable, Algorithm, None] = None) -> Algorithm:
-    """The `Algorithm` (common/algorithm.py) that `cfg.algo` names, built from its section, with
-    `loss` as its loss function if given; `loss` an `Algorithm` is returned as is."""
+    """The `Algorithm` (common/algorithm.py) that `cfg.algo` names, built from its section once
+    `cfg.train` is settled (`check_config`: sync mode's eta = 0), with `loss` as its loss function
+    if given; `loss` an `Algorithm` is returned as is."""
     if isinstance(loss, Algorithm):
         return loss
     if loss is not None and not callable(loss):
         raise TypeError(f"loss must be a loss function or an Algorithm, got {type(loss).__name__}")
     kw = {} if loss is None else {"loss_fn": loss}
-    P, K, T, mbt = cfg.train.prompts_per_step, cfg.gen.n, cfg.gen.temperature, cfg.train.micro_batch_tokens
+    tc = check_config(cfg.train)
+    P, K, T, mbt = tc.prompts_per_step, cfg.gen.n, cfg.gen.temperature, tc.micro_batch_tokens
     if cfg.algo == "tba":
         return TBA(cfg.tba, P, K, T, mbt, seed=cfg.seed, **kw)
     if cfg.algo == "areal":
-        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=0 if cfg.train.mode == "sync" else cfg.train.max_staleness,
-                     **kw)
+        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=tc.max_staleness, **kw)
     if cfg.algo == "grpo":
         return GRPO(cfg.grpo, P, K, T, mbt, seed=cfg.seed, **kw)
     raise ValueError(f"algo {cfg.algo!r}: expected one of {ALGOS}")
@@ -204,7 +205,7 @@ def _batched(fn: Callable) -> Callable:
 def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate: Optional[Callable] = None,
         reward_factory: Optional[Callable] = None, title: str = "", panels=None,
         loss: Union[Callable, Algorithm, None] = None) -> dict:
-    """Train (`common.runtime.trainer.train`) with `make_algo(cfg, loss)`, then plot the metrics
+    """Train (`common.train.train`) with `make_algo(cfg, loss)`, then plot the metrics
     against wall-clock into runs/<name>/curves.png; returns the last logged metrics. With
     `train.reward_workers` > 0 and no `reward_factory`, `reward_fn` runs in the reward workers."""
     if cfg.resume and cfg.overwrite:
@@ -215,7 +216,7 @@ def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, ev
         raise ValueError("a reward factory runs in reward-worker processes: set --train.reward_workers=1 (or more)")
     last = train(cfg, make_algo(cfg, loss), prompts, reward_fn, stop_token_ids, evaluate=evaluate, resume=cfg.resume,
                  reward_factory=reward_factory)
-    if is_generator_node(cfg) or is_trainer_member_node(cfg):  # under torchrun: the first trainer node logs and plots
+    if not logs_here(cfg):  # under torchrun: the first trainer node logs and plots
         return last
     run_dir = Path(cfg.run_root) / cfg.name
     kw = {"panels": panels} if panels else {}

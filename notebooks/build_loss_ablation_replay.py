@@ -70,15 +70,15 @@ from common.engine.precision import PrecisionConfig
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.log import read_metrics
-from common.replay import replay
+from common.ops import group_mean
+from common.replay import plot_replays, replay
 from common.runtime.generator import GenConfig
-from common.runtime.replay import plot_replays
 from common.runtime.stream import read_meta, read_steps
-from common.runtime.trainer import TrainConfig
+from common.runtime.train_config import TrainConfig
 from common.task import RunConfig, run, setup
 from notebooks.toy_task import prompts, tiny_model, toy_reward
 from tba.algo import TBAConfig
-from tba.loss import group_mean, tb_loss_no_ref
+from tba.loss import tb_loss_no_ref
 
 root = Path(RUN_ROOT) if Path(RUN_ROOT).is_absolute() else (ROOT / "notebooks" / RUN_ROOT).resolve()
 if FRESH:

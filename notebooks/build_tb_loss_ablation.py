@@ -85,10 +85,10 @@ if str(ROOT) not in sys.path:
 
 import run_gsm8k
 from common.engine.precision import machine_precision
-from common.ops import seq_logp, token_logp
+from common.ops import group_mean, seq_logp, token_logp
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
-from tba.loss import group_mean, linear_beta, tb_loss, tb_loss_no_ref
+from tba.loss import linear_beta, tb_loss, tb_loss_no_ref
 
 
 def here(path):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from common.batch import PromptSet
 from common.engine.tiny_model import build_tiny
-from common.runtime.generator import PromptSet
 
 LOW = 20      # token ids below this earn reward
 VOCAB = 97    # the tiny model's vocabulary (ids 0..96; no tokenizer: rewards see ids)

@@ -29,8 +29,8 @@ import torch
 from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
 from common.micro import micro_batches, rank_sum_stats
-from common.ops import seq_logp, token_logp
-from tba.loss import group_mean, group_normalised_advantages, grpo_loss, linear_beta, tb_loss
+from common.ops import group_mean, group_normalised_advantages, seq_logp, token_logp
+from tba.loss import grpo_loss, linear_beta, tb_loss
 
 
 @dataclass

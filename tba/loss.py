@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from common.ops import group_index, group_mean, group_normalised_advantages, group_sums  # noqa: F401 (re-exported)
+from common.ops import group_index, group_sums
 
 
 def _check_beta(beta) -> Tensor | float:

@@ -12,8 +12,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 from common.engine.precision import PrecisionConfig  # noqa: E402
 from common.runtime.generator import GenConfig  # noqa: E402
-from common.runtime.trainer import TrainConfig, train  # noqa: E402
+from common.runtime.train_config import TrainConfig  # noqa: E402
 from common.task import RunConfig, make_algo, make_config, setup  # noqa: E402 - after the path
+from common.train import train  # noqa: E402
 from tests.test_e2e import _prompts, make_toy_batched_reward, toy_reward  # noqa: E402
 
 

@@ -11,7 +11,7 @@ from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import token_logp
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.ranks.fsdp import update
+from common.runtime.step import update
 from tests.test_tba_algo import _batch
 from tests.tiny import save_hf
 
@@ -112,10 +112,11 @@ def test_next_batch_oldest_first_with_staleness_bound():
         buf.add([_traj(gid, v), _traj(gid, v)], trainer_version=v)
     b = algo.next_batch(buf, step=3, version=3, sync=False)  # group 0 is 3 versions old: dropped
     assert b.group_id.tolist() == [1, 1] and buf.n_dropped_stale == 2
-    assert algo.next_batch(buf, 4, 4, sync=True) is None     # sync: version-3 rows are stale at 4
+    sync = AReaL(AReaLConfig(), 1, 2, 1.0, 64, max_staleness=0)  # sync mode's eta (check_config settles it)
+    assert sync.next_batch(buf, 4, 4, sync=True) is None     # sync: version-3 rows are stale at 4
     assert buf.n_dropped_stale == 4
     buf.add([_traj(3, 4), _traj(3, 4)], trainer_version=4)
-    assert algo.next_batch(buf, 4, 4, sync=True).group_id.tolist() == [3, 3]
+    assert sync.next_batch(buf, 4, 4, sync=True).group_id.tolist() == [3, 3]
     assert algo.next_batch(buf, 4, 4, sync=False) is None    # each row used once
     with pytest.raises(ValueError, match="buffer_capacity"):
         algo.next_batch(ReplayBuffer(5, 16), 0, 0, sync=False)

@@ -6,7 +6,8 @@ import pytest
 
 from areal.algo import AReaL, AReaLConfig
 from common.log import read_metrics
-from common.runtime.trainer import train
+from common.runtime.train_config import check_config
+from common.train import train
 from tests.test_e2e import _cfg, _policy_reward, _prompts, toy_reward
 
 
@@ -24,9 +25,9 @@ def _areal_cfg(tmp_path, eta, **train_kw):
 
 
 def _algo(cfg, cls=AReaL):
-    t = cfg.train
+    t = check_config(cfg.train)  # settled first, as task.make_algo does: sync mode's eta = 0
     return cls(AReaLConfig(), t.prompts_per_step, cfg.gen.n, cfg.gen.temperature, t.micro_batch_tokens,
-               max_staleness=0 if t.mode == "sync" else t.max_staleness)
+               max_staleness=t.max_staleness)
 
 
 def _steps(cfg):

@@ -8,7 +8,8 @@ import torch
 
 from common.engine.attention import _CPU_FLASH, attend_lse_gqa
 from common.engine.hf_io import load_model
-from common.engine.model import ModelConfig, Transformer
+from common.engine.model import Transformer
+from common.engine.model_config import ModelConfig
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import token_logp

@@ -9,7 +9,8 @@ import torch
 import torch.multiprocessing as mp
 
 from common.batch import Trajectory, collate
-from common.runtime.buffer import ReplayBuffer, sample_tba, take_oldest
+from common.runtime.buffer import ReplayBuffer
+from common.runtime.buffer_sampling import sample_tba, take_oldest
 
 torch.set_num_threads(1)
 

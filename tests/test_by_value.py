@@ -25,15 +25,18 @@ import pytest
 import torch
 
 import run_redteam
+from common.batch import PromptSet
 from common.config import to_dict
 from common.engine.precision import Precision, PrecisionConfig
-from common.runtime.generator import GenConfig, PromptSet
+from common.runtime.generator import GenConfig
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.pickling import NotSendable, check_sendable, dumps
-from common.runtime.trainer import TrainConfig, train
-from common.runtime.ranks.group import RankFailed, TrainerGroup
+from common.runtime.ranks.group import TrainerGroup
+from common.runtime.step import RankFailed
+from common.runtime.train_config import TrainConfig
 from common.runtime.weights import WeightStore
 from common.task import RunConfig
+from common.train import train
 from tba.algo import TBA, TBAConfig
 from tests.tiny import save_hf, tokenizer
 
@@ -44,9 +47,10 @@ NOTEBOOK = textwrap.dedent('''
     import json, sys
     from pathlib import Path
     import torch
-    from common.runtime.generator import GenConfig, PromptSet
-    from common.runtime.trainer import TrainConfig
+    from common.batch import PromptSet
     from common.engine.precision import Precision, PrecisionConfig
+    from common.runtime.generator import GenConfig
+    from common.runtime.train_config import TrainConfig
     from common.task import RunConfig, run
     from tba.algo import TBA
     from tests.tiny import save_hf, tokenizer

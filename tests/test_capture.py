@@ -12,7 +12,8 @@ from common.engine.decode import Rows, Shape, bucket_grain, captured_shape, deco
 from common.engine.decode_model import DecodeModel
 from common.engine.hf_io import load_model
 from common.engine.kv_cache import KVCache
-from common.engine.model import ModelConfig, Transformer
+from common.engine.model import Transformer
+from common.engine.model_config import ModelConfig
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from tests.tiny import save_hf

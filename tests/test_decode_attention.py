@@ -46,7 +46,7 @@ def test_flash_layout_equals_dense_masked(monkeypatch, padded_lse, B, E, n, S, P
     n = 1, unused entries: the flash path's outputs equal the dense masked attention's."""
     monkeypatch.setattr(da, "_FLASH", lambda *a, **kw: varlen_reference(*a, **kw, padded_lse=padded_lse))
     from common.engine.kv_cache import KVCache
-    from common.engine.model import ModelConfig
+    from common.engine.model_config import ModelConfig
     cfg = ModelConfig(num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     g = torch.Generator().manual_seed(B * 100 + S)
     cache = KVCache(cfg, max_batch=6, max_seq_len=8, dtype=torch.float32, device="cpu", max_prompt_len=10)

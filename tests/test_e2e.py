@@ -9,11 +9,13 @@ import re
 import pytest
 import torch
 
+from common.batch import PromptSet
 from common.engine.precision import PrecisionConfig
 from common.log import read_metrics
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.trainer import TrainConfig, train
+from common.runtime.generator import GenConfig
+from common.runtime.train_config import TrainConfig
 from common.task import RunConfig
+from common.train import train
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
 
@@ -110,8 +112,8 @@ def test_grpo_baseline_and_failing_reward_runs(tmp_path, capfd):
 
 
 def test_resume_continues_counters_buffer_and_metrics(tmp_path):
-    from common.runtime.checkpoint import latest_checkpoint, load_checkpoint
     from common.engine.hf_io import load_model
+    from common.runtime.checkpoint import latest_checkpoint, load_checkpoint
     cfg = _cfg(tmp_path, steps=6, checkpoint_every=3)
     train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     run = tmp_path / "runs" / "toy"

@@ -14,7 +14,7 @@ import torch
 
 from common.engine.hf_io import load_model
 from common.engine.hf_save import ARCHITECTURES, save_pretrained
-from common.engine.model import ModelConfig
+from common.engine.model_config import ModelConfig
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import token_logp

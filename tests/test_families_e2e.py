@@ -7,7 +7,7 @@ import torch
 
 from common.engine.hf_io import load_model
 from common.log import read_metrics
-from common.runtime.trainer import train
+from common.train import train
 from tests.test_areal_e2e import _algo as _areal
 from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
 from tests.test_ranks import _batch, _run

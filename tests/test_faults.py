@@ -17,7 +17,7 @@ from common.log import read_metrics
 import common.runtime.checkpoint as ck
 from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from common.runtime.launch import WorkerError
-from common.runtime.trainer import train
+from common.train import train
 from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
 
 _calls = 0
@@ -88,8 +88,8 @@ def _sleep_forever(beat, *, stop_event):
 
 
 def test_hung_worker_does_not_hold_up_shutdown(tmp_path):
-    from tests.test_watchdog import _watched
     from common.runtime.watchdog import WorkerStalled
+    from tests.test_watchdog import _watched
     with _watched(tmp_path, "reward0", _sleep_forever, timeout=1.0, join_timeout=60) as (w, _):
         with pytest.raises(WorkerStalled):
             w.wait_event(lambda: False, timeout=30)

@@ -6,10 +6,11 @@ import multiprocessing as mp
 import pytest
 import torch
 
+from common.batch import PromptSet
 from common.engine.hf_io import load_model
 from common.engine.precision import Precision
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.generator import Control, GenConfig, PromptSet, decode_graphs, generator_main, prompt_order
+from common.runtime.generator import Control, GenConfig, decode_graphs, generator_main, prompt_order
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 from tests.tiny import save_hf

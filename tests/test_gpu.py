@@ -28,8 +28,8 @@ def test_bf16_sampler_logp_matches_trainer(tmp_path):
 def test_train_on_cuda_with_ipc_weights(tmp_path, dtype, graphs):
     """TBA on one GPU: trainer and generator share cuda:0, weights through CUDA IPC; `auto` is bf16
     on CUDA, the generator decodes through captured graphs, each process under its memory cap."""
+    from common.train import train
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
-    from common.runtime.trainer import train
     cfg = _cfg(tmp_path, steps=6, device="cuda")
     cfg.precision.dtype, cfg.gen.cuda_graphs = dtype, graphs
     if graphs:  # the one-GPU preset's memory caps (common/task.py: gpu_defaults), on device "cuda" without an index
@@ -41,7 +41,7 @@ def test_train_on_cuda_with_ipc_weights(tmp_path, dtype, graphs):
 def test_areal_on_cuda_interrupts_within_the_staleness_bound(tmp_path):
     """AReaL on one GPU, bf16, captured decode: weight updates interrupt in-flight samples (re-prefill
     under the new weights) and no trained sample is staler than eta."""
-    from common.runtime.trainer import train
+    from common.train import train
     from tests.test_areal_e2e import _algo, _areal_cfg, _steps
     from tests.test_e2e import _prompts, toy_reward
     cfg = _areal_cfg(tmp_path, eta=1, steps=8, device="cuda")
@@ -146,7 +146,7 @@ def test_flash_decode_attention_equals_dense(B, E, n, S, P):
     log-sum-exp layout) against the dense masked attention, bf16, ragged lengths, unused entries."""
     from common.engine import decode_attention as da
     from common.engine.kv_cache import KVCache
-    from common.engine.model import ModelConfig
+    from common.engine.model_config import ModelConfig
     assert da.flash_available("cuda", torch.bfloat16), "no flash kernel with seqused_k in this torch build"
     cfg = ModelConfig(num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
     g = torch.Generator(device="cuda").manual_seed(B + S)

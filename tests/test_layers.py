@@ -1,14 +1,20 @@
 """The import layers of common/, tba/ and areal/, checked on the source (AST, nothing imported).
 
-    task level   common/{task,evaluate,data,embed,reward_model,replay,toxicity}.py, run_*.py   may import anything
-    runtime      common/runtime/   the processes; imports engine, contracts, common/algorithm.py
-    engine       common/engine/    one process runs a model; imports engine and contracts only
-    algorithms   tba/, areal/      their own package, common/algorithm.py and the contracts
-    algorithm    common/algorithm.py                                       contracts only
-    contracts    common/{batch,ops,micro,config,log}.py                    contracts only
-No import cycle anywhere; no function-local import of our own modules; a function-local import
-of a third-party module carries a comment saying why (on its line, or above its run of imports).
-A new module must be placed in a layer here before it can land.
+    task level   common/{task,evaluate,data,embed,reward_model,replay,toxicity}.py, run_*.py and the
+                 modules beside them            anything but the rank and node layers (the entry picks those)
+    entry        common/train.py                picks role, ranks and peers: runtime, ranks, nodes
+    nodes        common/runtime/nodes/          several nodes: ranks, the core, engine, contracts
+    ranks        common/runtime/ranks/          N trainer ranks: the core, engine, contracts, algorithm
+    runtime      common/runtime/*.py            the one-node core, the processes: engine, contracts,
+                                                common/algorithm.py; never ranks/ or nodes/
+    engine       common/engine/                 one process runs a model; imports engine and contracts only
+    algorithms   tba/, areal/                   their own package, common/algorithm.py and the contracts
+    algorithm    common/algorithm.py            contracts only
+    contracts    common/{batch,ops,micro,config,log,plots,progress}.py   contracts only
+Imports point one way: nodes -> ranks -> core. No import cycle anywhere; no function-local import
+of our own modules; a function-local import of a third-party module carries a comment saying why
+(on its line, or above its run of imports). A new module must be placed in a layer here before it
+can land.
 """
 from __future__ import annotations
 
@@ -19,16 +25,21 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("common", "tba", "areal")
-CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.log"}
+CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.log", "common.plots",
+             "common.progress"}
 TASK_LEVEL = {"common.task", "common.evaluate", "common.data", "common.embed", "common.reward_model", "common.replay",
               "common.toxicity"}
+CORE = {"runtime", "engine", "algorithm", "contract"}
 ALLOWED = {  # layer -> layers it may import
     "contract": {"contract"},
     "algorithm": {"contract"},
     "engine": {"engine", "contract"},
-    "runtime": {"runtime", "engine", "algorithm", "contract"},
+    "runtime": CORE,
+    "ranks": {"ranks", *CORE},
+    "nodes": {"nodes", "ranks", *CORE},
+    "entry": {"entry", "nodes", "ranks", *CORE},
     "algo": {"algo", "algorithm", "contract"},
-    "task": {"task", "runtime", "engine", "algo", "algorithm", "contract"},
+    "task": {"task", "entry", "algo", *CORE},
 }
 
 
@@ -47,13 +58,17 @@ def module_of(path: Path) -> str:
 
 
 def sources() -> dict[str, str]:
-    """{module: source} for every .py file of common/, tba/, areal/ and the task scripts."""
-    files = [p for pkg in OURS for p in (ROOT / pkg).rglob("*.py")] + sorted(ROOT.glob("run_*.py"))
+    """{module: source} for every .py file of common/, tba/, areal/, the task scripts and the modules
+    beside them (every .py file at the top)."""
+    files = [p for pkg in OURS for p in (ROOT / pkg).rglob("*.py")] + sorted(ROOT.glob("*.py"))
     return {module_of(p): p.read_text() for p in files}
 
 
+TOP = {module_of(p) for p in ROOT.glob("*.py")}  # run_*.py and what they split off (tldr_reward_model.py, ...)
+
+
 def layer(mod: str) -> str | None:
-    if mod.startswith("run_") or mod in TASK_LEVEL:
+    if mod in TOP or mod in TASK_LEVEL:
         return "task"
     if mod in CONTRACTS:
         return "contract"
@@ -61,6 +76,12 @@ def layer(mod: str) -> str | None:
         return "algorithm"
     if mod.startswith("common.engine"):
         return "engine"
+    if mod == "common.train":
+        return "entry"
+    if mod.startswith("common.runtime.ranks"):
+        return "ranks"
+    if mod.startswith("common.runtime.nodes"):
+        return "nodes"
     if mod.startswith("common.runtime"):
         return "runtime"
     if mod.split(".")[0] in ("tba", "areal"):
@@ -109,14 +130,14 @@ def edges(mods: dict[str, str]) -> list[Edge]:
 def violations(mods: dict[str, str]) -> list[str]:
     """Every broken rule in `mods` (see the module docstring), one line each."""
     bad = [f"{m}: not in any layer (place it in tests/test_layers.py)" for m in mods
-           if layer(m) is None and m not in ("common", *OURS)]
+           if layer(m) is None and m not in ("common", *OURS, "common.runtime.ranks", "common.runtime.nodes")]
     for e in edges(mods):
         ours = e.dst.split(".")[0] in OURS
         if e.local and ours:
             bad.append(f"{e.src}:{e.line}: function-local import of {e.dst} (imports stand at the top)")
         elif e.local and not e.commented:
             bad.append(f"{e.src}:{e.line}: function-local import of {e.dst} without a comment saying why")
-        if not ours or e.dst in ("common", *OURS):
+        if not ours or e.dst in ("common", *OURS, *TOP):
             continue
         a, b = layer(e.src), layer(e.dst)
         if a is not None and b not in ALLOWED[a]:
@@ -179,6 +200,40 @@ def test_planted_back_edges_are_caught():
     assert any("another algorithm" in v for v in _planted("areal.algo", "from tba.loss import tb_loss"))
     assert any("contract module imports common.engine.model" in v
                for v in _planted("common.ops", "from common.engine.model import Transformer"))
+
+
+def test_planted_back_edges_between_core_ranks_and_nodes_are_caught():
+    """nodes -> ranks -> core: the core imports neither, ranks never import nodes, and a task reaches
+    them only through the entry (common/train.py)."""
+    assert any("runtime module imports common.runtime.ranks.group" in v
+               for v in _planted("common.runtime.trainer", "from common.runtime.ranks.group import TrainerGroup"))
+    assert any("runtime module imports common.runtime.nodes.link" in v
+               for v in _planted("common.runtime.checkpoint", "from common.runtime.nodes.link import TrainerLink"))
+    assert any("ranks module imports common.runtime.nodes.keys" in v
+               for v in _planted("common.runtime.ranks.group", "from common.runtime.nodes.keys import RunKeys"))
+    assert any("task module imports common.runtime.nodes.world" in v
+               for v in _planted("common.task", "from common.runtime.nodes.world import is_generator_node"))
+    assert any("task module imports common.runtime.ranks.fsdp" in v
+               for v in _planted("common.replay", "from common.runtime.ranks.fsdp import rank_device"))
+    assert not [v for v in _planted("common.runtime.nodes.link", "from common.runtime.ranks.group import TrainerGroup")
+                if "nodes module imports" in v]  # the direction allowed
+
+
+def test_the_core_stands_alone():
+    """The one-node core (common/runtime/*.py) and what it imports never reach ranks/ or nodes/,
+    even through another module."""
+    mods = sources()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for e in edges(mods):
+        if e.dst in mods:
+            graph[e.src].add(e.dst)
+    core = [m for m in mods if layer(m) == "runtime"]
+    seen, todo = set(core), list(core)
+    while todo:
+        for n in graph[todo.pop()] - seen:
+            seen.add(n)
+            todo.append(n)
+    assert len(core) > 10 and {layer(m) for m in seen} <= CORE, sorted(m for m in seen if layer(m) not in CORE)
 
 
 def test_planted_cycle_is_caught():

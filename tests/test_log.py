@@ -1,4 +1,5 @@
-"""Metrics JSONL round trip, resume, crash fragments, plots and the progress bar."""
+"""Metrics JSONL round trip, resume, crash fragments (common/log.py), plots (common/plots.py) and the
+progress bar (common/progress.py)."""
 from __future__ import annotations
 
 import json
@@ -7,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import common.log as log_mod
-from common.log import MetricsLogger, Progress, plot_metrics, plot_runs, read_metrics
+import common.progress as progress_mod
+from common.log import MetricsLogger, read_metrics
+from common.plots import plot_metrics, plot_runs
+from common.progress import Progress
 
 
 def _fake_run(path, n=20, t_scale=30.0, offset=0.0):
@@ -129,7 +132,7 @@ def test_plot_runs_takes_run_dirs_and_writes_no_file_unless_asked(tmp_path):
 
 
 def test_fmt_and_progress(capsys):
-    assert [log_mod._fmt(v) for v in (0.41, 1.2e-3, 120.0, 7, torch.tensor(0.5), 0.0)] == \
+    assert [progress_mod._fmt(v) for v in (0.41, 1.2e-3, 120.0, 7, torch.tensor(0.5), 0.0)] == \
         ["0.41", "1.2e-3", "120", "7", "0.5", "0"]
     with Progress(total=3, initial=1, desc="train") as p:
         p.update(1, reward=0.41, loss=1.2e-3, **{"tok/s": 120.0})

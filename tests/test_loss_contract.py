@@ -8,11 +8,13 @@ import torch
 from areal.algo import AReaL, AReaLConfig
 from areal.loss import decoupled_ppo_loss
 from common.algorithm import call_loss, scalar_stats
+from common.batch import PromptSet
 from common.engine.hf_io import load_model
 from common.engine.precision import PrecisionConfig
-from common.runtime.generator import GenConfig, PromptSet
-from common.runtime.trainer import TrainConfig, train
+from common.runtime.generator import GenConfig
+from common.runtime.train_config import TrainConfig
 from common.task import RunConfig, make_algo
+from common.train import train
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tba.loss import tb_loss
 from tests.test_tba_algo import _batch

@@ -6,7 +6,8 @@ import torch
 
 from common.engine.hf_io import load_model
 from common.engine.hf_save import save_pretrained
-from common.engine.model import ModelConfig, Transformer
+from common.engine.model import Transformer
+from common.engine.model_config import ModelConfig
 from tests.tiny import ARCHS, hf_model, save_hf
 
 

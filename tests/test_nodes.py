@@ -1,4 +1,4 @@
-"""Several nodes (common/runtime/nodes/world.py and its node_* modules), on one CPU machine: two torchrun
+"""Several nodes (common/runtime/nodes/), on one CPU machine: two torchrun
 agents on 127.0.0.1 play a trainer node and a generator node (gloo over the loopback).
 
 The end-to-end tests run tests/nodes_toy.py (test_e2e's toy task) under torchrun and, for the parity
@@ -20,8 +20,8 @@ from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.nodes.trajectories import RemoteControl, pack, unpack
 from common.runtime.nodes.world import check, is_generator_node, join
-from common.runtime.nodes.keys import DistConfig
-from common.runtime.trainer import TrainConfig
+from common.runtime.train_config import DistConfig
+from common.runtime.train_config import TrainConfig
 from common.task import RunConfig
 from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights
 from tests.tiny import save_hf

@@ -237,7 +237,7 @@ def test_train_end_to_end_in_bf16(tmp_path):
     """Trainer (fp32 master + autocast) and a spawned generator (bf16 weights) through the
     bf16 weight store; the choice is saved with the run; the checkpoint keeps fp32 weights."""
     from common.log import read_metrics
-    from common.runtime.trainer import train
+    from common.train import train
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
     cfg = _cfg(tmp_path, steps=4, mode="sync")  # sync: every step needs the generator to apply new weights
     cfg.precision = PrecisionConfig(dtype="bf16", gemm="aten")

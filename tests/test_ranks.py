@@ -17,10 +17,13 @@ from common.engine.precision import Precision
 from common.micro import micro_batches
 from common.ops import token_logp
 from common.runtime.pickling import NotSendable
-from common.runtime.ranks.fsdp import rank_device, resolve_reshard, shard_rows
-from common.runtime.trainer import TrainConfig, _gen_device, check_config
+from common.runtime.ranks.fsdp import rank_device, resolve_reshard
 from common.runtime.ranks.group import TrainerGroup
+from common.runtime.ranks.publish import shard_rows
+from common.runtime.train_config import TrainConfig, check_config
+from common.runtime.trainer import _gen_device
 from common.runtime.weights import WeightStore
+from common.train import trainer_ranks
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
 
@@ -55,13 +58,14 @@ def _batch(model_dir, n_groups=3, k=4, seed=0) -> "Batch":  # noqa: F821
 
 
 def _run(model_dir, run_dir, algo, batches, world, load=None, save=None, reshard="pass"):
-    """Steps on `batches` through a TrainerGroup of `world` ranks; returns (full weights, the
-    weights a generator pulls from the store, last stats). Optionally loads / saves a checkpoint."""
+    """Steps on `batches` through the trainer's `world` ranks (one: OneRank; more: TrainerGroup);
+    returns (full weights, the weights a generator pulls from the store, last stats). Optionally
+    loads / saves a checkpoint."""
     tc = TrainConfig(trainer_devices=world, lr=1e-3, weight_decay=0.01, grad_clip=1.0, stall_timeout=120,
                      reshard=reshard)
     model = FP32.load(model_dir, role="trainer", tokenizer=False)[0].train()
     store = WeightStore.from_module(model)
-    with TrainerGroup(model, tc, FP32, model_dir, algo, store, run_dir) as g:
+    with trainer_ranks(tc)(model, tc, FP32, model_dir, algo, store, run_dir) as g:
         sched = torch.optim.lr_scheduler.LambdaLR(g.opt, lambda s: 1.0 / (1 + s))
         step = g.load(load, sched).step if load else 0
         for b in batches:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from common.log import read_metrics
-from common.runtime.trainer import train
-from common.runtime.ranks.group import RankFailed
+from common.runtime.step import RankFailed
+from common.train import train
 from tests.test_e2e import _cfg, _policy_reward, _prompts, _reward_curve, _tba, toy_reward
 
 

@@ -1,4 +1,4 @@
-"""Record and replay (common/runtime/stream.py, common/runtime/replay.py, common/replay.py):
+"""Record and replay (common/runtime/stream.py, common/replay.py):
 replaying a recorded async run (TBA and AReaL, fp32, one rank) ends on the run's final
 weights; a stream survives a kill and a resume; bad streams are refused with clear errors."""
 from __future__ import annotations
@@ -20,8 +20,8 @@ from common.replay import main as replay_main
 from common.replay import replay, replay_config
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.stream import StreamError, read_meta, read_steps, step_file
-from common.runtime.trainer import train
 from common.task import areal_defaults, make_algo
+from common.train import train
 from tba.algo import TBA, TBAConfig
 from tests.test_e2e import _cfg, _prompts, toy_reward
 from tests.tiny import save_hf

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from tba.loss import (group_mean, group_normalised_advantages, grpo_loss, linear_beta, tb_loss,
-                      tb_loss_no_ref)
+from common.ops import group_mean, group_normalised_advantages
+from tba.loss import grpo_loss, linear_beta, tb_loss, tb_loss_no_ref
 
 torch.set_num_threads(1)
 D = torch.float64

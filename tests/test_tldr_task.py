@@ -80,7 +80,8 @@ def test_rm_with_a_vector_head_is_refused(tmp_path):
 
 
 def test_no_eos_penalty_applies_exactly_to_cut_samples():
-    from common.runtime.generator import PromptSet, score
+    from common.batch import PromptSet
+    from common.runtime.generator import score
     comps = [SimpleNamespace(tokens=[5, 6], finish_reason=f) for f in ("stop", "length", "stop", "length")]
     stats = torch.zeros(8, dtype=torch.float64)
     seen = []

@@ -83,7 +83,7 @@ def hang_reward(tokens, meta) -> float:
 
 
 def test_trainer_stops_on_a_hung_reward_with_a_checkpoint(tmp_path):
-    from common.runtime.trainer import train
+    from common.train import train
     from tests.test_e2e import _cfg, _prompts, _tba
     cfg = _cfg(tmp_path, steps=3, stall_timeout=15.0)  # > spawn + imports + tiny model load here
     t = time.monotonic()

@@ -31,7 +31,8 @@ from safetensors import safe_open
 
 from common.engine.hf_layouts import to_ours
 from common.engine.hf_save import repair_hf_dir, save_pretrained
-from common.engine.model import ModelConfig, Transformer
+from common.engine.model import Transformer
+from common.engine.model_config import ModelConfig
 from common.engine.tiny_model import TINY, build_tiny, tiny_dir_name
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -47,9 +47,9 @@ from torch.utils.checkpoint import checkpoint
 from common.engine.causal_attention import causal_attention
 from common.engine.fused import mlp, plain_mlp
 from common.engine.head import head_logp
-from common.engine.layers import LayerNorm, RMSNorm, apply_rope, make_norm, rope_inv_freq  # noqa: F401 (re-exported)
+from common.engine.layers import RMSNorm, apply_rope, make_norm, rope_inv_freq
 from common.engine.linear import Linear
-from common.engine.model_config import SUPPORTED_MODEL_TYPES, ModelConfig  # noqa: F401 (re-exported)
+from common.engine.model_config import ModelConfig
 from common.engine.prefix import packed_logp
 
 

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from common.engine.hf_save import save_pretrained
-from common.engine.model import ModelConfig, Transformer
+from common.engine.model import Transformer
+from common.engine.model_config import ModelConfig
 
 TINY = "tiny"  # the name `--model` / `load_model` take for it
 SHAPE = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,

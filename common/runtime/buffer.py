@@ -37,8 +37,6 @@ import torch.multiprocessing as mp  # importing it registers the shared-tensor p
 from common.batch import FINISH_REASONS, Batch, Trajectory
 from common.runtime.buffer_sampling import BufferMeta, sample_tba, stale_rows, take_oldest
 
-__all__ = ["ReplayBuffer", "BufferMeta", "sample_tba", "take_oldest", "stale_rows", "completion_hash"]
-
 # the saved format's name, from before common/runtime/: kept so that old buffers load
 _FORMAT = "common.buffer.ReplayBuffer/v1"
 _INT32_MAX = 2**31 - 1

@@ -1,7 +1,8 @@
 """Resumable training checkpoints: model (HF format), model and optimizer state (sharded),
 scheduler, RNG, counters, replay buffer, run config. Written and read by the trainer: rank 0
 (the launching process) writes everything but the other ranks' shards, which each rank writes
-itself when rank 0 tells it to (`notify`, common/runtime/ranks/group.py; `rank_state.py`).
+itself when rank 0 tells it to (`write` / `read`, common/runtime/ranks/group.py). The model and
+optimizer state and the RNG states are `state.py`'s; this module is the directory around them.
 
 Layout (one directory per checkpoint, named by the trainer step):
 
@@ -36,12 +37,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -50,9 +50,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from common.config import save_config
 from common.engine.hf_save import save_pretrained
-from common.engine.model import ModelConfig
+from common.engine.model_config import ModelConfig
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.rank_state import read_state, write_state
+from common.runtime.state import read_state, rng_state, set_rng_state, write_state
 
 FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
 _PREFIX, _TMP = "step_", ".tmp_"
@@ -124,27 +124,6 @@ def latest_checkpoint(run_dir) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
-# ---------------------------------------------------------------- RNG (weights_only-loadable)
-def _rng_state() -> dict:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
-             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                       "has_gauss": int(has_gauss), "gauss": float(gauss)}}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(s: dict) -> None:
-    v, internal, gauss = s["python"]  # lists after torch.load; random.setstate wants tuples
-    random.setstate((v, tuple(internal), gauss))
-    n = s["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(s["torch"])
-    if "cuda" in s and torch.cuda.is_available() and len(s["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
 # ---------------------------------------------------------------- model + optimizer state
 def _check_state(d: Path, model, stepped: bool) -> None:
     """The saved tensor names and shapes against the model's, before anything is loaded."""
@@ -182,16 +161,18 @@ def _write_meta(d: Path, meta: dict) -> None:
 
 
 def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation,
-                step: int, notify) -> None:
+                step: int, write) -> None:
     """Every file of one checkpoint into `tmp` (meta.json last), fsynced."""
     tmp.mkdir()
     stepped = bool(optimizer.state)
-    if notify is not None:
-        notify(tmp / "state")  # the other ranks write their shards now, beside ours
-    export = write_state(tmp / "state", model, optimizer)
+    if write is None:  # one rank: its state, and the model itself is whole for the export
+        write_state(tmp / "state", model, optimizer)
+        export = model
+    else:  # the trainer's ranks: every rank writes its shards, the whole model is gathered for the export
+        export = write(tmp / "state")
     save_pretrained(export, tmp / "model", tokenizer=tokenizer, **(generation or {}))
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "rng": _rng_state(), "counters": counters, "optimizer_stepped": stepped}, tmp / "trainer_state.pt")
+                "rng": rng_state(), "counters": counters, "optimizer_stepped": stepped}, tmp / "trainer_state.pt")
     if buffer is not None:
         buffer.save(tmp / "buffer.pt")
     if config is not None:
@@ -210,11 +191,13 @@ def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer
 
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, counters: dict | None = None,
                     config=None, buffer: ReplayBuffer | None = None, tokenizer=None,
-                    generation: dict | None = None, keep_last: int | None = 2, notify=None) -> Path:
+                    generation: dict | None = None, keep_last: int | None = 2,
+                    write: Callable[[Path], Any] | None = None) -> Path:
     """Write checkpoint `step` atomically; prune to the newest `keep_last` (None/<=0: keep all).
     `generation` = {"stop_token_ids": ..., "sampling": {"temperature", "top_p", "top_k"}} goes
     into model/generation_config.json (`common/engine/hf_save.py`). Sharded (N ranks): rank 0
-    calls this, and `notify(state_dir)` makes the other ranks call `write_state(state_dir, ...)`."""
+    calls this with `write(state_dir)`, which has every rank write its shards and returns the
+    whole model to export (common/runtime/ranks/group.py)."""
     step = int(step)
     counters = dict(counters or {})
     bad = [k for k, v in counters.items() if isinstance(v, bool) or not isinstance(v, (int, float, np.number))]
@@ -230,7 +213,7 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
     tmp, final = root / (_TMP + name), root / name
 
     try:
-        _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step, notify)
+        _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step, write)
     except OSError as e:  # disk full, quota, I/O error: drop the partial copy (frees the space it took)
         shutil.rmtree(tmp, ignore_errors=True)
         prev = latest_checkpoint(run_dir)
@@ -257,11 +240,12 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
 
 
 # ---------------------------------------------------------------- load
-def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer, notify=None) -> ResumeState:
+def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer,
+                    read: Callable[[Path, bool], None] | None = None) -> ResumeState:
     """Restore model weights and optimizer state (in place, so the optimizer keeps its
     parameters), scheduler and RNG states from checkpoint dir `path`; returns counters, buffer
-    and config. Sharded (N ranks): rank 0 calls this; after every check passed,
-    `notify(state_dir, stepped)` makes the other ranks call `read_state(state_dir, ...)`."""
+    and config. Sharded (N ranks): rank 0 calls this with `read(state_dir, stepped)`, which has
+    every rank load its shards, after every check passed (common/runtime/ranks/group.py)."""
     path = Path(path)
     meta = _read_meta(path)
     for rel, size in meta["files"].items():
@@ -291,15 +275,16 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
     _check_state(path / "state", model, stepped)
 
     # Everything validated: now mutate (every rank at once when sharded).
-    if notify is not None:
-        notify(path / "state", stepped)
     try:
-        read_state(path / "state", model, optimizer, stepped)
+        if read is None:
+            read_state(path / "state", model, optimizer, stepped)
+        else:
+            read(path / "state", stepped)
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"incompatible checkpoint {path}: model/optimizer state ({e})") from None
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
 
     buffer = buffer_cls.load(path / "buffer.pt") if "buffer.pt" in meta["files"] else None
     config = json.loads((path / "config.json").read_text()) if "config.json" in meta["files"] else None

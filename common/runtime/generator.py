@@ -19,13 +19,13 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
 import numpy as np
 import torch
 
-from common.batch import Trajectory
+from common.batch import PromptSet, Trajectory
 from common.engine.precision import Precision
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
@@ -61,19 +61,6 @@ def decode_graphs(cfg: GenConfig, device) -> bool:
     where it is None, on CUDA (a replay is one launch instead of one per kernel: the eager decode
     step is launch-bound on a GPU, BENCHMARKS.md)."""
     return torch.device(device).type == "cuda" if cfg.cuda_graphs is None else cfg.cuda_graphs
-
-
-@dataclass
-class PromptSet:
-    """Tokenised prompts plus whatever per-prompt data the reward needs (picklable)."""
-    tokens: list[list[int]]
-    meta: list = field(default_factory=list)  # e.g. gold answers; meta[i] goes to reward_fn
-
-    def __post_init__(self):
-        if not self.tokens:
-            raise ValueError("PromptSet is empty")
-        if self.meta and len(self.meta) != len(self.tokens):
-            raise ValueError(f"PromptSet: {len(self.tokens)} prompts but {len(self.meta)} meta entries")
 
 
 class Control:

@@ -1,5 +1,5 @@
 """The trajectory stream: every batch the trainer consumed, in order, on disk (record), and
-read back for replay (`common/runtime/replay.py`). Written by the trainer (rank 0, the
+read back for replay (`common/replay.py`). Written by the trainer (rank 0, the
 launching process) when `train.record` is on; read anywhere, also while the run goes on.
 
 Layout of `runs/<name>/stream/`:

@@ -1,9 +1,11 @@
-"""The trainer's config section (`train`, with `log`) and the two rules read from it: the learning
-rate schedule and the checks (and sync mode's settings) applied before a run starts. Read by the
-trainer (`trainer.py`, which re-exports them) and by a replay (`replay.py`); no process of its own.
+"""The trainer's config sections (`train`, `log`, and `dist` for several nodes) and the rules read
+from them: the checks (and sync mode's settings) applied once before a run starts, the learning rate
+schedule, and whether this process is one node of several. Read by the entry (common/train.py), the
+trainer loop (`trainer.py`), a replay (common/replay.py) and the node layer; no process of its own.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -40,6 +42,15 @@ class TrainConfig:
     stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
     stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
     record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/stream.py)
+
+
+@dataclass
+class DistConfig:
+    trainer_nodes: int = 1          # under torchrun: nodes that run the trainer (world ranks 0..n-1); the others run generators
+    timeout: float = 300.0          # s: group creation, the start barrier, one weight or trajectory transfer, the final stop
+    ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
+    trainer_node_generators: int = 0  # generators the trainer node runs beside the trainer (claiming on the store like the others)
+    store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
 
 
 @dataclass
@@ -81,3 +92,9 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
         raise ValueError("train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
                          "hooks are not traced here): use one of them")
     return cfg
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun started in a world of more than one process: one node of several
+    (common/runtime/nodes/), where `dist` applies."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1

@@ -1,4 +1,4 @@
-"""The trainer loop, shared by every algorithm and task; runs in the launching process (rank 0).
+"""The trainer loop, shared by every algorithm and task; runs in the launching process.
 
     publish v0 -> start generators -> [wait for data] -> algo.next_batch
     -> for each of algo.minibatches(...): algo.backward -> clip + optimizer step
@@ -8,22 +8,20 @@ Everything algorithm-specific sits behind `Algorithm` (common/algorithm.py; tba/
 form a batch, how a step splits into optimizer updates (TBA: one; AReaL: PPO minibatches),
 and the loss. The trainer owns the model, the optimizer, the `WeightStore` (it
 is its only writer), the `Control` quota (only writer of version/quota) and the buffer's
-reading side. With `train.trainer_devices` = N > 1 the model and optimizer are sharded over N
-ranks (`common/runtime/ranks/group.py`, `ranks.py`): this process is rank 0 and the
-coordinator (it alone draws batches, logs, evaluates and checkpoints); every step, publish,
-evaluation and checkpoint goes through `TrainerGroup`, which runs it on every rank.
-Several nodes (under torchrun, `common/runtime/nodes/world.py`): a generator node hands over to
-`generator_node` at once; on the trainer node `TrainerLink` (common/runtime/nodes/link.py, whose
-node-link process joins the world in this process's place, so its ranks keep their own group)
-sends each publish to the generator nodes, mirrors the quota to them and fills the buffer from
-them; without torchrun every call on it does nothing.
-Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and k = 1:
-generators may start exactly one batch of prompts per published version, and the trainer
-consumes exactly that batch, so sync and async runs do equal work per step.
+reading side. Synchronous mode (`train.mode=sync`) is the same code with max_staleness = 0 and
+k = 1 (`check_config`): generators may start exactly one batch of prompts per published version,
+and the trainer consumes exactly that batch, so sync and async runs do equal work per step.
 
-A run config passed to `train` needs: name, run_root, model, ref_model, seed, and sections
-train (TrainConfig), gen (GenConfig), log (LogConfig), precision (PrecisionConfig); TrainConfig and
-LogConfig live in `train_config.py`.
+The loop talks to two objects the entry (common/train.py, `train`) picks and that do nothing
+special on one device: `ranks`, the model and its optimizer (`OneRank`, common/runtime/step.py;
+N sharded ranks: `TrainerGroup`, common/runtime/ranks/group.py, this process being rank 0 and the
+coordinator that alone draws batches, logs, evaluates and checkpoints), and `peers`, the other
+nodes (`Peers`, common/runtime/peers.py: none; under torchrun `TrainerLink`,
+common/runtime/nodes/link.py).
+
+A run config needs: name, run_root, model, ref_model, seed, and sections train (TrainConfig), gen
+(GenConfig), log (LogConfig), precision (PrecisionConfig); TrainConfig and LogConfig live in
+`train_config.py`.
 
 Precision (`common/engine/precision.py`): resolved once here (measured per machine when `auto`),
 printed, saved as runs/<name>/precision.json and handed to the generators. bf16 keeps the
@@ -42,68 +40,33 @@ from typing import Callable, Optional
 import torch
 
 from common.algorithm import Algorithm
+from common.batch import PromptSet
 from common.config import to_dict
 from common.engine.precision import resolve
-from common.log import MetricsLogger, Progress
+from common.log import MetricsLogger
+from common.progress import Progress
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
-from common.runtime.generator import Control, PromptSet, generator_main
-from common.runtime.nodes.generator_node import generator_node
+from common.runtime.generator import Control, generator_main
 from common.runtime.launch import WorkerError, Workers
-from common.runtime.nodes.link import TrainerLink
-from common.runtime.nodes.world import is_generator_node, is_trainer_member_node, join, restarted
-from common.runtime.pickling import check_sendable
-from common.runtime.process import sigterm_as_interrupt, trainer_process
-from common.runtime.ranks.fsdp import rank_device
+from common.runtime.peers import Peers
+from common.runtime.process import sigterm_as_interrupt
 from common.runtime.reward_service import start_reward_workers
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
+from common.runtime.step import OneRank, RankFailed, trainer_model
 from common.runtime.stream import StreamWriter
-from common.runtime.train_config import LogConfig, TrainConfig, check_config, lr_lambda
-from common.runtime.ranks.group import RankFailed, TrainerGroup
-from common.runtime.nodes.trainer_node import trainer_node
+from common.runtime.train_config import lr_lambda
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
-__all__ = ["train", "TrainConfig", "LogConfig", "check_config", "lr_lambda"]  # the configs live in train_config.py
 
-
-def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:
-    """Generator r's device: the GPUs after the trainer's N, shared round-robin when too few."""
-    if not train_device.startswith("cuda"):
-        return "cpu"
-    n = torch.cuda.device_count()
-    return f"cuda:{(trainer_devices + rank) % n}"
-
-
-def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
-          evaluate: Optional[Callable] = None, resume: bool = False, reward_factory: Optional[Callable] = None) -> dict:
-    """Run a full training job; returns the last logged metrics. See module docstring.
-
-    reward_fn(text, meta) -> float runs inside the generators. For expensive rewards set
-    train.reward_workers > 0 and pass `reward_factory`, a function (sent by value, may be a notebook's) that builds
-    fn(texts, metas) -> list[float] once per reward worker (common/runtime/reward_service.py).
-    The trainer runs in the calling process with ASYNCRL_NUM_THREADS CPU threads (default 1, as
-    every worker; the caller's count is restored after): `process.trainer_process`."""
-    with trainer_process(cfg.train.device):
-        return _train(cfg, algo, prompts, reward_fn, stop_token_ids, evaluate, resume, reward_factory)
-
-
-def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple, evaluate, resume: bool,
-           reward_factory) -> dict:
-    tc = check_config(cfg.train)
-    if tc.reward_workers > 0 and reward_factory is None:
-        raise ValueError("train.reward_workers > 0 needs train(..., reward_factory=...)")
-    # what reaches worker processes (by value: common/runtime/pickling.py) is refused here, naming it
-    check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
-                   reward_factory=reward_factory if tc.reward_workers else None,
-                   algorithm=algo if tc.trainer_devices > 1 else None)
-    if is_generator_node(cfg):  # under torchrun, a node that generates: joins the world (common/runtime/nodes/world.py)
-        return generator_node(join(cfg, tc), cfg, prompts, reward_fn, stop_token_ids, reward_factory)
-    if is_trainer_member_node(cfg):  # under torchrun, a trainer node after the first: its trainer ranks
-        return trainer_node(cfg)
-    if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
-        print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
-        resume = True
+def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: tuple,
+                evaluate: Optional[Callable], resume: bool, reward_factory: Optional[Callable],
+                ranks: type[OneRank] = OneRank, peers: type[Peers] = Peers) -> dict:
+    """Run a full training job in this process; returns the last logged metrics (module docstring).
+    Called by the entry (common/train.py: `train`, which documents the arguments), with `cfg.train`
+    checked, inside `process.trainer_process`."""
+    tc = cfg.train
     if cfg.gen.cuda_graphs and not tc.device.startswith("cuda"):
         raise ValueError("gen.cuda_graphs needs CUDA (--train.device=cuda): CPU generators decode eagerly")
     run_dir = prepare_run_dir(cfg, resume)
@@ -114,11 +77,7 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
     prec = resolve(cfg.precision, tc.device).apply()
     print(f"[asyncrl] precision: {prec.summary()}")
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
-    device = rank_device(tc.device, 0) if tc.trainer_devices > 1 else tc.device
-    model, tok = prec.load(cfg.model, device=device, role="trainer")
-    model.train()
-    model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
-    model.share_prompts = tc.share_prompts
+    model, tok = trainer_model(prec, cfg.model, tc, ranks.model_device(tc))
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
     # a hard position limit (GPT-2's, Gemma 3's windows): refused here, before any generator starts
     model.check_positions(max_seq_len, f"{cfg.model}: the longest prompt ({max_seq_len - cfg.gen.max_new_tokens} tokens) "
@@ -133,15 +92,13 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
         "temperature": cfg.gen.temperature, "top_p": cfg.gen.top_p, "top_k": cfg.gen.top_k}}
     # before sharding: a fresh stream fingerprints the whole initial model
     stream = StreamWriter.open(run_dir / "stream", cfg, prec.to_dict(), model, ck, generation) if tc.record else None
-    # N > 1: spawns trainer ranks 1..N-1 and shards `model` in place (the optimizer holds shards);
-    # generators and reward workers are `workers`, stopped before the final evaluation and checkpoint
     pad_id = (tok.pad_token_id or 0) if tok else 0
-    # other nodes (none without torchrun: every call a no-op): what they need to build their store and buffer
-    link = TrainerLink(cfg, tc, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id))
-    # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop. The group's ranks on other
-    # trainer nodes (dist.trainer_nodes > 1) take their commands through the run's store, link.keys
-    with (sigterm_as_interrupt(), link,
-          TrainerGroup(model, tc, prec, cfg.model, algo, store, run_dir, link.keys, link.check) as group,
+    # other nodes: what they need to build their store and buffer
+    link = peers(cfg, tc, store, dict(precision=prec, max_seq_len=max_seq_len, pad_id=pad_id))
+    # SIGTERM (torchrun, Slurm, kill) = Ctrl-C: checkpoint, then stop. N ranks: spawned here, and
+    # `model` sharded in place (the optimizer holds shards); generators and reward workers are
+    # `workers`, stopped before the final evaluation and checkpoint
+    with (sigterm_as_interrupt(), link, ranks(model, tc, prec, cfg.model, algo, store, run_dir, link) as group,
           Workers() as workers):
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
@@ -168,6 +125,11 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
         def run_eval(tag):
             return evaluate_now(evaluate, group, prec, tok, logger, cfg, step, tag)
 
+        def check():  # every process of the run, wherever this one waits
+            workers.check()
+            group.check()
+            link.check()
+
         group.publish(version)
         per_version = tc.prompts_per_step * tc.sync_every
         control = link.control(workers.ctx, buffer, per_version, tc.max_staleness, tc.n_generators)
@@ -178,23 +140,9 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
         control.set_version(version, started=version * per_version + pending)
         if step == 0:
             run_eval("before")
-        ref = cfg.ref_model or cfg.model
-        gens = link.local_generators(tc.n_generators)  # several nodes: dist.trainer_node_generators here
-        n_rewards = tc.reward_workers if gens else 0  # several nodes: each node's generators, its own
-        names = [f"reward{r}" for r in range(n_rewards)] + [f"generator{r}" for r in gens]
-        hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/runtime/watchdog.py
-        workers.watch(hb, tc.stall_timeout, tc.stall_action)
-        if n_rewards > 0:
-            reward_fn = start_reward_workers(workers, hb, n_rewards, reward_factory, len(gens), cfg.gen.error_reward,
-                                             first=gens[0])
-        gen_control = link.generator_control(control)
-        for r in gens:
-            dev = _gen_device(tc.device, r - gens[0], tc.trainer_devices)
-            workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, ref, store, buffer, gen_control,
-                          prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
-                          beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
-        # who is who, for a debugger or py-spy (`py-spy dump --pid N`): every worker's pid
-        (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **link.pids(), **workers.pids()}) + "\n")
+        # the reward workers' client: held while the workers live (they share its queues and locks)
+        reward_fn = _start_generators(cfg, workers, link, group, run_dir, store, buffer, control, prompts, reward_fn,
+                                      reward_factory, max_seq_len, stop_token_ids, prec)
         bar = Progress(tc.steps, initial=step, desc=f"{cfg.name} ({tc.mode})")
         try:
             if tc.mode == "async":
@@ -204,17 +152,7 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
             gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
             while step < tc.steps:
                 t0 = time.perf_counter()
-                batch = None
-                while batch is None:
-                    batch = algo.next_batch(buffer, step, version, tc.mode == "sync")
-                    if batch is None:
-                        if time.perf_counter() - t0 > 2:  # say what we wait for (not on short waits)
-                            bar.waiting(lambda: f"data for step {step + 1}: buffer {len(buffer)}, "
-                                                f"{buffer.stats()['n_unconsumed']} unconsumed")
-                        workers.check()
-                        group.check()
-                        link.check()
-                        time.sleep(0.01)
+                batch = _next_batch(algo, buffer, step, version, tc.mode == "sync", bar, check)
                 t1 = time.perf_counter()
                 # versions behind the weights that train on it (0 = on-policy)
                 stale, multi_version = staleness(batch, version)
@@ -234,12 +172,10 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
                         link.publish(version)  # other nodes have it before the quota moves
                         control.set_version(version)
                         publish_s = time.perf_counter() - t2
-                    workers.check()
-                    group.check()
-                    link.check()
+                    check()
                 finally:
                     last, gen_prev = step_row(batch, stats, gnorm, sched.get_last_lr()[0], (t0, t1, t2), publish_s,
-                                               version, stale, multi_version, control, buffer, gen_prev)
+                                              version, stale, multi_version, control, buffer, gen_prev)
                     logger.log(step, **last)
                 bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
@@ -281,6 +217,54 @@ def _train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: 
         _reward_errors_note(control, cfg.gen.error_reward)
         logger.close()
     return last
+
+
+def _gen_device(train_device: str, rank: int, trainer_devices: int) -> str:
+    """Generator r's device: the GPUs after the trainer's N, shared round-robin when too few."""
+    if not train_device.startswith("cuda"):
+        return "cpu"
+    n = torch.cuda.device_count()
+    return f"cuda:{(trainer_devices + rank) % n}"
+
+
+def _start_generators(cfg, workers: Workers, link: Peers, group: OneRank, run_dir, store, buffer, control,
+                      prompts, reward_fn, reward_factory, max_seq_len: int, stop_token_ids: tuple, prec):
+    """This node's generators (and reward workers), watched for stalls; every process's pid in
+    workers.json, for a debugger or py-spy (`py-spy dump --pid N`). Returns the reward the
+    generators call: `reward_fn`, or the reward workers' client."""
+    tc = cfg.train
+    gens = link.local_generators(tc.n_generators)  # several nodes: dist.trainer_node_generators here
+    n_rewards = tc.reward_workers if gens else 0  # several nodes: each node's generators, its own
+    names = [f"reward{r}" for r in range(n_rewards)] + [f"generator{r}" for r in gens]
+    hb = Heartbeats(names, run_dir / "stacks")  # liveness: common/runtime/watchdog.py
+    workers.watch(hb, tc.stall_timeout, tc.stall_action)
+    if n_rewards > 0:
+        reward_fn = start_reward_workers(workers, hb, n_rewards, reward_factory, len(gens), cfg.gen.error_reward,
+                                         first=gens[0])
+    gen_control = link.generator_control(control)
+    for r in gens:
+        dev = _gen_device(tc.device, r - gens[0], tc.trainer_devices)
+        workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store, buffer,
+                      gen_control, prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
+                      beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
+    (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **link.pids(),
+                                                      **workers.pids()}) + "\n")
+    return reward_fn
+
+
+def _next_batch(algo: Algorithm, buffer: ReplayBuffer, step: int, version: int, sync: bool, bar: Progress,
+                check: Callable[[], None]):
+    """The algorithm's batch for `step`, waiting (and checking every process) until the buffer has it."""
+    t0 = time.perf_counter()
+    while True:
+        batch = algo.next_batch(buffer, step, version, sync)
+        if batch is not None:
+            return batch
+        if time.perf_counter() - t0 > 2:  # say what we wait for (not on short waits)
+            bar.waiting(lambda: f"data for step {step + 1}: buffer {len(buffer)}, "
+                                f"{buffer.stats()['n_unconsumed']} unconsumed")
+        check()
+        time.sleep(0.01)
 
 
 def _reward_errors_note(control: Control, error_reward: float) -> int:

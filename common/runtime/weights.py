@@ -26,7 +26,7 @@ Writer (publish): i = 1 - active; seq[i] += 1 (odd); copy every tensor into slot
 bver[i] = v; seq[i] += 1 (even); active = i; version = v. The writer never writes the slot
 readers are pointed at, so a reader retries only when two publishes land during one copy.
 A writer that dies mid-write leaves its slot odd but `active` still points at the good one.
-Sharded trainer (N ranks, `common/runtime/ranks/fsdp.py`): the same protocol split in three, so
+Sharded trainer (N ranks, `common/runtime/ranks/publish.py`): the same protocol split in three, so
 that every rank copies only its own rows and the version moves once: rank 0 `begin_write`
 (seq odd), a barrier, every rank `write_rows` of its shards into slot i, device sync and a
 barrier, rank 0 `end_write` (bver, seq even, active, version). Counters stay single-writer.
@@ -181,7 +181,7 @@ class WeightStore:
 
     def rows(self, slot: int, name: str, start: int, n: int) -> torch.Tensor:
         """Rows start..start+n of parameter `name` in `slot`, as a view (contiguous: dim 0 is the
-        outermost), for a transfer to land straight in the store (common/runtime/ranks/fsdp.py)."""
+        outermost), for a transfer to land straight in the store (common/runtime/ranks/publish.py)."""
         return self._views[slot][name][start:start + n]
 
     def end_write(self, slot: int, version: int) -> None:

@@ -1,12 +1,12 @@
 """A generator node: its generators, a weight receiver and a trajectory sender.
 
 Runs in the one process torchrun starts on a node whose role is "generator"
-(common/runtime/nodes/world.py); `train` hands over to `generator_node` right after the world is
+(common/runtime/nodes/world.py); the entry's `train` (common/train.py) hands over to `generator_node` right after the world is
 joined, with the same arguments every node got from the same command line. This process
 loads no model: it builds the node's `WeightStore` (the trainer's layout, from the "setup" key)
 and a local `ReplayBuffer` as the outbox, starts its `train.reward_workers` reward workers (an
 expensive reward is scored on the node that generates) and `train.n_generators` generator processes
-(`generator_main`, unchanged: a store, a buffer and a control, as on one node), a
+(`generator_main`, as on one node: a store, a buffer and a control), a
 `WeightReceiver` and a `TrajSender` thread, then watches all of them and the key "stop".
 
 Generator r of node j is generator number j * n_generators + r everywhere (its sampler seed,

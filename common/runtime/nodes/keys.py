@@ -1,5 +1,6 @@
-"""The run's key-value store as each node sees it, the `dist` config section, and how a node is
-named in errors (common/runtime/nodes/world.py has the world, its groups and the roles' entry points).
+"""The run's key-value store as each node sees it, each node's role, and how a node is named in
+errors (common/runtime/nodes/world.py has the world and its groups; the `dist` config section is
+common/runtime/train_config.py's).
 
 The store is a `TCPStore` the trainer process hosts (on torchrun's MASTER_ADDR) for the run's
 small keys: the published version and the acknowledgements, the staleness quota, trajectory
@@ -14,23 +15,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from common.runtime.launch import WorkerError
+from common.runtime.train_config import DistConfig
 
 _BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
-
-
-@dataclass
-class DistConfig:
-    trainer_nodes: int = 1          # under torchrun: nodes that run the trainer (world ranks 0..n-1); the others run generators
-    timeout: float = 300.0          # s: group creation, the start barrier, one weight or trajectory transfer, the final stop
-    ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
-    trainer_node_generators: int = 0  # generators the trainer node runs beside the trainer (claiming on the store like the others)
-    store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
 
 
 class NodeFailed(WorkerError):

@@ -1,18 +1,19 @@
-"""The trainer's side of the generator nodes, as one object the trainer loop calls at fixed
-points; with no other node (not under torchrun: the single-node path) every call does nothing.
+"""The trainer's side of the generator nodes: `TrainerLink`, the node layer's `Peers`
+(common/runtime/peers.py), which the trainer loop calls at fixed points; the entry (common/train.py)
+hands it to the loop on the first trainer node of a torchrun world.
 
 Two processes on the trainer node. The trainer never joins the torchrun world (a process holds
 one default group, and its own `train.trainer_devices` ranks keep theirs); it hosts the run's
 store and does everything that goes through keys. Its node-link process (`link_main`, spawned
 once the buffer exists) is world rank 0: it holds the groups, sends each publish (the weight
 store is shared memory, so it reads the slot the trainer's ranks just wrote) and runs the
-ingest thread that fills the trainer's buffer (shared memory too). In the order `train`
+ingest thread that fills the trainer's buffer (shared memory too). In the order the loop
 (common/runtime/trainer.py) calls it:
   TrainerLink(cfg, tc, store, setup)  hosts the store, puts what generator nodes need to build
                    their own store and buffer under the key "setup" (layout, precision, lengths)
   control(...)    the admission gate: the trainer's `Control`, mirrored to the store; starts
                   the node-link process and waits until the world is joined
-  publish(v)      after the local publish: the weights to every generator node (node_weights.py),
+  publish(v)      after the local publish: the weights to every generator node (nodes/weights.py),
                   by the node-link process, while this process keeps checking the nodes
   check()         raise `NodeFailed` if a node reported a failure, went silent (its beat counter
                   still for train.stall_timeout s: dead or hung) or a transfer broke (the
@@ -29,11 +30,12 @@ import time
 
 from common.runtime.generator import Control
 from common.runtime.launch import Workers
+from common.runtime.nodes.keys import NodeFailed, RunKeys
 from common.runtime.nodes.trajectories import Ingest, RemoteControl, StoreControl
 from common.runtime.nodes.weights import send_weights
 from common.runtime.nodes.world import generation, host_keys, join
-from common.runtime.nodes.keys import NodeFailed, RunKeys
-from common.runtime.ranks.group import RankFailed
+from common.runtime.peers import Peers
+from common.runtime.step import RankFailed
 from common.runtime.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop
@@ -111,40 +113,31 @@ def link_main(cfg, port: int, start: int, weights: WeightStore, buffer, t, stats
         node.close()
 
 
-class TrainerLink:
+class TrainerLink(Peers):
     """Module docstring. `setup`: what a generator node cannot work out itself (picklable)."""
 
     def __init__(self, cfg, tc, store: WeightStore, setup: dict):
         self.cfg, self.store, self._stopped = cfg, store, False
         self.stall_timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0  # a silent node fails the run
-        self.keys = host_keys(cfg, tc)  # None: one node
+        self.keys = host_keys(cfg, tc)
         self.workers = self._replies = None
         self._published, self._link_failed = -1, False
-        if self.keys is not None:
-            self.keys.put("setup", {**setup, "shapes": store.shapes()})
-            self.watch = NodeWatch(self.keys, self.stall_timeout)
+        self.keys.put("setup", {**setup, "shapes": store.shapes()})
+        self.watch = NodeWatch(self.keys, self.stall_timeout)
 
     def local_generators(self, n: int) -> range:
-        """The numbers of the generators this node runs (their seeds and statistics rows): all `n`
-        on one node; on a trainer node `dist.trainer_node_generators` of them, numbered after
-        every generator node's `n`."""
-        if self.keys is None:
-            return range(n)
+        """The trainer node's `dist.trainer_node_generators` generators, numbered after every
+        generator node's `n`."""
         first = n * len(self.keys.gen_ranks)
         return range(first, first + self.keys.cfg.trainer_node_generators)
 
     def generator_control(self, control: Control):
-        """What this node's generators claim with: the trainer's `Control` on one node; beside the
-        generator nodes, a `RemoteControl` that claims on the store (one counter for all) and
-        writes its statistics straight into the trainer's table."""
-        if self.keys is None:
-            return control
+        """Beside the generator nodes, a `RemoteControl` that claims on the store (one counter for
+        all) and writes its statistics straight into the trainer's table."""
         return RemoteControl(self.keys.host, self.keys.port, 0, self.keys.timeout, stats=control.stats)
 
     def control(self, ctx, buffer, prompts_per_version: int, max_staleness, n_generators: int) -> Control:
         """`n_generators`: per node (train.n_generators)."""
-        if self.keys is None:
-            return Control(ctx, prompts_per_version, max_staleness, n_generators)
         keys = self.keys
         rows = n_generators * len(keys.gen_ranks) + keys.cfg.trainer_node_generators  # generator nodes', then ours
         c = StoreControl(keys, ctx, prompts_per_version, max_staleness, rows)
@@ -162,8 +155,6 @@ class TrainerLink:
         return c
 
     def publish(self, version: int) -> None:
-        if self.keys is None:
-            return
         self._commands.put(("publish", version))
         while self._published < version:
             self.check()
@@ -188,8 +179,6 @@ class TrainerLink:
                 raise NodeFailed(*r[1:])
 
     def check(self) -> None:
-        if self.keys is None:
-            return
         if self.workers is not None:
             self._read_replies()
             self.workers.check()  # the node-link process died: WorkerError
@@ -198,7 +187,7 @@ class TrainerLink:
     def stop(self, timeout: float | None = None, failed: int | None = None) -> list[str]:
         """Stop every generator node (module docstring); returns the nodes that did not say done.
         `failed`: a node known dead or hung, not waited for."""
-        if self.keys is None or self._stopped:
+        if self._stopped:
             return []
         self._stopped, keys = True, self.keys
         keys.store.set("stop", "1")
@@ -221,16 +210,12 @@ class TrainerLink:
             pass
         return not self._link_failed
 
-    def __enter__(self) -> "TrainerLink":
-        return self
-
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if self.keys is not None:
-            try:
-                late = self.stop(_STOP_ON_ERROR_S if exc_type is not None else None,
-                                 exc.rank if isinstance(exc, NodeFailed) else None)
-                if late:
-                    print(f"[asyncrl] no word from {', '.join(late)} after the stop", flush=True)
-            finally:
-                self.keys.close()
+        try:
+            late = self.stop(_STOP_ON_ERROR_S if exc_type is not None else None,
+                             exc.rank if isinstance(exc, NodeFailed) else None)
+            if late:
+                print(f"[asyncrl] no word from {', '.join(late)} after the stop", flush=True)
+        finally:
+            self.keys.close()
         return False

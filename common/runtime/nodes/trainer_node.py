@@ -1,7 +1,7 @@
 """A trainer node after the first: its `train.trainer_devices` ranks of the trainer.
 
 Runs in the one process torchrun starts on world rank j, 0 < j < `dist.trainer_nodes`
-(common/runtime/nodes/world.py); `train` hands over to `trainer_node` before anything else. This
+(common/runtime/nodes/world.py); the entry's `train` (common/train.py) hands over to `trainer_node` before anything else. This
 process loads no model and draws nothing: it reads the run's store's address from torchrun's
 store (the world forms only after the trainer has built its buffer, while these ranks must
 join the trainer's group before that), waits for the setup the first node's trainer puts there

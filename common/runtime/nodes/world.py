@@ -1,16 +1,16 @@
 """Several nodes in one torchrun world: the launch, each node's role, the process groups, the
 run's key-value store.
 
-Torchrun starts one process per node (`--nproc-per-node=1`). On a generator node that process
-joins the world (`join`, called by `train` in common/runtime/trainer.py before anything else)
-and runs the node's generators; on a trainer node after the first it runs that node's trainer
-ranks (common/runtime/nodes/trainer_node.py). On the first trainer node it is today's trainer, which never joins
-the world itself: it hosts the run's store (`host_keys`) and its own ranks keep their private
-group (`train.trainer_devices`, common/runtime/ranks/group.py; a process holds one default
-group), while a node-link process it spawns stands for it as world rank 0 and moves weights and
-trajectories (common/runtime/nodes/link.py). Without torchrun (no `RANK` / `WORLD_SIZE` in the
-environment, or a world of one) both return None and nothing here runs: the single-node path is
-untouched.
+Torchrun starts one process per node (`--nproc-per-node=1`); the entry (common/train.py) reads its
+role here before anything else. On a generator node that process joins the world (`join`) and
+runs the node's generators (common/runtime/nodes/generator_node.py); on a trainer node after the
+first it runs that node's trainer ranks (common/runtime/nodes/trainer_node.py). On the first
+trainer node it is the trainer, as on one node, which never joins the world itself: it hosts the
+run's store (`host_keys`) and its own ranks keep their private group (`train.trainer_devices`,
+common/runtime/ranks/group.py; a process holds one default group), while a node-link process it
+spawns stands for it as world rank 0 and moves weights and trajectories
+(common/runtime/nodes/link.py). Without torchrun (no `RANK` / `WORLD_SIZE` in the environment, or
+a world of one: `under_torchrun`) the entry never comes here.
 
     torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \
         run_gsm8k.py --dist.trainer_nodes=1 ...
@@ -46,7 +46,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from common.config import to_dict
-from common.runtime.nodes.keys import DistConfig, NodeFailed, RunKeys, role_of
+from common.runtime.nodes.keys import NodeFailed, RunKeys, role_of
+from common.runtime.train_config import DistConfig, under_torchrun
 
 _STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
 
@@ -69,11 +70,6 @@ class NodeThread(threading.Thread):
     def stop(self) -> None:
         self.halt.set()
         self.join(timeout=self.node.timeout.total_seconds())
-
-
-def under_torchrun() -> bool:
-    """True in a process torchrun started in a world of more than one process."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
 _generation: list[int] = []  # this process's start of the world, once counted
@@ -116,7 +112,7 @@ def is_trainer_member_node(cfg) -> bool:
 
 
 def check(dc: DistConfig, tc, world: int) -> None:
-    """Configs this slice of the multi-node runtime refuses (clear errors before any group exists)."""
+    """Configs several nodes refuse (clear errors before any group exists)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) != 1:
         raise ValueError("several nodes: one process per node (torchrun --nproc-per-node=1); a node's "
                          "generators and trainer ranks are its own processes")
@@ -192,11 +188,9 @@ def _checked(cfg, tc) -> DistConfig:
     return dc
 
 
-def host_keys(cfg, tc) -> RunKeys | None:
+def host_keys(cfg, tc) -> RunKeys:
     """The trainer process under torchrun: the run's store, hosted here, as `RunKeys` (the world
-    itself is joined by its node-link process: common/runtime/nodes/link.py); None otherwise."""
-    if not under_torchrun():
-        return None
+    itself is joined by its node-link process: common/runtime/nodes/link.py)."""
     dc = _checked(cfg, tc)
     keys = RunKeys(dc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    None)

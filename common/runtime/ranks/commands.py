@@ -2,7 +2,7 @@
 
 Ranks on the trainer's own node read rank 0's commands from a queue each
 (common/runtime/ranks/group.py); a rank on another trainer node (common/runtime/nodes/trainer_node.py)
-reads the same commands, in the same order, from the run's store (common/runtime/nodes/world.py): the
+reads the same commands, in the same order, from the run's store (common/runtime/nodes/keys.py): the
 n-th one under `trainer/cmd/<n>`, pickled (a step's batch by value). `StoreCommands` looks like
 a queue to `rank_main`, so a remote rank runs exactly the loop a local one does.
 

@@ -1,29 +1,29 @@
-"""The trainer's ranks as one object for rank 0 (ranks 1..N-1 run `rank_main`,
-common/runtime/ranks/rank.py).
+"""The trainer's ranks as one object for rank 0: `TrainerGroup`, the rank layer's `OneRank`
+(common/runtime/step.py), which the trainer loop calls the same way (ranks 1..N-1 run
+`rank_main`, common/runtime/ranks/rank.py).
 
 Processes: `TrainerGroup` lives in the launching process, which is rank 0 and the coordinator
 (it draws batches, runs the algorithm's batch logic, logs, evaluates, checkpoints). With
-N = `train.trainer_devices` > 1 it spawns ranks 1..N-1 (`rank_main`) through a `Workers` of
-their own, joins them in a process group, shards its model (`common/runtime/ranks/fsdp.py`) and
-drives them with commands, one queue per rank:
+N = `train.trainer_devices` > 1 (the entry, common/train.py, picks it then) it spawns ranks
+1..N-1 (`rank_main`) through a `Workers` of their own, joins them in a process group, shards its
+model (common/runtime/ranks/fsdp.py) and drives them with commands, one queue per rank:
 
-    ("step", step, lr, batch)   every rank: ranks.update on the whole batch, its share of micro-batches
-    ("publish", version)        every rank copies its rows into the weight store
+    ("step", step, lr, batch)   every rank: step.update on the whole batch, its share of micro-batches
+    ("publish", version)        every rank copies its rows into the weight store (publish.py)
     ("gather",)                 every rank helps gather the full model onto rank 0 (evaluation)
-    ("save", dir, lrs)          every rank writes its shards of a checkpoint (rank_state.write_state)
-    ("load", dir, stepped)      every rank loads its shards (rank_state.read_state)
+    ("save", dir, lrs)          every rank writes its shards of a checkpoint (fsdp.write_shards)
+    ("load", dir, stepped)      every rank loads its shards (fsdp.read_shards)
     ("stop",)
 
 Rank 0 sends a command, then does its own part of the same collective work; the batch travels
-as shared-memory tensors. With N = 1 there is no process group and no worker: every method
-runs on the plain model, as the trainer did before it could be sharded.
+as shared-memory tensors.
 
 Several trainer nodes (`dist.trainer_nodes` = T > 1 under torchrun): N = T x trainer_devices
 ranks, node j running ranks j D .. (j + 1) D - 1 (D = trainer_devices). Node j > 0's ranks are
 spawned by that node's process (common/runtime/nodes/trainer_node.py) from the setup rank 0 puts on
-the run's store, join the same group through rank 0's TCPStore (on torchrun's MASTER_ADDR), and
-read the same commands from the run's store (common/runtime/ranks/commands.py). At a publish
-they send their rows to rank 0, which writes them into its store (common/runtime/ranks/fsdp.py).
+the run's store (the peers' `keys`), join the same group through rank 0's TCPStore (on torchrun's
+MASTER_ADDR), and read the same commands from the run's store (common/runtime/ranks/commands.py).
+At a publish they send their rows to rank 0, which writes them into its store (publish.py).
 
 Faults: a waiting rank polls its queue and beats its heartbeat, and beats while it trains,
 so the watchdog (`common/runtime/watchdog.py`) can tell a hung rank from an idle one; the
@@ -46,13 +46,16 @@ from common.algorithm import Algorithm
 from common.batch import Batch
 from common.engine.precision import Precision
 from common.micro import set_ranks
-from common.runtime.checkpoint import load_checkpoint, save_checkpoint
+from common.runtime.checkpoint import ResumeState, load_checkpoint, save_checkpoint
 from common.runtime.launch import WorkerError, Workers
+from common.runtime.peers import Peers
 from common.runtime.pickling import check_sendable, dumps
 from common.runtime.ranks.commands import CommandSender
-from common.runtime.ranks.fsdp import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device,
-                                  resolve_reshard, shard, update)
+from common.runtime.ranks.fsdp import full_model, init_group, rank_device, read_shards, resolve_reshard, shard, write_shards
+from common.runtime.ranks.publish import publish_shards
 from common.runtime.ranks.rank import RankSetup, rank_main
+from common.runtime.ranks.share import Share
+from common.runtime.step import OneRank, RankFailed, update
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
 
@@ -60,34 +63,37 @@ _BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the 
 _REMOTE_STOP_S = 30.0  # at the end, how long rank 0 waits for the other trainer nodes to see "stop"
 
 
-class RankFailed(WorkerError):
-    """A trainer rank died, raised or hung (the message names it). Its shards are gone with it,
-    so no checkpoint can be written: --resume continues from the last one."""
-
-
-class TrainerGroup:
+class TrainerGroup(OneRank):
     """Rank 0's handle (module docstring). Use as a context manager; `model` is sharded in place."""
 
+    @staticmethod
+    def model_device(tc) -> str:
+        """Rank 0's device: cuda:0 on GPUs."""
+        return rank_device(tc.device, 0)
+
     def __init__(self, model, tc, prec: Precision, model_path: str, algo: Algorithm, store: WeightStore, run_dir,
-                 keys=None, check_nodes=lambda: None):
-        # keys: the run's store (RunKeys) under torchrun, None on one node; check_nodes raises for a
-        # failed trainer node (TrainerLink.check)
-        self.model, self.algo, self.store, self.keys = model, algo, store, keys
+                 peers: Peers | None = None):
+        # peers.keys: the run's store (RunKeys) under torchrun, None on one node; peers.check raises
+        # for a failed trainer node (TrainerLink.check)
+        peers = peers or Peers(None, tc, store, {})
+        self.model, self.algo, self.store, self.keys = model, algo, store, peers.keys
         self.local = tc.trainer_devices
-        self.world = self.local * (keys.cfg.trainer_nodes if keys is not None else 1)
-        self.device, self.check_nodes = model.device, check_nodes
+        self.world = self.local * (self.keys.cfg.trainer_nodes if self.keys is not None else 1)
+        self.device, self.check_nodes = model.device, peers.check
         # a whole trainer node lost (its process and ranks) says nothing: its silence is named
         # after the stall timeout (common/runtime/nodes/link.py: NodeWatch), so wait that long for it
         stall = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         self._blame_s = max(_BLAME_WAIT_S, stall + 1.0) if self.world > self.local else _BLAME_WAIT_S
         self.workers, self.share, self.queues, self._remote = None, None, [], None
-        if self.world > 1:
-            try:
-                self._start(tc, prec, model_path, Path(run_dir))
-            except BaseException:  # no `with` block yet to clean up: stop what did start
-                self.close()
-                raise
-        self.opt = make_optimizer(model, tc.lr, tc.weight_decay)
+        if self.world == 1:
+            raise ValueError("TrainerGroup is N > 1 ranks: one rank is OneRank (common/runtime/step.py; "
+                             "common/train.py: trainer_ranks picks)")
+        try:
+            self._start(tc, prec, model_path, Path(run_dir))
+        except BaseException:  # no `with` block yet to clean up: stop what did start
+            self.close()
+            raise
+        super().__init__(model, tc, prec, model_path, algo, store, run_dir, peers)  # the optimizer, over the shards
 
     def _start(self, tc, prec, model_path, run_dir):
         # by value (cloudpickle: a loss or an Algorithm subclass defined in a notebook is fine), and
@@ -129,16 +135,12 @@ class TrainerGroup:
             return update(self.algo, self.model, self.opt, batch.to(self.device), step, grad_clip, self.share)
 
     def publish(self, version: int) -> None:
-        if self.world == 1:
-            return self.store.publish(self.model, version)
         with self._collective():
             self._send("publish", version)
             publish_shards(self.model, self.store, version, 0, self.world, self.local)
 
     def full_model(self):
-        """The whole model on rank 0's device (N > 1: gathered, a copy; N = 1: the model)."""
-        if self.world == 1:
-            return self.model
+        """The whole model on rank 0's device: gathered, a copy."""
         with self._collective():
             self._send("gather")
             return full_model(self.model).to(self.device)
@@ -149,14 +151,19 @@ class TrainerGroup:
             # with rank 0's learning rates: DCP saves one rank's param_groups, and ranks 1..N-1 hold
             # the rate of their last step while rank 0's scheduler has already moved on
             lrs = [g["lr"] for g in self.opt.param_groups]
-            notify = (lambda d: self._send("save", d, lrs)) if self.world > 1 else None
-            return save_checkpoint(run_dir, step, self.model, self.opt, sched, notify=notify, **kw)
 
-    def load(self, path, sched):
+            def write(d):
+                self._send("save", d, lrs)  # the other ranks write their shards now, beside ours
+                return write_shards(d, self.model, self.opt)
+            return save_checkpoint(run_dir, step, self.model, self.opt, sched, write=write, **kw)
+
+    def load(self, path, sched) -> ResumeState:
         """`load_checkpoint` with every rank loading its shards (after rank 0 checked them)."""
         with self._collective():
-            notify = (lambda d, stepped: self._send("load", d, stepped)) if self.world > 1 else None
-            return load_checkpoint(path, self.model, self.opt, sched, notify=notify)
+            def read(d, stepped):
+                self._send("load", d, stepped)
+                read_shards(d, self.model, self.opt, stepped)
+            return load_checkpoint(path, self.model, self.opt, sched, read=read)
 
     def _send(self, *cmd) -> None:
         for q in self.queues:
@@ -181,9 +188,6 @@ class TrainerGroup:
     def _collective(self):
         """Rank 0's part of a command: an error another rank caused is reported as that rank's
         (RankFailed); a Ctrl-C waits for the end of the command (module docstring)."""
-        if self.world == 1:
-            yield
-            return
         prev = set_ranks(self.share)  # only while the command runs: another group may share this process
         try:
             with _deferred_interrupt():
@@ -233,13 +237,6 @@ class TrainerGroup:
                         self.keys.store.check([f"done/{j}"]) or self.keys.store.check([f"failed/{j}"]) for j in nodes):
                     time.sleep(0.05)
         self._tcp = None  # rank 0's rendezvous server goes with it
-
-    def __enter__(self) -> "TrainerGroup":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        self.close(failed=exc_type is not None)
-        return False
 
 
 def _rank_failed(e: Exception) -> RankFailed:

@@ -18,9 +18,10 @@ from common.algorithm import Algorithm
 from common.engine.precision import Precision
 from common.micro import set_ranks
 from common.runtime.process import set_process_defaults
-from common.runtime.rank_state import read_state, write_state
-from common.runtime.ranks.fsdp import (Share, full_model, init_group, make_optimizer, publish_shards, rank_device, shard,
-                                  update)
+from common.runtime.ranks.fsdp import full_model, init_group, rank_device, read_shards, shard, write_shards
+from common.runtime.ranks.publish import publish_shards
+from common.runtime.ranks.share import Share
+from common.runtime.step import make_optimizer, update
 from common.runtime.weights import WeightStore
 
 _PHASE = {"step": "training", "publish": "publishing", "gather": "gathering", "save": "checkpointing",
@@ -44,7 +45,6 @@ class RankSetup:
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
     grad_clip: float          # max global grad norm; 0 = off
-
 
 
 def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore, commands, beat, *, stop_event):
@@ -90,11 +90,11 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
                 for g, lr in zip(opt.param_groups, args[1]):
                     g["lr"] = lr
                 try:
-                    write_state(args[0], model, opt)
+                    write_shards(args[0], model, opt)
                 except Exception as e:  # DCP raises a failed write on every rank; rank 0 reports it
                     print(f"[trainer{rank}] checkpoint shards not written: {type(e).__name__}: {e}", flush=True)
             elif kind == "load":
-                read_state(args[0], model, opt, args[1])
+                read_shards(args[0], model, opt, args[1])
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
