@@ -13,12 +13,13 @@ What is here: the data (`--data.source`: a folder with train/val.jsonl rows {"do
 "summary"}, a `datasets` folder, or a hub id whose rows have post/prompt and summary/completion
 fields, e.g. trl-lib/tldr), the prompt (the post, truncated on a sentence boundary to
 `data.max_post_tokens`, in the model's chat template with a summarisation instruction, or the
-papers' "<post>\\nTL;DR:"), the reward, the offline reward models, the evaluation, presets, main().
+papers' "<post>\\nTL;DR:"), the evaluation, presets, main(). The reward models (scoring, and
+training the offline ones) are tldr_reward_model.py's.
 
 Reward: r(x, y) = RM(post, summary), the scalar head of any Hugging Face sequence-classification
 reward model (`common/reward_model.py`), run batched in reward-worker processes; a summary cut at
 `gen.max_new_tokens` without EOS gets `gen.no_stop_reward` (paper: -1) instead. TBA's target is
-pi_ref(y|x) exp(r / beta). Offline default RMs: MiniLM cross-encoders fine-tuned here with the
+pi_ref(y|x) exp(r / beta). Offline default RMs: MiniLM cross-encoders fine-tuned with the
 Bradley-Terry loss on pairs built from the local sample (`train-rm`): the true TL;DR is preferred
 over another post's TL;DR, the post's lead sentence, a truncated and a shuffled TL;DR. The policy
 RM sees the first half of the training posts, the "gold" RM (evaluation only, as the papers judge
@@ -61,12 +62,8 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
-import random
 import re
-import shutil
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -74,14 +71,14 @@ from typing import Literal, Optional
 from common import task
 from common.batch import PromptSet
 from common.data import default_data_dir, load_examples
-from common.embed import minilm_dir
-from common.engine.hf_io import cache_root, load_model
+from common.engine.hf_io import load_model
 from common.engine.hf_save import tokenizer_stop_ids
 from common.evaluate import bootstrap_diff, completion_logps, greedy_completions, win_vector
-from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
+from common.reward_model import RewardModel
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
+from tldr_reward_model import RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts, train_offline_rms
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
 INSTRUCTION = "Summarize this Reddit post in one sentence."
@@ -165,16 +162,6 @@ class RewardConfig:
 
 
 @dataclass
-class RMTrainConfig:
-    pairs_per_post: int = 2             # rejected summaries per post, drawn from the four kinds (other post's, lead, truncated, shuffled)
-    epochs: int = 1                     # passes over the pairs
-    lr: float = 1e-4                    # AdamW, linear decay
-    batch_size: int = 16                # pairs per step
-    freeze_layers: int = 3              # embeddings + the first N of MiniLM's 6 layers frozen (halves the backward)
-    eval_posts: int = 100               # held-out validation posts (x 4 pairs) for pair accuracy (never trained on)
-
-
-@dataclass
 class TLDRConfig(task.RunConfig):
     name: str = "tldr_tba"              # run directory name under run_root
     # CPU preset (run times, RM training included: BENCHMARKS.md, "TL;DR"): 2 posts x 4 summaries of
@@ -228,93 +215,12 @@ def make_config(argv: list[str] | None = None) -> TLDRConfig:
     return task.make_config(TLDRConfig(), argv, presets={"gpu": gpu_preset, "paper": paper_preset}, description=__doc__)
 
 
-# -------------------------------------------------------------------------------- reward models
-def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int, device: str = "cpu"):
-    """Reward-worker factory (common/runtime/reward_service.py): load the RM once, then score a group
-    fn(summaries, posts) in one batched call."""
-    rm = RewardModel(path, device=device, max_tokens=max_tokens, batch_size=batch_size, input=input)
-    return lambda texts, posts: rm.score(rm_prompts(rm, posts), [t.strip() for t in texts])
-
-
-def rm_prompts(rm, posts: list[str]) -> list[str]:
-    """What an RM sees before the summary: the post (a sentence pair for encoder RMs), or the
-    papers' "<post>\nTL;DR:" when post and summary are one text (decoder RMs such as Pythia's)."""
-    return list(posts) if rm.pair else [f"{p}\nTL;DR:" for p in posts]
-
-
-def offline_rm_dir(which: str) -> Path:
-    return cache_root() / "tldr_rm" / which
-
-
-def preference_pairs(examples: list[TLDRExample], per_post: int, seed: int) -> list[tuple[str, str, str, str]]:
-    """(post, chosen = the true TL;DR, rejected, kind) with `per_post` kinds drawn per post of:
-    another post's TL;DR, the post's lead sentence, the TL;DR cut to its first half, shuffled."""
-    rng = random.Random(seed)
-    out = []
-    for i, ex in enumerate(examples):
-        post, words = " ".join(ex.sentences), ex.summary.split()
-        for kind in rng.sample(["other", "lead", "truncated", "shuffled"], per_post):
-            if kind == "other":
-                rej = examples[(i + rng.randrange(1, len(examples))) % len(examples)].summary
-            elif kind == "lead":
-                rej = ex.sentences[0]
-            elif kind == "truncated":
-                rej = " ".join(words[:max(1, len(words) // 2)])
-            else:
-                rej = " ".join(rng.sample(words, len(words)))
-            if rej.strip() != ex.summary.strip():
-                out.append((post, ex.summary, rej, kind))
-    return out
-
-
-def train_offline_rms(cfg: TLDRConfig) -> dict:
-    """Fine-tune the policy RM and the gold RM from MiniLM (Bradley-Terry), report held-out
-    pair accuracy on the eval split, save both as Hugging Face directories in the cache."""
-    from transformers import AutoModelForSequenceClassification  # lazy: slow import, train-rm only
-    base = minilm_dir()
+def train_rms(cfg: TLDRConfig) -> dict:
+    """`train-rm`: the offline reward models (tldr_reward_model.py) from the first `data.train_limit`
+    training posts, their pair accuracy on `rm.eval_posts` held-out posts of the eval split."""
     train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
     val_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.rm.eval_posts, cfg.data.hub_config)
-    held_out = preference_pairs(val_ex, 4, seed=2)
-    half, report = len(train_ex) // 2, {}
-    for which, exs, seed in (("policy", train_ex[:half], 0), ("gold", train_ex[half:], 1)):
-        t = time.perf_counter()
-        pairs = preference_pairs(exs, cfg.rm.pairs_per_post, seed)
-        rm = RewardModel(str(base), max_tokens=cfg.reward.max_tokens, batch_size=32, input="pair",
-                         model=AutoModelForSequenceClassification.from_pretrained(base, num_labels=1))
-        stats = train_bradley_terry(rm, [p[:3] for p in pairs], cfg.rm.epochs, cfg.rm.lr, cfg.rm.batch_size, seed,
-                                    cfg.rm.freeze_layers)
-        by_kind = {k: pair_accuracy(rm, [p[:3] for p in held_out if p[3] == k])
-                   for k in ("other", "lead", "truncated", "shuffled")}
-        acc = sum(by_kind[p[3]] for p in held_out) / len(held_out)  # pair-weighted mean over kinds
-        report[which] = {"posts": len(exs), "pairs": len(pairs), "seed": seed, **stats, "held_out_pairs": len(held_out),
-                         "held_out_acc": acc, "held_out_acc_by_kind": by_kind,
-                         "train_s": time.perf_counter() - t}
-        out = offline_rm_dir(which)
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        rm.save(tmp)
-        (tmp / "rm_report.json").write_text(json.dumps(report[which], indent=2) + "\n")  # last: marks it complete
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        print(f"[tldr] {which} RM: held-out pair accuracy {acc:.3f} (by kind "
-              + ", ".join(f"{k} {v:.2f}" for k, v in by_kind.items()) + f"), {report[which]['train_s']:.0f} s -> {out}")
-    return report
-
-
-def resolve_rm(value: str, which: str, cfg: TLDRConfig) -> str:
-    """A reward model: a local directory or a hub id (owner/name, loaded by transformers) as given,
-    or for "offline" the cached MiniLM RM (trained now if missing)."""
-    if value != "offline":
-        hub_id = value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).exists()
-        if not (Path(value).is_dir() or hub_id):
-            raise FileNotFoundError(f"reward model {value!r} is neither a local directory nor a hub id (a Hugging "
-                                    f"Face sequence-classification checkpoint), or use 'offline' (python run_tldr.py train-rm)")
-        return value
-    d = offline_rm_dir(which)
-    if not (d / "rm_report.json").is_file():
-        print(f"[tldr] no offline {which} reward model in {d}: training both now (python run_tldr.py train-rm)")
-        train_offline_rms(cfg)
-    return str(d)
+    return train_offline_rms(train_ex, val_ex, cfg.rm, cfg.reward.max_tokens)
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -363,7 +269,7 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     if argv[:1] == ["train-rm"]:
         cfg = make_config(argv[1:])
         task.setup(cfg)
-        return train_offline_rms(cfg)
+        return train_rms(cfg)
     cfg = make_config(argv)
     if reward is None and cfg.train.reward_workers < 1:
         raise ValueError("TL;DR scores with a reward model in reward-worker processes: --train.reward_workers >= 1")
@@ -371,8 +277,8 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
     eval_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.data.eval_size, cfg.data.hub_config)
     # reward models only where they are used: the policy RM for the task's own reward, the gold RM to evaluate
-    rm_path = resolve_rm(cfg.reward.model, "policy", cfg) if reward is None else None
-    gold_path = resolve_rm(cfg.reward.gold_model, "gold", cfg) if cfg.data.eval_size else None
+    rm_path = resolve_rm(cfg.reward.model, "policy", lambda: train_rms(cfg)) if reward is None else None
+    gold_path = resolve_rm(cfg.reward.gold_model, "gold", lambda: train_rms(cfg)) if cfg.data.eval_size else None
     tok = task.tokenizer_of(cfg)
 
     def encode(examples):

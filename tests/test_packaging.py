@@ -1,5 +1,5 @@
-"""pyproject.toml (`pip install -e .`) lists every package and task script, and its dependencies
-are requirements.txt's (what CI installs), cloudpickle among them."""
+"""pyproject.toml (`pip install -e .`) lists every package, task script and module beside them, and
+its dependencies are requirements.txt's (what CI installs), cloudpickle among them."""
 import tomllib
 from pathlib import Path
 
@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_pyproject_covers_every_package_and_task_script():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
     st = cfg["tool"]["setuptools"]
-    assert sorted(st["py-modules"]) == sorted(p.stem for p in ROOT.glob("run_*.py"))
+    assert sorted(st["py-modules"]) == sorted(p.stem for p in ROOT.glob("*.py"))
     include = st["packages"]["find"]["include"]
     for init in ROOT.glob("*/__init__.py"):
         if init.parent.name != "tests":

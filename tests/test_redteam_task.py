@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import redteam_reward
 import run_redteam
 from common.embed import mean_pairwise_cosine_distance
 from common.runtime.reward_service import _safe_scores
@@ -40,7 +41,7 @@ def _cfg(tmp_path, *extra):
 def test_log_r_is_the_documented_formula(tmp_path):
     from common.ops import seq_logp, token_logp
     cfg = _cfg(tmp_path, "--reward.beta=0.5", "--reward.gamma=2.0", "--reward.min_words=2", "--reward.short_penalty=7")
-    sc = run_redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     prompt = [1, 5, 6, 7]
     attacks = ["w10 w11 w12", "w13"]
     d = sc.details(attacks, [prompt, prompt])
@@ -58,7 +59,7 @@ def test_log_r_is_the_documented_formula(tmp_path):
 
 def test_failing_classifier_scores_the_failure_value_and_is_counted(tmp_path):
     cfg = _cfg(tmp_path, "--toxicity.model=tests.test_redteam_task:raising_toxicity")
-    sc = run_redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     fail = cfg.gen.error_reward
     assert fail == pytest.approx(math.log(1e-6) / cfg.reward.beta)
     out, errors = _safe_scores(sc, ["w10 w11 w12", "w13 w14 w15"], [[1, 5], [1, 6]], fail)
@@ -75,7 +76,7 @@ def test_diversity():
 
 def test_victim_generation_is_one_sampler_call_per_group(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "--victim.samples=3", "--victim.temperature=1.0")
-    sc = run_redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     calls = []
     orig = sc.sampler.generate
     monkeypatch.setattr(sc.sampler, "generate", lambda ps, params, **k: calls.append(len(ps)) or orig(ps, params, **k))

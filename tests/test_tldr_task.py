@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import run_tldr
+import tldr_reward_model
 from common.evaluate import bootstrap_diff, win_vector
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
 from tests import tiny
@@ -127,7 +128,7 @@ def test_bootstrap_interval():
 
 def test_preference_pairs_kinds():
     ex = [run_tldr.TLDRExample([f"s{i} one .", "two ."], f"tl dr number {i}") for i in range(5)]
-    pairs = run_tldr.preference_pairs(ex, 4, seed=0)
+    pairs = tldr_reward_model.preference_pairs(ex, 4, seed=0)
     assert {p[3] for p in pairs} == {"other", "lead", "truncated", "shuffled"}
     assert all(p[1] != p[2] for p in pairs) and all(p[1] == ex[int(p[0][1])].summary for p in pairs)
 
