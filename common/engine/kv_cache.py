@@ -17,7 +17,7 @@ Memory: ((max_batch + 1) x max_prompt_len + max_batch x max_seq_len) positions p
 2 x Hkv x hd values (K and V); pass the longest prompt as max_prompt_len (the generators, the
 eval and the benchmark do), else it defaults to max_seq_len - 1 and the prompt store is as big
 as the slots. Owned by one `Sampler` in one process: no locking. The sampler keeps live slots
-and entries at the lowest indices (`Sampler._compact`), so decode reads rows 0..B-1 and
+and entries at the lowest indices (`LiveBatch._compact`, common/engine/live_batch.py), so decode reads rows 0..B-1 and
 entries 0..E-1 as views (no gather of K/V).
 
 Prefill runs `Transformer.hidden(..., cache=self)` after the sampler sets a mode, and every

@@ -20,6 +20,8 @@ Schedule of one `step()`:
   4. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees its
      slot at once, so step 1 refills it next step (short answers never wait for long); a prompt
      entry is freed when its last sample finishes.
+The bookkeeping of steps 2 and 4 (which request holds which slot and entry, compaction, the
+step's membership, handing finished samples out) is `LiveBatch`'s (common/engine/live_batch.py).
 
 Interruption (AReaL): `update_weights(fn, version, mode="interrupt")` loads weights now and
 re-prefills every live prompt, then every in-flight sample's generated tokens but the last
@@ -30,9 +32,7 @@ end on the old weights, then loads.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -40,38 +40,13 @@ from common.engine.decode import GraphedDecode, Rows, Shape, captured_shape, dec
 from common.engine.decode_attention import flash_available
 from common.engine.decode_model import DecodeModel
 from common.engine.kv_cache import KVCache
+from common.engine.live_batch import LiveBatch, Request, Seq
 from common.engine.prefill import prefill_continuations, prefill_prompts
 from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
 from common.engine.slot_log import SlotLog
 
 
-@dataclass
-class _Request:
-    request_id: int
-    prompt: list[int]
-    params: SamplingParams
-    next_sample: int = 0  # samples 0..next_sample-1 have been admitted
-    entry: int = -1       # its prompt's prefix entry in the cache, -1 before admission
-    live: int = 0         # samples in flight; the entry is freed when all are admitted and done
-    logits: torch.Tensor | None = None  # (V,) last prompt logits / T_eff while samples wait for slots
-
-
-@dataclass
-class _Seq:  # one in-flight sample occupying one slot (its tokens so far: the sampler's SlotLog, whose
-    req: _Request         # count - 1 is also the slot column of its pending token)
-    out: Completion       # filled from the SlotLog when the sample is handed out
-
-
-def _compaction(items: list) -> tuple[list[int], list[int]]:
-    """(src, dst): the busy indices above the lowest free ones, highest first, paired with the
-    free indices below them, lowest first, so that the busy ones become a prefix."""
-    free = [i for i, x in enumerate(items) if x is None]
-    busy = [i for i in range(len(items) - 1, -1, -1) if items[i] is not None]
-    pairs = [(b, f) for f, b in zip(free, busy) if f < b]  # free rises, busy falls: stop where they cross
-    return [b for b, _ in pairs], [f for _, f in pairs]
-
-
-class Sampler:
+class Sampler(LiveBatch):
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
@@ -96,11 +71,11 @@ class Sampler:
         dev = model.device
         kv_dtype = kv_dtype or getattr(model, "kv_dtype", None) or model.dtype
         self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, max_prompt_len=self.max_prompt_len)
-        self.entries: list[_Request | None] = [None] * self.cache.max_prefixes  # prompt store owners
+        self.entries: list[Request | None] = [None] * self.cache.max_prefixes  # prompt store owners
         self.version = version                      # stamped on every token sampled from now on
         self.seed = seed                            # with request id, sample index and token index: the uniforms
-        self.queue: deque[_Request] = deque()
-        self.slots: list[_Seq | None] = [None] * max_batch
+        self.queue: deque[Request] = deque()
+        self.slots: list[Seq | None] = [None] * max_batch
         self.rows = Rows.allocate(max_batch, self.cache.max_prefixes, dev)
         self.log = SlotLog(max_batch, max_seq_len)  # host: tokens, log-probs, versions per slot
         if cuda_graphs is None:
@@ -141,7 +116,7 @@ class Sampler:
         self.check_request(prompt, params)
         rid = self._next_id if request_id is None else request_id
         self._next_id = max(self._next_id, rid + 1)
-        self.queue.append(_Request(rid, prompt, params))
+        self.queue.append(Request(rid, prompt, params))
         return rid
 
     @property
@@ -166,7 +141,7 @@ class Sampler:
             return
         self._apply(load_fn, version)
 
-    def _prefill(self, reqs: list[_Request]) -> None:
+    def _prefill(self, reqs: list[Request]) -> None:
         """Prompts of `reqs` into their entries; keeps each request's last logits / T_eff (V,)
         while it has samples waiting for slots (`common/engine/prefill.py`)."""
         if not reqs:
@@ -221,7 +196,7 @@ class Sampler:
         if not self.queue or self._pending_update is not None:
             return []
         free = [s for s, q in enumerate(self.slots) if q is None]
-        plan: list[tuple[_Request, list[int]]] = []
+        plan: list[tuple[Request, list[int]]] = []
         for req in self.queue:
             if not free or self._pending_update is not None:
                 break
@@ -239,7 +214,7 @@ class Sampler:
         for req, take in plan:
             p, P = req.params, len(req.prompt)
             for s in take:
-                self.slots[s] = _Seq(req, Completion(req.request_id, req.next_sample, req.prompt))
+                self.slots[s] = Seq(req, Completion(req.request_id, req.next_sample, req.prompt))
                 self.log.start(s, min(p.max_new_tokens, self.max_seq_len - P), p.stop_token_ids)
                 rids.append(req.request_id)
                 sidx.append(req.next_sample)
@@ -259,89 +234,6 @@ class Sampler:
                          uniforms(r.key[rows], torch.zeros_like(rows)), *self._flags(params))
         r.tok[rows] = tok
         return self._record(slots, torch.stack((tok.double(), lp.double())).cpu())
-
-    @staticmethod
-    def _flags(params: list[SamplingParams]) -> tuple[bool, bool]:
-        """(some row is top-k / top-p filtered, some row is greedy): work `sample` may skip."""
-        return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
-
-    def _compact(self) -> None:
-        """Move the highest busy slots into the lowest free ones (and likewise for prompt entries)
-        so the busy ones are a prefix, so decode, which runs over rows 0..hi-1, never computes
-        idle rows. Only matters when the queue cannot refill freed slots (the tail of a batch,
-        where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). All of a
-        step's moves are one copy per cache store and per row tensor (a few kernel launches,
-        not a few per moved sample and layer)."""
-        if self._compacted == self._epoch:  # nothing started or ended since the last compaction
-            return
-        src, dst = _compaction(self.slots)
-        if src:
-            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1)  # own columns written so far
-            si, di = (torch.tensor(x, device=self.rows.tok.device) for x in (src, dst))
-            for t in self.rows.per_slot():
-                t[di] = t[si]
-            self.rows.active[si] = False
-            self.log.move(src, dst)
-            for s, d in zip(src, dst):
-                self.slots[d], self.slots[s] = self.slots[s], None
-        src, dst = _compaction(self.entries)
-        if src:
-            self.cache.move_entries(src, dst, max(len(self.entries[s].prompt) for s in src))
-            for s, d in zip(src, dst):
-                self.entries[d], self.entries[s] = self.entries[s], None
-                self.entries[d].entry = d
-        self._changed()
-        self._compacted = self._epoch
-
-    def _changed(self) -> None:
-        """Samples started, ended or moved: the step's membership is computed again."""
-        self._epoch += 1
-        self._members = None
-
-    def _membership(self):
-        """(busy slots as a numpy array and a list, B, E, n, P, flags) of the live batch, or None."""
-        if self._members is None:
-            busy = [s for s, q in enumerate(self.slots) if q is not None]
-            if not busy:
-                return None
-            seqs = [self.slots[s] for s in busy]
-            counts: dict[int, int] = {}
-            for q in seqs:
-                counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
-            self._members = (np.asarray(busy, dtype=np.int64), busy, busy[-1] + 1, max(counts) + 1,
-                             max(counts.values()), max(len(q.req.prompt) for q in seqs),
-                             self._flags([q.req.params for q in seqs]))
-        return self._members
-
-    def _release(self, req: _Request) -> None:
-        """Free a request's prompt entry once all its samples were admitted and have finished."""
-        if req.live == 0 and req.next_sample == req.params.n and req.entry >= 0:
-            self.entries[req.entry] = None
-            req.entry = -1
-
-    def _record(self, slots: list[int], out: torch.Tensor, slots_np: np.ndarray | None = None) -> list[Completion]:
-        """Append each slot's new token (out: (2, len(slots)) host tensor, tokens and log-probs);
-        free the slots whose sample is finished (a stop token, max_new_tokens or max_seq_len)."""
-        slots_np = np.asarray(slots, dtype=np.int64) if slots_np is None else slots_np
-        fin, stopped = self.log.append(slots_np, out[0].numpy().astype(np.int64), out[1].numpy(), self.version)
-        finished, done = [], slots_np[fin].tolist()
-        for s, stop in zip(done, stopped[fin].tolist()):
-            seq = self.slots[s]
-            self.log.fill(s, seq.out)
-            seq.out.finish_reason = "stop" if stop else "length"
-            finished.append(seq.out)
-            self.slots[s] = None
-            seq.req.live -= 1
-            self._release(seq.req)
-        if done:
-            self.rows.active[torch.tensor(done, device=self.rows.active.device)] = False
-            self._changed()
-        return finished
-
-    def _plan(self, B: int, E: int, n: int) -> None:
-        """The entry plan of rows 0..B-1 for a step over E entries of n query rows."""
-        self.rows.write_plan([q.req.entry if q is not None else -1 for q in self.slots[:B]],
-                             [len(r.prompt) if r is not None else 0 for r in self.entries[:E]], n)
 
     @torch.inference_mode()
     def step(self) -> list[Completion]:

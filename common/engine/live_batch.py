@@ -1,0 +1,130 @@
+"""The sampler's live batch (common/engine/sampler.py): which request holds which slot and prompt
+entry, moving the busy ones down so they stay a prefix (compaction), what a decode step's shape
+needs of them (membership, recomputed only when samples start, end or move), and handing finished
+samples out. Runs inside the sampler's process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.engine.sampling import Completion, SamplingParams
+
+
+@dataclass
+class Request:
+    """One submitted prompt and its n samples."""
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    next_sample: int = 0  # samples 0..next_sample-1 have been admitted
+    entry: int = -1       # its prompt's prefix entry in the cache, -1 before admission
+    live: int = 0         # samples in flight; the entry is freed when all are admitted and done
+    logits: torch.Tensor | None = None  # (V,) last prompt logits / T_eff while samples wait for slots
+
+
+@dataclass
+class Seq:
+    """One in-flight sample occupying one slot (its tokens so far: the sampler's SlotLog, whose
+    count - 1 is also the slot column of its pending token)."""
+    req: Request
+    out: Completion       # filled from the SlotLog when the sample is handed out
+
+
+def _compaction(items: list) -> tuple[list[int], list[int]]:
+    """(src, dst): the busy indices above the lowest free ones, highest first, paired with the
+    free indices below them, lowest first, so that the busy ones become a prefix."""
+    free = [i for i, x in enumerate(items) if x is None]
+    busy = [i for i in range(len(items) - 1, -1, -1) if items[i] is not None]
+    pairs = [(b, f) for f, b in zip(free, busy) if f < b]  # free rises, busy falls: stop where they cross
+    return [b for b, _ in pairs], [f for _, f in pairs]
+
+
+class LiveBatch:
+    """The live batch's bookkeeping, a base of `Sampler` (which holds the state: `slots`, `entries`,
+    `rows`, `log`, `cache`, `version` and the membership cache `_epoch`, `_members`, `_compacted`)."""
+
+    @staticmethod
+    def _flags(params: list[SamplingParams]) -> tuple[bool, bool]:
+        """(some row is top-k / top-p filtered, some row is greedy): work `sample` may skip."""
+        return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
+
+    def _compact(self) -> None:
+        """Move the highest busy slots into the lowest free ones (and likewise for prompt entries)
+        so the busy ones are a prefix, so decode, which runs over rows 0..hi-1, never computes
+        idle rows. Only matters when the queue cannot refill freed slots (the tail of a batch,
+        where decode would otherwise compute many idle rows: BENCHMARKS.md, "Sampler"). All of a
+        step's moves are one copy per cache store and per row tensor (a few kernel launches,
+        not a few per moved sample and layer)."""
+        if self._compacted == self._epoch:  # nothing started or ended since the last compaction
+            return
+        src, dst = _compaction(self.slots)
+        if src:
+            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1)  # own columns written so far
+            si, di = (torch.tensor(x, device=self.rows.tok.device) for x in (src, dst))
+            for t in self.rows.per_slot():
+                t[di] = t[si]
+            self.rows.active[si] = False
+            self.log.move(src, dst)
+            for s, d in zip(src, dst):
+                self.slots[d], self.slots[s] = self.slots[s], None
+        src, dst = _compaction(self.entries)
+        if src:
+            self.cache.move_entries(src, dst, max(len(self.entries[s].prompt) for s in src))
+            for s, d in zip(src, dst):
+                self.entries[d], self.entries[s] = self.entries[s], None
+                self.entries[d].entry = d
+        self._changed()
+        self._compacted = self._epoch
+
+    def _changed(self) -> None:
+        """Samples started, ended or moved: the step's membership is computed again."""
+        self._epoch += 1
+        self._members = None
+
+    def _membership(self):
+        """(busy slots as a numpy array and a list, B, E, n, P, flags) of the live batch, or None."""
+        if self._members is None:
+            busy = [s for s, q in enumerate(self.slots) if q is not None]
+            if not busy:
+                return None
+            seqs = [self.slots[s] for s in busy]
+            counts: dict[int, int] = {}
+            for q in seqs:
+                counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
+            self._members = (np.asarray(busy, dtype=np.int64), busy, busy[-1] + 1, max(counts) + 1,
+                             max(counts.values()), max(len(q.req.prompt) for q in seqs),
+                             self._flags([q.req.params for q in seqs]))
+        return self._members
+
+    def _release(self, req: Request) -> None:
+        """Free a request's prompt entry once all its samples were admitted and have finished."""
+        if req.live == 0 and req.next_sample == req.params.n and req.entry >= 0:
+            self.entries[req.entry] = None
+            req.entry = -1
+
+    def _record(self, slots: list[int], out: torch.Tensor, slots_np: np.ndarray | None = None) -> list[Completion]:
+        """Append each slot's new token (out: (2, len(slots)) host tensor, tokens and log-probs);
+        free the slots whose sample is finished (a stop token, max_new_tokens or max_seq_len)."""
+        slots_np = np.asarray(slots, dtype=np.int64) if slots_np is None else slots_np
+        fin, stopped = self.log.append(slots_np, out[0].numpy().astype(np.int64), out[1].numpy(), self.version)
+        finished, done = [], slots_np[fin].tolist()
+        for s, stop in zip(done, stopped[fin].tolist()):
+            seq = self.slots[s]
+            self.log.fill(s, seq.out)
+            seq.out.finish_reason = "stop" if stop else "length"
+            finished.append(seq.out)
+            self.slots[s] = None
+            seq.req.live -= 1
+            self._release(seq.req)
+        if done:
+            self.rows.active[torch.tensor(done, device=self.rows.active.device)] = False
+            self._changed()
+        return finished
+
+    def _plan(self, B: int, E: int, n: int) -> None:
+        """The entry plan of rows 0..B-1 for a step over E entries of n query rows."""
+        self.rows.write_plan([q.req.entry if q is not None else -1 for q in self.slots[:B]],
+                             [len(r.prompt) if r is not None else 0 for r in self.entries[:E]], n)
