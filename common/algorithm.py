@@ -44,7 +44,7 @@ def _plan(fn: Callable, n_args: int, settings, extra=None) -> tuple[list[str], l
     name = getattr(fn, "__qualname__", None) or repr(fn)
     try:
         params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):  # a builtin or C callable: the old contract, every setting
+    except (TypeError, ValueError):  # a builtin or C callable (no signature): given every setting
         return list(settings), [], True
     var_pos = any(p.kind is p.VAR_POSITIONAL for p in params)
     positional = [p for p in params if p.kind in _POSITIONAL]
