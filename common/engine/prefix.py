@@ -86,7 +86,7 @@ class SharedPrefixes:
                 first[key] = len(prefixes)
                 prefixes.append(r)
             row_pre.append(first[key])
-        P, Lp = len(prefixes), max(plen)
+        Lp = max(plen)
         slen = [n - p for p, n in zip(plen, rlen)]
         Ls = max(1, max(slen))
         # packed offsets: prefixes first, then suffixes

@@ -75,11 +75,12 @@ class TrainerGroup(OneRank):
                  peers: Peers | None = None):
         # peers.keys: the run's store (RunKeys) under torchrun, None on one node; peers.check raises
         # for a failed trainer node (TrainerLink.check)
-        peers = peers or Peers(None, tc, store, {})
-        self.model, self.algo, self.store, self.keys = model, algo, store, peers.keys
+        self.model, self.algo, self.store = model, algo, store
+        self.keys = peers.keys if peers is not None else None
+        self.check_nodes = peers.check if peers is not None else (lambda: None)
         self.local = tc.trainer_devices
         self.world = self.local * (self.keys.cfg.trainer_nodes if self.keys is not None else 1)
-        self.device, self.check_nodes = model.device, peers.check
+        self.device = model.device
         # a whole trainer node lost (its process and ranks) says nothing: its silence is named
         # after the stall timeout (common/runtime/nodes/link.py: NodeWatch), so wait that long for it
         stall = tc.stall_timeout if tc.stall_action == "stop" else 0.0
