@@ -22,7 +22,7 @@ from common.runtime.pickling import check_sendable
 from common.runtime.process import trainer_process
 from common.runtime.ranks.group import TrainerGroup
 from common.runtime.step import OneRank
-from common.runtime.train_config import DistConfig, check_config, under_torchrun
+from common.runtime.train_config import DistConfig, check_config, torchrun_restarts, under_torchrun
 from common.runtime.trainer import run_trainer
 
 
@@ -44,16 +44,17 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
         check_sendable(reward_fn=None if tc.reward_workers else reward_fn,
                        reward_factory=reward_factory if tc.reward_workers else None,
                        algorithm=algo if tc.trainer_devices > 1 else None)
-        nodes, peers = 1, Peers
+        nodes, peers, restarts = 1, Peers, torchrun_restarts()
         if under_torchrun():  # one node of several: its role comes from the world (common/runtime/nodes/)
             if is_generator_node(cfg):  # generates, trains nothing, logs nothing
                 return generator_node(join(cfg, tc), cfg, prompts, reward_fn, stop_token_ids, reward_factory)
             if is_trainer_member_node(cfg):  # a trainer node after the first: its trainer ranks
                 return trainer_node(cfg)
-            if restarted() and not resume:  # torchrun --max-restarts brought the job back up after a failure
-                print(f"[asyncrl] torchrun restart {restarted()}: continuing from the last checkpoint")
-                resume = True
-            nodes, peers = (getattr(cfg, "dist", None) or DistConfig()).trainer_nodes, TrainerLink
+            nodes = (getattr(cfg, "dist", None) or DistConfig()).trainer_nodes
+            peers, restarts = TrainerLink, restarted()  # restarts counted across the nodes
+        if restarts and not resume:  # torchrun --max-restarts brought the job back up after a failure
+            print(f"[asyncrl] torchrun restart {restarts}: continuing from the last checkpoint")
+            resume = True
         return run_trainer(cfg, algo, prompts, reward_fn, stop_token_ids, evaluate, resume, reward_factory,
                            trainer_ranks(tc, nodes), peers)
 

@@ -98,3 +98,9 @@ def under_torchrun() -> bool:
     """True in a process torchrun started in a world of more than one process: one node of several
     (common/runtime/nodes/), where `dist` applies."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def torchrun_restarts() -> int:
+    """How many times torchrun (`--max-restarts`) restarted this process's job, as its agent counts
+    them; 0 outside torchrun. Several nodes count across nodes: common/runtime/nodes/world.py, `restarted`."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

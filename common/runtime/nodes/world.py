@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from common.config import to_dict
 from common.runtime.nodes.keys import NodeFailed, RunKeys, role_of
-from common.runtime.train_config import DistConfig, under_torchrun
+from common.runtime.train_config import DistConfig, torchrun_restarts, under_torchrun
 
 _STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
 
@@ -97,7 +97,7 @@ def generation() -> int:
 def restarted() -> int:
     """How many times torchrun restarted this job (`--max-restarts`, on this node or, across nodes,
     on any); 0 outside torchrun. A restarted trainer resumes from its last checkpoint by itself."""
-    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), generation())
+    return max(torchrun_restarts(), generation())
 
 
 def is_generator_node(cfg) -> bool:
