@@ -7,7 +7,11 @@ preset's shapes. Prints ONE JSON line on stdout (progress and every library's ou
 Why: the figures in BENCHMARKS.md ("One H100, measured by hand") were taken by hand on a lent
 H100; this script takes them all again in one go on any CUDA machine, with the GPU path's targets
 as ratios in "targets" (`targets`: what each needs, e.g. sampler >= 2x transformers' compiled
-static-cache `generate`, decode wall time <= 1.5x its GPU time).
+static-cache `generate` on both workloads and >= 1.5x engine against engine, a decode step at 256
+rows in <= 3.0 ms of GPU time and <= 15 kernels per layer, its wall <= 1.2x its GPU time).
+`--ours` picks our sampler's settings (bench/_gpu_gen.py: VARIANTS): the default captured fused
+step, eager, and `ours_graphs_plain` (captured, layer body uncompiled, dense attention) for an
+A/B in the same run; `--async-modes async,sync` adds lock-step to the async section.
 It needs only torch, transformers, numpy, safetensors and tqdm: it builds its own random
 checkpoint with SmolLM2-135M-Instruct's exact shapes (LlamaConfig -> from_config, seeded,
 bf16, save_pretrained into a temp dir; no tokenizer, prompts are token ids), never downloads.

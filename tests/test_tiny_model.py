@@ -40,7 +40,12 @@ def test_tiny_resolves_to_one_build_with_the_default_models_tokenizer(tmp_path, 
     save_hf("llama_tied", base)
     tokenizer().save_pretrained(base)
     monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(hf_io, "default_model_dir", lambda: base)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the machine's Hugging Face cache plays no part either
+
+    def no_snapshot(*a, **k):
+        raise FileNotFoundError("not in this test's Hugging Face cache")
+    monkeypatch.setattr(hf_io, "_snapshot", no_snapshot)
+    monkeypatch.setattr(hf_io, "default_model_dir", lambda name=None: base)
     d = resolve_checkpoint("tiny")
     assert d.parent == tmp_path / "cache" / "models"
     stamp = (d / "model.safetensors").stat().st_mtime_ns
