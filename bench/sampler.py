@@ -1,6 +1,6 @@
 """Sampler throughput: our KV-cache continuous-batching sampler vs transformers' `generate`.
 
-Single process, default model, one thread (as every process of a run: README, "CPU threads"). Ours runs at the precision
+Single process, default model, one thread (as every process of a run: docs/internals.md, "CPU threads"). Ours runs at the precision
 the runtime picks for this machine (`common/engine/precision.py`, `--dtype auto`; the choice is in the
 JSON line) and, with `--vs-fp32`, also in fp32 (the previous default). transformers runs in fp32
 (its default, as a user runs it) and in bf16; `speedup_tok_s` is against the faster of the two.

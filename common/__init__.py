@@ -1,4 +1,4 @@
-"""asyncrl's shared code (README, "Layout"). Importing it sets one thing for the process: in a
+"""asyncrl's shared code (docs/internals.md, "Layout"). Importing it sets one thing for the process: in a
 Jupyter kernel without ipywidgets, `tqdm.auto` (which transformers and huggingface_hub import)
 warns "IProgress not found" and falls back to its text bar, which works in a notebook too; that
 fallback is kept quiet."""

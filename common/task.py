@@ -90,7 +90,7 @@ def areal_defaults(cfg: RunConfig) -> RunConfig:
 
 def gpu_defaults(cfg: RunConfig) -> RunConfig:
     """What every task's GPU preset shares (call it after setting the task's sections): the
-    trainer on CUDA with activation checkpointing (memory: README, "On a GPU"), a generator on each
+    trainer on CUDA with activation checkpointing (memory: docs/gpu.md), a generator on each
     GPU the trainer ranks leave (`n_generators=0`, resolved with `train.trainer_devices`). On a
     single GPU one generator shares it with the trainer; each process is capped at a share of its
     memory (trainer 0.6, generator 0.25, the rest for reward workers), so an allocation that

@@ -28,7 +28,7 @@ from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.tiny import save_hf
 
 FP32 = Precision("fp32", "aten", "fp32")
-TOL = dict(atol=1e-5, rtol=0)  # the bound on |weights(2 ranks) - weights(1 rank)| (README)
+TOL = dict(atol=1e-5, rtol=0)  # the bound on |weights(2 ranks) - weights(1 rank)| (docs/ranks.md)
 
 
 @pytest.fixture(scope="module")

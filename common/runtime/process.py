@@ -22,7 +22,7 @@ def set_process_defaults(device: str) -> None:
     """Per-process defaults of a process that runs a model on `device`. On CPU: cap intra-op
     threads (ASYNCRL_NUM_THREADS, default 1): with several processes sharing few cores,
     oversubscribed thread pools make small ops up to two orders of magnitude slower (measured
-    on the 2-core dev boxes: README, "CPU threads"); and keep freed memory in the process
+    on the 2-core dev boxes: docs/internals.md, "CPU threads"); and keep freed memory in the process
     (`keep_freed_memory`). GPU processes need neither (their big buffers live on the GPU)."""
     if torch.device(device).type == "cpu":
         cap_threads()

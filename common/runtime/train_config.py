@@ -36,7 +36,7 @@ class TrainConfig:
     min_buffer: int = 64              # async: trajectories in the buffer before the first step
     buffer_capacity: int = 4096       # ring size in trajectories
     checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
-    keep_checkpoints: int = 1         # newest checkpoints kept (0 = all); one is ~2.3 GB for a 135M model (README, "on disk")
+    keep_checkpoints: int = 1         # newest checkpoints kept (0 = all); one is ~2.3 GB for a 135M model (docs/configuration.md)
     eval_every: int = 0               # steps between evaluations; 0 = before and after only
     device: str = "cpu"               # trainer device ("cuda": rank r on cuda:r); generator r uses cuda:(N + r) % n_gpus
     stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
