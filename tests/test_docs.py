@@ -64,3 +64,36 @@ def test_a_moved_file_is_reported():
     assert _problems("`common.runtime.replay.plot_replays`, `common/ops.py: no_such_fn`") == [
         "module common.runtime.replay.plot_replays", "no_such_fn not in common/ops.py"]
     assert _problems("`common.replay.plot_replays`, `common.plots`, `tba.beta = 1`") == []
+
+
+def _task_commands(text: str) -> list[tuple[str, list[str]]]:
+    """(script, flags) of every task command in a markdown's code blocks: `python run_x.py ...`,
+    `torchrun ... run_x.py ...` and `run_x.main([...])`; `--help` / `--print-config` dropped (they
+    exit), so is what follows a `#` comment."""
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+    scripts = "|".join(p.stem for p in ROOT.glob("run_*.py"))
+    out = []
+    for line in (ln for b in blocks for ln in b.splitlines()):
+        line = line.split("  #")[0]
+        if (m := re.search(rf"\b({scripts})\.py((?:\s+--[^\s]+)*)", line)):
+            out.append((m.group(1), m.group(2).split()))
+        elif (m := re.search(rf"\b({scripts})\.main\(\[([^\]]*)\]", line)):
+            out.append((m.group(1), re.findall(r"\"(--[^\"]+)\"", m.group(2))))
+    return [(s, [f for f in flags if f not in ("--help", "--print-config")]) for s, flags in out]
+
+
+def test_every_task_command_in_the_docs_parses():
+    """Each flag a README or docs/ code block passes to a task script exists: the script's
+    `make_config` (unknown keys are errors) takes the command's flags as they are written."""
+    import importlib
+    seen = 0
+    for d in DOCS:
+        for script, flags in _task_commands(d.read_text()):
+            try:
+                importlib.import_module(script).make_config(flags)
+            except SystemExit as e:
+                raise AssertionError(f"{d.relative_to(ROOT)}: {script}.py {' '.join(flags)}: exits ({e})") from None
+            except Exception as e:
+                raise AssertionError(f"{d.relative_to(ROOT)}: {script}.py {' '.join(flags)}: {e}") from None
+            seen += 1
+    assert seen >= 10  # the README alone has more: the parser found the commands
