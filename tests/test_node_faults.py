@@ -94,7 +94,8 @@ def test_a_killed_generator_node_stops_the_run_naming_it_and_the_run_resumes(mod
 
 @pytest.mark.parametrize("victim, said", [
     ("node1/trainer1", r"RankFailed: trainer node \(rank 1.*worker 'trainer1' died"),  # the node reports its rank
-    ("node1/node", r"RankFailed: trainer node \(rank 1.*silent for \d+ s")])  # the whole node: nobody reports
+    # the whole node: nobody reports (a minute on 2 cores: slow, to keep the suite's time)
+    pytest.param("node1/node", r"RankFailed: trainer node \(rank 1.*silent for \d+ s", marks=pytest.mark.slow)])
 def test_a_trainer_node_failing_stops_the_run_naming_it(model, tmp_path, victim, said):
     """Three nodes, the trainer's two ranks on two trainer nodes; SIGKILLed: the second node's rank
     (its node reports it) or the node's whole process (its rank dies with it: the trainer's
@@ -171,7 +172,9 @@ def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path)
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # lock-step across the restart
 
 
-@pytest.mark.parametrize("rendezvous, nnodes, trainer_nodes", [("c10d", 2, 1), ("static", 2, 1), ("static", 3, 2)])
+@pytest.mark.parametrize("rendezvous, nnodes, trainer_nodes", [
+    ("c10d", 2, 1), ("static", 3, 2),
+    pytest.param("static", 2, 1, marks=pytest.mark.slow)])  # the static rendezvous is in 3-2 already
 def test_torchrun_restarts_across_nodes_continue_the_run(model, tmp_path, rendezvous, nnodes, trainer_nodes):
     """torchrun --max-restarts=1, two nodes (or three, the trainer's ranks on two of them): the
     generator node's generator dies during step 3, the trainer checkpoints and stops naming it (on
