@@ -29,7 +29,7 @@ import torch
 _RESERVED = ("step", "time")
 
 
-def _warn(msg: str) -> None:
+def warn(msg: str) -> None:
     print(f"[asyncrl.log] warning: {msg}", file=sys.stderr)
 
 
@@ -108,14 +108,14 @@ class MetricsLogger:
                 from torch.utils.tensorboard import SummaryWriter  # optional dependency, asked for by a flag
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
             except ImportError:
-                _warn("use_tensorboard=True but tensorboard is not installed (pip install tensorboard); "
+                warn("use_tensorboard=True but tensorboard is not installed (pip install tensorboard); "
                       "logging to metrics.jsonl only")
         if use_wandb:
             try:
                 import wandb  # optional dependency, asked for by a flag
                 self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
             except ImportError:
-                _warn("use_wandb=True but wandb is not installed (pip install wandb); "
+                warn("use_wandb=True but wandb is not installed (pip install wandb); "
                       "logging to metrics.jsonl only")
 
     def _discard_after(self, step: int) -> None:

@@ -8,14 +8,9 @@ from __future__ import annotations
 import functools
 import io
 import math
-import sys
 from pathlib import Path
 
-from common.log import read_metrics
-
-
-def _warn(msg: str) -> None:
-    print(f"[asyncrl.log] warning: {msg}", file=sys.stderr)
+from common.log import read_metrics, warn
 
 
 # a panel is drawn only when its metric was logged (gap_mean: AReaL's prox/behav train-inference gap)
@@ -73,7 +68,7 @@ def plot_runs(runs, out_png=None, x: str = "time", panels=_PANELS, title: str | 
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        _warn("matplotlib is not installed (pip install matplotlib); no plot made")
+        warn("matplotlib is not installed (pip install matplotlib); no plot made")
         return None
     data = [(label, read_metrics(p)) for p, label in map(_run_source, runs)]
     cycle = rcParams["axes.prop_cycle"].by_key().get("color", ["C0", "C1", "C2", "C3"])
@@ -81,7 +76,7 @@ def plot_runs(runs, out_png=None, x: str = "time", panels=_PANELS, title: str | 
     series = {key: [(label, *_series(recs, key, x)) for label, recs in data] for key, _ in panels}
     shown = [(k, t) for k, t in panels if any(xs for _, xs, _ in series[k])]
     if not shown:
-        _warn(f"none of the metrics {[k for k, _ in panels]} has data points; no plot made")
+        warn(f"none of the metrics {[k for k, _ in panels]} has data points; no plot made")
         return None
     fig = _shown_figure(Figure)(figsize=(5.0 * len(shown), 3.6), layout="constrained")
     FigureCanvasAgg(fig)

@@ -222,9 +222,7 @@ def plot_replays(runs, out_png, panels=REPLAY_PANELS, title: Optional[str] = Non
     """Several replays of one stream side by side against the step: runs = [run_dir or
     (run_dir, label), ...], one colour per run, written to out_png; returns the matplotlib Figure
     (a notebook displays it as an image: `common.plots.plot_runs`), None when there is nothing to plot."""
-    items = [(r, Path(r).name) if isinstance(r, (str, Path)) else tuple(r) for r in runs]
-    return plot_runs([(Path(d) / "metrics.jsonl", label) for d, label in items], out_png, x="step",
-                     panels=panels, title=title)
+    return plot_runs(runs, out_png, x="step", panels=panels, title=title)
 
 
 def main(argv=None) -> int:

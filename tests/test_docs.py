@@ -3,6 +3,7 @@
 drift when files move; this catches it on the next test run."""
 from __future__ import annotations
 
+import importlib
 import re
 from pathlib import Path
 
@@ -85,7 +86,6 @@ def _task_commands(text: str) -> list[tuple[str, list[str]]]:
 def test_every_task_command_in_the_docs_parses():
     """Each flag a README or docs/ code block passes to a task script exists: the script's
     `make_config` (unknown keys are errors) takes the command's flags as they are written."""
-    import importlib
     seen = 0
     for d in DOCS:
         for script, flags in _task_commands(d.read_text()):
