@@ -25,6 +25,7 @@ Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import json
 import sys
@@ -143,7 +144,16 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
 def script(main: Callable[[], object]) -> None:
     """A task script's `if __name__ == "__main__":` body: `main()`, with a data source that cannot
     be read (a hub id offline, a folder that does not exist) reported in one line with what to do
-    instead, exit status 2, rather than as a traceback."""
+    instead, exit status 2, rather than as a traceback.
+
+    `main` runs from the script imported under its own name (`python run_x.py` runs what
+    `run_x.main()` does): what the run sends to workers (a reward worker's factory, the task's
+    config classes) then goes by reference to an importable module. From `__main__` it would go
+    by value (common/runtime/pickling.py), and a config class sent by value cannot resolve its
+    annotations in the worker, where `__main__` is not the script."""
+    file = getattr(sys.modules["__main__"], "__file__", None)  # None: python -c, standard input
+    if main.__module__ == "__main__" and file is not None:
+        main = getattr(importlib.import_module(Path(file).stem), main.__name__)
     try:
         main()
     except DataSourceError as e:

@@ -102,3 +102,38 @@ def test_tldr_and_redteam_take_a_reward_without_their_reward_models(tmp_path, ti
     last = run_redteam.main(_argv(tmp_path, tiny_dir, "--name=redteam", "--data.eval_attacks=0"),
                             reward=_const_reward)
     assert last["reward_mean"] == 0.75
+
+
+TASK_SCRIPT = '''
+from __future__ import annotations
+import dataclasses, pickle, subprocess, sys
+from common import task
+from common.runtime.generator import GenConfig
+from common.runtime.pickling import dumps
+
+@dataclasses.dataclass
+class MyConfig:  # a task's config class, its annotations strings (from __future__ import annotations)
+    gen: GenConfig = dataclasses.field(default_factory=GenConfig)
+
+def main():
+    # what a worker does with a config class it was sent: resolve its annotations (load_config)
+    child = "import pickle, sys, typing; print(typing.get_type_hints(pickle.loads(sys.stdin.buffer.read()))['gen'])"
+    out = subprocess.run([sys.executable, "-c", child], input=dumps(MyConfig), capture_output=True, cwd=sys.argv[1],
+                         env={"PYTHONPATH": sys.argv[2]})
+    print("MODULE", main.__module__, "CHILD", out.stdout.decode().strip() or out.stderr.decode().strip()[-300:])
+
+if __name__ == "__main__":
+    task.script(main)
+'''
+
+
+def test_a_task_script_run_as_main_sends_its_classes_by_reference(tmp_path):
+    """`python run_x.py` runs `main` from the script imported under its own name, so a config class
+    of the script reaches a worker by reference and resolves its annotations there (sent by value
+    from `__main__`, `typing.get_type_hints` fails in the worker with NameError)."""
+    (tmp_path / "my_task.py").write_text(TASK_SCRIPT)
+    p = subprocess.run([sys.executable, str(tmp_path / "my_task.py"), str(tmp_path), f"{tmp_path}:{ROOT}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})  # this tree's common/, whatever is installed
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "MODULE my_task CHILD <class 'common.runtime.generator.GenConfig'>" in p.stdout, p.stdout + p.stderr[-2000:]
