@@ -1,5 +1,5 @@
-"""Generation sections of `bench/gpu.py`: our sampler against transformers `generate`, and one
-decode step's wall time against its device time.
+"""The sampler section of `bench/gpu.py`: our sampler against transformers `generate` (the decode
+section, one decode step's wall time against its device time, is `bench/_gpu_decode.py`'s).
 
 sampler  Our `Sampler` (eager, and with `cuda_graphs=True` when its constructor has that
          argument and the device is CUDA) on a workload: a full warm-up run of the same work
@@ -25,16 +25,6 @@ sampler  Our `Sampler` (eager, and with `cuda_graphs=True` when its constructor 
          `engine.ours_no_sharing_over_hf_*`: the default workload with every sample its own
          request (n = 1, prompts repeated): no sharing, every row the same length: decode engine
          against decode engine.
-decode   A fresh sampler per variant gets all prompts x n (= max_batch rows), one step admits them
-         all; after warm-up steps, `--decode-steps` steps are timed one by one on the host
-         (synchronised; `wall_ms` = median), then `--decode-profile` steps run under the torch
-         profiler: `gpu_ms` = the union of the CUDA kernel/memcpy/memset intervals per step (on CPU
-         the summed self time of the aten ops instead, `gpu_ms_source` says which).
-         Every measured step has all rows busy (asserted). launch_bound = wall / gpu > 1.5.
-         `gsm8k_schedule` (CUDA): the gsm8k workload's whole generate under the profiler, eager at
-         the live shapes vs captured at the graph buckets (warm run first): device ms per step
-         each, their ratio (`captured_over_live_gpu`, target <= 1.3), and the sampler's padding
-         counters (rows, prompt query rows, cache columns run vs live).
 """
 from __future__ import annotations
 
@@ -43,10 +33,7 @@ import time
 from dataclasses import dataclass, replace
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-from bench._gpu_util import (FIRST_ID, Ctx, device_ms, free_memory, kernel_counts, median, random_prompts, sync,
-                             top_kernels)
+from bench._gpu_util import FIRST_ID, Ctx, free_memory, random_prompts, sync
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 
@@ -74,6 +61,11 @@ def has_cuda_graphs() -> bool:
     return "cuda_graphs" in inspect.signature(Sampler.__init__).parameters
 
 
+def has_overlap() -> bool:
+    """Whether this checkout's Sampler takes `overlap` (a step launched before the last is recorded)."""
+    return "overlap" in inspect.signature(Sampler.__init__).parameters
+
+
 def has_fused_decode() -> bool:
     """Whether this checkout's Sampler takes `compile` / `flash` (the fused decode step)."""
     return {"compile", "flash"} <= set(inspect.signature(Sampler.__init__).parameters)
@@ -81,27 +73,30 @@ def has_fused_decode() -> bool:
 
 # The sampler settings a section runs (`--ours`): eager = each kernel launched from Python (the layer
 # body compiled where the sampler compiles by default: CUDA); cuda_graphs = the default on CUDA;
-# graphs_plain = captured, but the layer body uncompiled and attention dense (the step before fusion).
-VARIANTS = ("ours_eager", "ours_cuda_graphs", "ours_graphs_plain")
+# graphs_plain = captured, but the layer body uncompiled and attention dense (the step before fusion);
+# overlap = captured, each step launched before the previous one is recorded (`Sampler(overlap=True)`).
+VARIANTS = ("ours_eager", "ours_cuda_graphs", "ours_graphs_plain", "ours_overlap")
 
 
-def _variants(ctx: Ctx) -> dict[str, dict | str]:
+def variants(ctx: Ctx) -> dict[str, dict | str]:
     """name -> Sampler kwargs, or the reason the variant is skipped."""
     why = "Sampler has no cuda_graphs argument" if not has_cuda_graphs() else None if ctx.cuda else "not on CUDA"
     out = {"ours_eager": {"cuda_graphs": False} if has_cuda_graphs() else {},
            "ours_cuda_graphs": why or {"cuda_graphs": True},
            "ours_graphs_plain": why or ({"cuda_graphs": True, "compile": False, "flash": False} if has_fused_decode()
-                                        else "Sampler has no compile / flash arguments")}
+                                        else "Sampler has no compile / flash arguments"),
+           "ours_overlap": why or ({"cuda_graphs": True, "overlap": True} if has_overlap()
+                                   else "Sampler has no overlap argument")}
     return {k: v for k, v in out.items() if k in ctx.args.ours}
 
 
-def _new_sampler(ctx: Ctx, model, kw: dict, wl: Workload | None = None) -> Sampler:
+def new_sampler(ctx: Ctx, model, kw: dict, wl: Workload | None = None) -> Sampler:
     wl = wl or workloads(ctx)["default"]
     P = max(map(len, wl.prompts))
     return Sampler(model, max_batch=ctx.args.max_batch, max_seq_len=P + wl.max_new, max_prompt_len=P, **kw)
 
 
-def _params(ctx: Ctx, seed: int, wl: Workload | None = None, max_new: int | None = None) -> SamplingParams:
+def sample_params(ctx: Ctx, seed: int, wl: Workload | None = None, max_new: int | None = None) -> SamplingParams:
     wl = wl or workloads(ctx)["default"]
     return SamplingParams(max_new_tokens=max_new or wl.max_new, temperature=ctx.args.temperature, n=wl.n,
                           stop_token_ids=wl.stops, seed=seed)
@@ -117,15 +112,15 @@ PADDING = ("decode_rows", "decode_tokens", "run_prompt_rows", "live_prompt_rows"
 
 
 def run_ours(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
-    s = _new_sampler(ctx, model, kw, wl)
+    s = new_sampler(ctx, model, kw, wl)
     t = time.perf_counter()
-    s.generate(wl.prompts, _params(ctx, 1, wl))  # warm-up: the same work, so every bucket is met
+    s.generate(wl.prompts, sample_params(ctx, 1, wl))  # warm-up: the same work, so every bucket is met
     sync(ctx.device)
     warm = time.perf_counter() - t
     before = dict(s.stats)
     sync(ctx.device)
     t = time.perf_counter()
-    outs = s.generate(wl.prompts, _params(ctx, 0, wl))
+    outs = s.generate(wl.prompts, sample_params(ctx, 0, wl))
     sync(ctx.device)
     dt = time.perf_counter() - t
     ntok = sum(len(c.tokens) for c in outs)
@@ -229,7 +224,7 @@ def _hf_runs(ctx: Ctx, wl: Workload, names) -> dict:
 
 def _ours(ctx: Ctx, model, wl: Workload) -> dict:
     out = {}
-    for name, kw in _variants(ctx).items():
+    for name, kw in variants(ctx).items():
         c0 = _dynamo_counts()
         out[name] = run_ours(ctx, model, kw, wl) if isinstance(kw, dict) else {"skipped": kw}
         if isinstance(kw, dict):
@@ -261,7 +256,7 @@ def sampler_section(ctx: Ctx) -> dict:
            "sampler_has_cuda_graphs": has_cuda_graphs(), **_ours(ctx, model, d)}
     # engine against engine: every sample its own request (no prompt sharing), same rows and lengths
     distinct = replace(d, name="default_no_sharing", prompts=[p for p in d.prompts for _ in range(d.n)], n=1)
-    eng = {"ours_no_sharing": run_ours(ctx, model, _variants(ctx)[out["ours_best"]], distinct),
+    eng = {"ours_no_sharing": run_ours(ctx, model, variants(ctx)[out["ours_best"]], distinct),
            "variant": out["ours_best"]}
     gsm = {"workload": {"prompts": len(g.prompts), "n": g.n, "prompt_len": [a.gsm8k_prompt_min, a.gsm8k_prompt_max],
                         "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)}
@@ -278,88 +273,4 @@ def sampler_section(ctx: Ctx) -> dict:
     out["gsm8k"] = gsm
     out["ratios"] = {"ours_over_hf_*": "system (prompt sharing and slot refill included)",
                      "engine.ours_no_sharing_over_hf_*": "engine (no sharing, equal rows and lengths)"}
-    return out
-
-
-def _captures(s: Sampler) -> int | None:
-    return s.graphed.stats["captures"] if s.graphed is not None else None
-
-
-def decode_one(ctx: Ctx, model, kw: dict) -> dict:
-    a = ctx.args
-    s = _new_sampler(ctx, model, kw)
-    for p in ctx.prompts:
-        s.submit(p, _params(ctx, seed=0))
-    rows = len(ctx.prompts) * a.n
-    need = 1 + a.decode_warmup + a.decode_steps + a.decode_profile
-    if rows > a.max_batch or need >= a.max_new:
-        raise ValueError(f"decode: {rows} rows must fit max_batch={a.max_batch} and {need} steps < max_new={a.max_new}")
-    s.step()  # admits every prompt (prefill), then the first decode
-    for _ in range(a.decode_warmup):
-        s.step()
-    walls, caps0 = [], _captures(s)
-    for _ in range(a.decode_steps):
-        assert s.num_active == rows, (s.num_active, rows)
-        sync(ctx.device)
-        t = time.perf_counter()
-        s.step()
-        sync(ctx.device)
-        walls.append(time.perf_counter() - t)
-    acts = [ProfilerActivity.CUDA] if ctx.cuda else [ProfilerActivity.CPU]  # CUDA: device events only (cheap to collect)
-    with profile(activities=acts) as prof:
-        for _ in range(a.decode_profile):
-            assert s.num_active == rows, (s.num_active, rows)
-            s.step()
-        sync(ctx.device)
-    dev_ms, n_ev = device_ms(prof, ctx.cuda)
-    wall, gpu = 1e3 * median(walls), dev_ms / a.decode_profile
-    res = {"rows": rows, "wall_ms": wall, "wall_ms_all": [round(1e3 * w, 3) for w in walls],
-           "gpu_ms": gpu if n_ev else None,
-           "gpu_ms_source": "union of CUDA kernel/memcpy intervals (torch profiler)" if ctx.cuda else
-           "CPU: summed self time of aten ops (torch profiler)", "device_events_per_step": n_ev / a.decode_profile,
-           "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
-           # a timed step whose cache columns crossed into a new bucket captured a graph (~10x a replay)
-           "captures_in_timed_steps": None if caps0 is None else _captures(s) - caps0,
-           **(kernel_counts(prof, a.decode_profile, ctx.shape["num_hidden_layers"]) if ctx.cuda else {}), **kw}
-    # where a step's device time goes (CUDA; empty on CPU): a few µs per kernel add up at thousands per step
-    res["top_kernels_ms_launches"] = top_kernels(prof, 12, a.decode_profile)
-    res["wall_over_gpu"] = wall / gpu if n_ev and gpu > 0 else None
-    res["launch_bound"] = None if res["wall_over_gpu"] is None else res["wall_over_gpu"] > LAUNCH_BOUND
-    s.abort_all()
-    return res
-
-
-def schedule_gpu(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
-    """Device ms per decode step over the whole `wl` generate (after a warm run of the same work,
-    so every graph is captured before the profiled one) and the sampler's padding counters."""
-    s = _new_sampler(ctx, model, kw, wl)
-    s.generate(wl.prompts, _params(ctx, 0, wl))
-    before = dict(s.stats)
-    acts = [ProfilerActivity.CUDA] if ctx.cuda else [ProfilerActivity.CPU]  # CUDA: device events only (cheap to collect)
-    with profile(activities=acts) as prof:
-        s.generate(wl.prompts, _params(ctx, 0, wl))
-        sync(ctx.device)
-    dev_ms, _ = device_ms(prof, ctx.cuda)
-    st = {k: s.stats[k] - before[k] for k in ("decode_steps", *PADDING)}
-    return {"device_ms_per_step": dev_ms / st["decode_steps"], **st, **kw}
-
-
-def decode_section(ctx: Ctx) -> dict:
-    model = ctx.prec.load(ctx.ckpt, device=ctx.device, role="generator", tokenizer=False)[0]
-    out = {"launch_bound_if_over": LAUNCH_BOUND}
-    for name, kw in _variants(ctx).items():
-        out[name] = decode_one(ctx, model, kw) if isinstance(kw, dict) else {"skipped": kw}
-        free_memory(ctx.device)
-        ctx.progress(name, out)
-    if not ctx.args.decode_schedule:
-        return out
-    # the captured step's shapes vs the live ones over a ragged schedule (on CPU: the bucket shapes
-    # run eagerly, the same kernels a graph replays)
-    wl = workloads(ctx)["gsm8k"]
-    captured = {"cuda_graphs": True} if ctx.cuda and has_cuda_graphs() else {"static_shapes": True}
-    live = schedule_gpu(ctx, model, {"cuda_graphs": False} if has_cuda_graphs() else {}, wl)
-    ctx.progress("gsm8k_schedule live", {**out, "gsm8k_schedule": {"live": live}})
-    cap = schedule_gpu(ctx, model, captured, wl)
-    out["gsm8k_schedule"] = {"live": live, "captured": cap,
-                             "captured_over_live_gpu": cap["device_ms_per_step"] / live["device_ms_per_step"]}
     return out

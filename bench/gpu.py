@@ -10,8 +10,9 @@ as ratios in "targets" (`targets`: what each needs, e.g. sampler >= 2x transform
 static-cache `generate` on both workloads and >= 1.5x engine against engine, a decode step at 256
 rows in <= 3.0 ms of GPU time and <= 15 kernels per layer, its wall <= 1.2x its GPU time).
 `--ours` picks our sampler's settings (bench/_gpu_gen.py: VARIANTS): the default captured fused
-step, eager, and `ours_graphs_plain` (captured, layer body uncompiled, dense attention) for an
-A/B in the same run; `--async-modes async,sync` adds lock-step to the async section.
+step, eager, `ours_graphs_plain` (captured, layer body uncompiled, dense attention) and
+`ours_overlap` (captured, each step launched before the previous one is recorded) for A/Bs in
+the same run; `--async-modes async,sync` adds lock-step to the async section.
 It needs only torch, transformers, numpy, safetensors and tqdm: it builds its own random
 checkpoint with SmolLM2-135M-Instruct's exact shapes (LlamaConfig -> from_config, seeded,
 bf16, save_pretrained into a temp dir; no tokenizer, prompts are token ids), never downloads.
@@ -19,7 +20,7 @@ bf16, save_pretrained into a temp dir; no tokenizer, prompts are token ids), nev
 Workload (as measured before, for comparability): 64 prompts x 4 samples, prompt lengths
 100-250 (random ids, seeded), 256 new tokens, no stop tokens (every sample runs 256),
 max_batch 256, temperature 0.7 (transformers: top_k=0, top_p=1, same distribution). How each
-figure is measured: the docstrings of bench/_gpu_gen.py (sampler, decode) and
+figure is measured: the docstrings of bench/_gpu_gen.py (sampler), bench/_gpu_decode.py (decode) and
 bench/_gpu_train.py (trainer, ipc, async).
 
     python bench/gpu.py --out gpu.json                    # everything (CUDA), ~5-8 min on one H100
@@ -52,7 +53,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imp
 
 import torch  # noqa: E402
 
-from bench._gpu_gen import HF_SETTINGS, VARIANTS, decode_section, sampler_section  # noqa: E402
+from bench._gpu_decode import decode_section  # noqa: E402
+from bench._gpu_gen import HF_SETTINGS, VARIANTS, sampler_section  # noqa: E402
 from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa: E402
 from bench._gpu_util import (SMOLLM2_135M, TINY, Ctx, build_checkpoint, free_memory, machine,  # noqa: E402
                              random_prompts, write_json)
@@ -170,10 +172,13 @@ def targets(res: dict) -> dict:
     if "captured_over_live_gpu" in d.get("gsm8k_schedule", {}):
         v = d["gsm8k_schedule"]["captured_over_live_gpu"]
         t["captured_over_live_gpu"] = {"value": v, "need": "<= 1.3", "met": v <= 1.3}
-    for k in ("ours_cuda_graphs", "ours_eager"):  # the graphs variant when there is one
-        if d.get(k, {}).get("wall_over_gpu") is not None:
-            v = d[k]["wall_over_gpu"]
-            t["decode_wall_over_gpu"] = {"value": v, "need": "<= 1.2", "met": v <= 1.2, "variant": k}
+    # the step as a run takes it (back to back, no sync between steps), overlap first where it ran;
+    # a tree without that measurement: each step synced before and after
+    for k, m in (("ours_overlap", "back_to_back_over_gpu"), ("ours_cuda_graphs", "back_to_back_over_gpu"),
+                 ("ours_cuda_graphs", "wall_over_gpu"), ("ours_eager", "wall_over_gpu")):
+        if d.get(k, {}).get(m) is not None:
+            v = d[k][m]
+            t["decode_wall_over_gpu"] = {"value": v, "need": "<= 1.2", "met": v <= 1.2, "variant": k, "kind": m}
             break
     tr = res.get("trainer", {})
     for k in ("no_checkpointing", "checkpointing", "shared_prompts", "shared_prompts_checkpointing"):

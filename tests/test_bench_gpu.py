@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {
     "sampler": {"ours_eager": ("tok_s", "seconds", "tokens", "warmup_s"), "hf_dynamic": ("tok_s", "seconds", "tokens"),
                 "hf_static": ("tok_s", "seconds", "tokens"), None: ("ours_over_hf_dynamic", "ours_over_hf_static")},
-    "decode": {"ours_eager": ("wall_ms", "gpu_ms", "wall_over_gpu", "rows")},
+    "decode": {"ours_eager": ("wall_ms", "gpu_ms", "wall_over_gpu", "rows", "wall_ms_back_to_back", "back_to_back_over_gpu")},
     "trainer": {"no_checkpointing": ("step_s", "tok_s", "peak_gib"), "checkpointing": ("step_s", "tok_s", "peak_gib"),
                 "shared_prompts": ("step_s", "tok_s", "peak_gib")},
     "ipc": {None: ("publish_ms", "apply_ms", "publish_from_fp32_master_ms", "param_bytes", "race_reads", "torn_reads")},

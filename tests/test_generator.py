@@ -45,8 +45,8 @@ class Until:
         return self.buffer.n_added >= self.groups * 2
 
 
-@pytest.mark.parametrize("mode", ["finish", "interrupt"])
-def test_a_prompt_is_sampled_with_the_version_that_admitted_it(tmp_path, mode):
+@pytest.mark.parametrize("mode,overlap", [("finish", False), ("interrupt", False), ("finish", True), ("interrupt", True)])
+def test_a_prompt_is_sampled_with_the_version_that_admitted_it(tmp_path, mode, overlap):
     save_hf("llama_tied", tmp_path / "model")
     model = load_model(str(tmp_path / "model"), tokenizer=False)[0]
     store = WeightStore.from_module(model)
@@ -55,7 +55,8 @@ def test_a_prompt_is_sampled_with_the_version_that_admitted_it(tmp_path, mode):
     buffer = ReplayBuffer(64, 16)
     control = RacingControl(store, v1, buffer, n=2)
     prompts = PromptSet([[5 + i, 6 + i, 7 + i] for i in range(2 * B)])
-    cfg = GenConfig(max_batch=4, max_new_tokens=4, n=2, temperature=1.0, update_mode=mode, queue_depth=2)
+    cfg = GenConfig(max_batch=4, max_new_tokens=4, n=2, temperature=1.0, update_mode=mode, queue_depth=2,
+                    overlap=overlap)
     generator_main(0, cfg, str(tmp_path / "model"), None, store, buffer, control, prompts, lambda t, m: 0.0, 0, 16,
                    (), "cpu", Precision("fp32", "aten", "fp32"), stop_event=Until(buffer, 2 * B),
                    beat=Heartbeats(["g"], tmp_path / "stacks").beat_for("g"))

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from common.engine.inflight import HostRing
 from common.engine.sampling import effective_temperature
 
 
@@ -57,7 +58,7 @@ class Rows:
     entry_plen: torch.Tensor   # view of plan: (max_prefixes,)
     q_rows: torch.Tensor       # view of plan: (max_prefixes * max_batch,), first E*n used (last: the used
                                # part of the plan is one prefix, and only that prefix is copied)
-    staging: torch.Tensor      # host copy of plan, pinned on CUDA: the plan is built here and copied in one go
+    staging: HostRing          # host copies of plan, pinned on CUDA: the plan is built in one and copied in one go
     plan_key: tuple | None = None  # what `write_plan` last wrote (unchanged plans are not rewritten)
 
     PER_SLOT = ("tok", "pos", "plen", "active", "temp", "greedy", "top_k", "top_p", "key")
@@ -68,7 +69,7 @@ class Rows:
         long = dict(dtype=torch.long, device=device)
         head = max_batch + max_prefixes
         plan = torch.zeros(head + max_prefixes * max_batch, **long)
-        staging = torch.zeros(plan.shape, dtype=torch.long, pin_memory=device.type == "cuda")
+        staging = HostRing(plan.shape, torch.long, device)
         return cls(tok=torch.zeros(max_batch, **long), pos=torch.zeros(max_batch, **long),
                    plen=torch.zeros(max_batch, **long), active=torch.zeros(max_batch, dtype=torch.bool, device=device),
                    temp=torch.ones(max_batch, device=device), greedy=torch.zeros(max_batch, dtype=torch.bool, device=device),
@@ -97,9 +98,9 @@ class Rows:
         """The entry plan for rows 0..B-1 (B = len(entry_of_row); -1 = idle) and entries 0..E-1
         (E = len(prompt_len)) with n query rows each: query row e*n + i is the i-th live sample of
         entry e (padding: row 0), and row b reads its prompt part from query row back[b].
-        Built in Python on the host staging tensor and sent with one copy, only when it changed
-        (non_blocking from pinned memory on CUDA: the sampler reads each step's tokens back
-        before it writes the next plan, so the previous copy has always finished by then)."""
+        Built in Python in a host staging buffer and sent with one copy, only when it changed
+        (non_blocking from pinned memory on CUDA; the buffers alternate, and one is written again
+        only once its last copy has run: with a step in flight that copy may still be queued)."""
         key = (tuple(entry_of_row), tuple(prompt_len), n)
         if key == self.plan_key:
             return
@@ -111,12 +112,14 @@ class Rows:
                 q_rows[back[b]] = b
                 seen[e] += 1
         mb, head = self.back.numel(), self.back.numel() + self.entry_plen.numel()
-        st = self.staging
+        i = self.staging.take()
+        st = self.staging.bufs[i]
         st[:B] = torch.tensor(back, dtype=torch.long)
         st[mb:mb + E] = torch.tensor(prompt_len, dtype=torch.long)
         st[head:head + E * n] = torch.tensor(q_rows, dtype=torch.long)
         used = head + E * n  # back, entry_plen, then q_rows[:E*n]: one prefix of the plan
         self.plan[:used].copy_(st[:used], non_blocking=True)
+        self.staging.mark(i)
         self.plan_key = key
 
 
@@ -169,8 +172,9 @@ class GraphedDecode:
     Memory: every graph allocates from one shared pool. A graph's intermediates are freed at the
     end of its capture and reused by the next capture, so the pool holds about the largest
     bucket's intermediates; what each graph keeps is its two small outputs plus the graph itself.
-    Sharing is safe because buckets never run at once and the sampler copies a replay's outputs
-    to the host before the next replay (a later capture may reuse an earlier graph's scratch).
+    Sharing is safe because buckets never run at once and the sampler queues the copy of a replay's
+    outputs to the host right behind it, before any later replay (a later capture may reuse an
+    earlier graph's scratch).
     At most `max_graphs` graphs are kept; past that the least recently used one is dropped.
     The graphs read the model's RoPE table and the decode model's weights by address: if the model
     rebuilds the table (a longer position than it was built for) or a weight moves

@@ -1,7 +1,8 @@
-"""The sampler's live batch (common/engine/sampler.py): which request holds which slot and prompt
+"""The sampler's live batch (common/engine/sampler.py): admitting waiting samples into free slots
+(their prompts prefilled, their first tokens drawn), which request holds which slot and prompt
 entry, moving the busy ones down so they stay a prefix (compaction), what a decode step's shape
-needs of them (membership, recomputed only when samples start, end or move), and handing finished
-samples out. Runs inside the sampler's process.
+needs of them (membership, recomputed only when samples start, end or move), and recording a
+step's tokens and handing finished samples out. Runs inside the sampler's process.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.engine.sampling import Completion, SamplingParams
+from common.engine.inflight import Launched, to_device
+from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
 
 
 @dataclass
@@ -31,6 +33,7 @@ class Seq:
     count - 1 is also the slot column of its pending token)."""
     req: Request
     out: Completion       # filled from the SlotLog when the sample is handed out
+    slot: int             # the slot it holds now (compaction moves it)
 
 
 def _compaction(items: list) -> tuple[list[int], list[int]]:
@@ -44,12 +47,58 @@ def _compaction(items: list) -> tuple[list[int], list[int]]:
 
 class LiveBatch:
     """The live batch's bookkeeping, a base of `Sampler` (which holds the state: `slots`, `entries`,
-    `rows`, `log`, `cache`, `version` and the membership cache `_epoch`, `_members`, `_compacted`)."""
+    `rows`, `log`, `cache`, `version`, the membership cache `_epoch`, `_members`, `_compacted`, and
+    `_inflight`, the step launched but not yet recorded (`Sampler(overlap=True)`))."""
 
     @staticmethod
     def _flags(params: list[SamplingParams]) -> tuple[bool, bool]:
         """(some row is top-k / top-p filtered, some row is greedy): work `sample` may skip."""
         return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
+
+    def _admit(self) -> list[Completion]:
+        """Give free slots to waiting samples, first come first served; prefill new prompts
+        together; draw every admitted sample's first token in one call."""
+        if not self.queue or self._pending_update is not None:
+            return []
+        free = [s for s, q in enumerate(self.slots) if q is None]
+        plan: list[tuple[Request, list[int]]] = []
+        for req in self.queue:
+            if not free or self._pending_update is not None:
+                break
+            take, free = free[:req.params.n - req.next_sample], free[req.params.n - req.next_sample:]
+            plan.append((req, take))
+        if not plan:
+            return []
+        new = [req for req, _ in plan if req.entry < 0]
+        for req in new:  # a free prefix entry each; never fails: entries = max_batch + 1
+            req.entry = self.entries.index(None)
+            self.entries[req.entry] = req
+        self._prefill(new)  # an update re-prefills live prompts and resets their logits
+        dev, r = self.model.device, self.rows
+        slots, logits, rids, sidx = [], [], [], []
+        for req, take in plan:
+            p, P = req.params, len(req.prompt)
+            for s in take:
+                self.slots[s] = Seq(req, Completion(req.request_id, req.next_sample, req.prompt), s)
+                self.log.start(s, min(p.max_new_tokens, self.max_seq_len - P), p.stop_token_ids)
+                rids.append(req.request_id)
+                sidx.append(req.next_sample)
+                req.next_sample += 1
+                req.live += 1
+            slots += take
+            logits.append(req.logits.expand(len(take), -1))
+            if req.next_sample == p.n:
+                req.logits = None
+        while self.queue and self.queue[0].next_sample == self.queue[0].params.n:
+            self.queue.popleft()
+        self._changed()
+        params = [self.slots[s].req.params for s in slots]
+        rows = r.start(slots, [len(self.slots[s].req.prompt) for s in slots], params,
+                       row_keys(self.seed, torch.tensor(rids, device=dev), torch.tensor(sidx, device=dev)))
+        tok, lp = sample(torch.cat(logits), r.greedy[rows], r.top_k[rows], r.top_p[rows],
+                         uniforms(r.key[rows], torch.zeros_like(rows)), *self._flags(params))
+        r.tok[rows] = tok
+        return self._record(slots, torch.stack((tok.double(), lp.double())).cpu())
 
     def _compact(self) -> None:
         """Move the highest busy slots into the lowest free ones (and likewise for prompt entries)
@@ -62,14 +111,16 @@ class LiveBatch:
             return
         src, dst = _compaction(self.slots)
         if src:
-            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1)  # own columns written so far
-            si, di = (torch.tensor(x, device=self.rows.tok.device) for x in (src, dst))
+            # own columns written so far: count - 1, and the column a step in flight writes
+            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1 + (self._inflight is not None))
+            si, di = (to_device(x, self.rows.tok.device) for x in (src, dst))
             for t in self.rows.per_slot():
                 t[di] = t[si]
             self.rows.active[si] = False
             self.log.move(src, dst)
             for s, d in zip(src, dst):
                 self.slots[d], self.slots[s] = self.slots[s], None
+                self.slots[d].slot = d
         src, dst = _compaction(self.entries)
         if src:
             self.cache.move_entries(src, dst, max(len(self.entries[s].prompt) for s in src))
@@ -85,7 +136,7 @@ class LiveBatch:
         self._members = None
 
     def _membership(self):
-        """(busy slots as a numpy array and a list, B, E, n, P, flags) of the live batch, or None."""
+        """(busy slots as a numpy array and a list, their `Seq`s, B, E, n, P, flags) of the live batch, or None."""
         if self._members is None:
             busy = [s for s, q in enumerate(self.slots) if q is not None]
             if not busy:
@@ -94,7 +145,7 @@ class LiveBatch:
             counts: dict[int, int] = {}
             for q in seqs:
                 counts[q.req.entry] = counts.get(q.req.entry, 0) + 1
-            self._members = (np.asarray(busy, dtype=np.int64), busy, busy[-1] + 1, max(counts) + 1,
+            self._members = (np.asarray(busy, dtype=np.int64), busy, seqs, busy[-1] + 1, max(counts) + 1,
                              max(counts.values()), max(len(q.req.prompt) for q in seqs),
                              self._flags([q.req.params for q in seqs]))
         return self._members
@@ -120,9 +171,26 @@ class LiveBatch:
             seq.req.live -= 1
             self._release(seq.req)
         if done:
-            self.rows.active[torch.tensor(done, device=self.rows.active.device)] = False
+            self.rows.active[to_device(done, self.rows.active.device)] = False
             self._changed()
         return finished
+
+    def _collect(self, step: Launched) -> list[Completion]:
+        """Record a launched step's tokens (waiting for it on CUDA). Rows are matched to samples by
+        identity: a sample that moved since the launch is recorded in its new slot, and a row whose
+        sample ended meanwhile (computed once more under overlap: `inflight.py`) is dropped."""
+        out = step.result()
+        if step.epoch == self._epoch:  # nothing started, ended or moved since the launch
+            return self._record(step.busy, out[:, step.busy_np], step.busy_np)
+        keep = [j for j, q in enumerate(step.seqs) if self.slots[q.slot] is q]
+        return self._record([step.seqs[j].slot for j in keep], out[:, step.busy_np[keep]])
+
+    def _drain(self) -> None:
+        """Record the step in flight now (before the weights change or the batch is dropped); the
+        samples it finishes are handed out by the next `step`."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._ready += self._collect(step)
 
     def _plan(self, B: int, E: int, n: int) -> None:
         """The entry plan of rows 0..B-1 for a step over E entries of n query rows."""

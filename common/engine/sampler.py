@@ -20,8 +20,11 @@ Schedule of one `step()`:
   4. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees its
      slot at once, so step 1 refills it next step (short answers never wait for long); a prompt
      entry is freed when its last sample finishes.
-The bookkeeping of steps 2 and 4 (which request holds which slot and entry, compaction, the
-step's membership, handing finished samples out) is `LiveBatch`'s (common/engine/live_batch.py).
+With `overlap=True`, step 3 launches step t+1 before step 4 records step t, so on a GPU the host's
+bookkeeping runs while the device computes (one step of lag, the same samples:
+`common/engine/inflight.py`). The bookkeeping of steps 2 and 4 (which request holds which slot
+and entry, compaction, the step's membership, handing finished samples out) is `LiveBatch`'s
+(common/engine/live_batch.py).
 
 Interruption (AReaL): `update_weights(fn, version, mode="interrupt")` loads weights now and
 re-prefills every live prompt, then every in-flight sample's generated tokens but the last
@@ -39,10 +42,11 @@ from tqdm import tqdm
 from common.engine.decode import GraphedDecode, Rows, Shape, captured_shape, decode_step
 from common.engine.decode_attention import flash_available
 from common.engine.decode_model import DecodeModel
+from common.engine.inflight import HostRing, Launched
 from common.engine.kv_cache import KVCache
 from common.engine.live_batch import LiveBatch, Request, Seq
 from common.engine.prefill import prefill_continuations, prefill_prompts
-from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
+from common.engine.sampling import Completion, SamplingParams
 from common.engine.slot_log import SlotLog
 
 
@@ -50,7 +54,7 @@ class Sampler(LiveBatch):
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
-                 compile: bool | None = None, flash: bool | None = None):
+                 compile: bool | None = None, flash: bool | None = None, overlap: bool = False):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
@@ -61,7 +65,8 @@ class Sampler(LiveBatch):
         the trainer on the model it evaluates) where the model is on CUDA; static_shapes: run the
         captured shapes eagerly (tests). compile: the decode step's layer body through torch.compile
         (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's `--precision.decode`),
-        else on for CUDA; flash: decode attention through the flash kernel (None: where available)."""
+        else on for CUDA; flash: decode attention through the flash kernel (None: where available);
+        overlap: launch each decode step before recording the previous one (module docstring)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
         if self.max_positions is not None:
@@ -90,6 +95,10 @@ class Sampler(LiveBatch):
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
+        self.overlap = overlap
+        self._outs = HostRing((2, max_batch), torch.float64, dev)  # each step's tokens and log-probs, to the host
+        self._inflight: Launched | None = None  # overlap: the step launched, not yet recorded
+        self._ready: list[Completion] = []      # finished by a `_drain` (a weight update, an abort): the next step's
         # The busy slots and what a step's shape needs of them change only when samples start, end
         # or move: `_membership` is recomputed then (`_changed`), not every step (host time per step
         # is what must hide behind a captured step's device time: BENCHMARKS.md)
@@ -128,7 +137,7 @@ class Sampler(LiveBatch):
         return self._pending_update is not None
 
     def has_work(self) -> bool:
-        return bool(self.queue) or self.num_active > 0 or self._pending_update is not None
+        return bool(self.queue) or self.num_active > 0 or self._pending_update is not None or bool(self._ready)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, load_fn, version: int, mode: str = "interrupt") -> None:
@@ -156,6 +165,7 @@ class Sampler(LiveBatch):
 
     @torch.inference_mode()
     def _apply(self, load_fn, version: int) -> None:
+        self._drain()  # the step in flight was drawn under the old weights: recorded as such
         loaded = load_fn(self.model)
         self.dec.refresh()  # packed q/k/v and gate/up copies follow the new weights
         self.version = loaded if isinstance(loaded, int) else version
@@ -175,8 +185,10 @@ class Sampler(LiveBatch):
                 self.stats["interrupts"] += 1
 
     def abort_all(self) -> list[Completion]:
-        """Drop queued requests; return in-flight samples as partial, finish_reason 'interrupted'."""
-        out = []
+        """Drop queued requests; return in-flight samples as partial, finish_reason 'interrupted'
+        (and samples a step still in flight finished, as finished)."""
+        self._drain()
+        out, self._ready = self._ready, []
         for s, seq in enumerate(self.slots):
             if seq is not None:
                 self.log.fill(s, seq.out)
@@ -189,64 +201,34 @@ class Sampler(LiveBatch):
         self._changed()
         return out
 
-    # ------------------------------------------------------------------ scheduling
-    def _admit(self) -> list[Completion]:
-        """Give free slots to waiting samples, first come first served; prefill new prompts
-        together; draw every admitted sample's first token in one call."""
-        if not self.queue or self._pending_update is not None:
-            return []
-        free = [s for s, q in enumerate(self.slots) if q is None]
-        plan: list[tuple[Request, list[int]]] = []
-        for req in self.queue:
-            if not free or self._pending_update is not None:
-                break
-            take, free = free[:req.params.n - req.next_sample], free[req.params.n - req.next_sample:]
-            plan.append((req, take))
-        if not plan:
-            return []
-        new = [req for req, _ in plan if req.entry < 0]
-        for req in new:  # a free prefix entry each; never fails: entries = max_batch + 1
-            req.entry = self.entries.index(None)
-            self.entries[req.entry] = req
-        self._prefill(new)  # an update re-prefills live prompts and resets their logits
-        dev, r = self.model.device, self.rows
-        slots, logits, rids, sidx = [], [], [], []
-        for req, take in plan:
-            p, P = req.params, len(req.prompt)
-            for s in take:
-                self.slots[s] = Seq(req, Completion(req.request_id, req.next_sample, req.prompt))
-                self.log.start(s, min(p.max_new_tokens, self.max_seq_len - P), p.stop_token_ids)
-                rids.append(req.request_id)
-                sidx.append(req.next_sample)
-                req.next_sample += 1
-                req.live += 1
-            slots += take
-            logits.append(req.logits.expand(len(take), -1))
-            if req.next_sample == p.n:
-                req.logits = None
-        while self.queue and self.queue[0].next_sample == self.queue[0].params.n:
-            self.queue.popleft()
-        self._changed()
-        params = [self.slots[s].req.params for s in slots]
-        rows = r.start(slots, [len(self.slots[s].req.prompt) for s in slots], params,
-                       row_keys(self.seed, torch.tensor(rids, device=dev), torch.tensor(sidx, device=dev)))
-        tok, lp = sample(torch.cat(logits), r.greedy[rows], r.top_k[rows], r.top_p[rows],
-                         uniforms(r.key[rows], torch.zeros_like(rows)), *self._flags(params))
-        r.tok[rows] = tok
-        return self._record(slots, torch.stack((tok.double(), lp.double())).cpu())
-
+    # ------------------------------------------------------------------ scheduling (admission and the rest: LiveBatch)
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         """Admit, decode one token for every busy slot, return the samples that finished."""
         if self._pending_update is not None and self.num_active == 0:
             self._apply(*self._pending_update)
-        finished = self._admit()
+        finished, self._ready = self._ready, []
+        finished += self._admit()
         self._compact()
+        launched = self._launch()
+        prev, self._inflight = self._inflight, None
+        if prev is not None:  # overlap: step t is recorded while the device computes t + 1
+            finished += self._collect(prev)
+        if launched is not None:
+            if self.overlap:
+                self._inflight = launched
+            else:
+                finished += self._collect(launched)
+        return finished
+
+    def _launch(self) -> Launched | None:
+        """Queue one decode step over the busy rows (and its output's copy to the host)."""
         members = self._membership()
         if members is None:
-            return finished
-        busy_np, busy, hi, E, n, P, flags = members
-        live = Shape(B=hi, E=E, n=n, S=int(self.log.count[busy_np].max()), P=P)  # S: own columns, the new one included
+            return None
+        busy_np, busy, seqs, hi, E, n, P, flags = members
+        # S: own columns, the new one included (and the one a step in flight writes)
+        live = Shape(B=hi, E=E, n=n, S=int(self.log.count[busy_np].max()) + (self._inflight is not None), P=P)
         shape = live
         if self.static_shapes:  # the shapes a captured step runs at (eagerly: tests compare them with the live ones)
             shape = captured_shape(live, self.max_batch, self.cache.max_prefixes, self.max_seq_len,
@@ -265,8 +247,8 @@ class Sampler(LiveBatch):
             self.stats[f"{name}_prompt_rows"] += sh.E * sh.n  # query rows against shared prompts
             self.stats[f"{name}_own_cols"] += sh.S            # slot columns attended per row
             self.stats[f"{name}_prompt_cols"] += sh.P         # prompt columns attended per entry
-        out = out[:, :hi].cpu()  # the step's one device-to-host transfer: tokens and log-probs
-        return finished + self._record(busy, out[:, busy], busy_np)
+        # the step's one device-to-host transfer: tokens and log-probs
+        return Launched.send(self._outs, out, hi, busy_np=busy_np, busy=busy, seqs=seqs, epoch=self._epoch)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list[Completion]:
         """Sample params.n completions per prompt; results ordered by (prompt, sample).
