@@ -79,16 +79,21 @@ class Launched:
     busy: list[int]
     seqs: list             # the `Seq` in each busy slot at launch, in order
     epoch: int             # the live batch's epoch at launch: unchanged = no sample started, ended or moved
+    host: torch.Tensor | None = None  # on the CPU: the step's own output, already on the host
 
     @classmethod
     def send(cls, ring: HostRing, out: torch.Tensor, hi: int, **kw) -> "Launched":
         """Queue the copy of a step's output (2, >= hi) to the host (non-blocking on CUDA)."""
+        if not ring.cuda:  # a CPU step returns a tensor of its own (never a graph's reused output)
+            return cls(ring, -1, hi, host=out[:, :hi], **kw)
         i = ring.take()
-        ring.bufs[i][:, :hi].copy_(out[:, :hi], non_blocking=ring.cuda)
+        ring.bufs[i][:, :hi].copy_(out[:, :hi], non_blocking=True)
         ring.mark(i)
         return cls(ring, i, hi, **kw)
 
     def result(self) -> torch.Tensor:
         """(2, hi) host tensor: the step's tokens and log-probs (waits for the step on CUDA)."""
+        if self.host is not None:
+            return self.host
         self.ring.wait(self.buf)
         return self.ring.bufs[self.buf][:, :self.hi]
