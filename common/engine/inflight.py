@@ -71,7 +71,7 @@ class HostRing:
 @dataclass
 class Launched:
     """A decode step queued on the device, waiting to be recorded: its rows' tokens and
-    log-probs arrive in `ring.bufs[buf][:, :hi]`."""
+    log-probs arrive in the first 2 x hi values of `ring.bufs[buf]` (flat: 2 x max_batch)."""
     ring: HostRing
     buf: int
     hi: int                # rows 0..hi-1 were computed
@@ -87,7 +87,9 @@ class Launched:
         if not ring.cuda:  # a CPU step returns a tensor of its own (never a graph's reused output)
             return cls(ring, -1, hi, host=out[:, :hi], **kw)
         i = ring.take()
-        ring.bufs[i][:, :hi].copy_(out[:, :hi], non_blocking=True)
+        # into a contiguous prefix of the flat buffer: a copy into a strided host view would go
+        # through a pageable temporary, which makes the host wait
+        ring.bufs[i][:2 * hi].view(2, hi).copy_(out[:, :hi], non_blocking=True)
         ring.mark(i)
         return cls(ring, i, hi, **kw)
 
@@ -96,4 +98,4 @@ class Launched:
         if self.host is not None:
             return self.host
         self.ring.wait(self.buf)
-        return self.ring.bufs[self.buf][:, :self.hi]
+        return self.ring.bufs[self.buf][:2 * self.hi].view(2, self.hi)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.attention import additive_mask, attend_lse, merge
+from common.engine.inflight import to_device
 
 
 def _move(stores: list[torch.Tensor], src: list[int], dst: list[int], length: int) -> None:
@@ -41,7 +42,7 @@ def _move(stores: list[torch.Tensor], src: list[int], dst: list[int], length: in
     if not src:
         return
     dev = stores[0].device
-    s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+    s, d = to_device(src, dev), to_device(dst, dev)  # non-blocking: a step may be in flight (inflight.py)
     for t in stores:
         t[:, d, :, :length] = t[:, s, :, :length]
 

@@ -96,7 +96,7 @@ class Sampler(LiveBatch):
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
         self.overlap = overlap
-        self._outs = HostRing((2, max_batch), torch.float64, dev)  # each step's tokens and log-probs, to the host
+        self._outs = HostRing((2 * max_batch,), torch.float64, dev)  # each step's tokens and log-probs, to the host
         self._inflight: Launched | None = None  # overlap: the step launched, not yet recorded
         self._ready: list[Completion] = []      # finished by a `_drain` (a weight update, an abort): the next step's
         # The busy slots and what a step's shape needs of them change only when samples start, end
