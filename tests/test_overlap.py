@@ -86,22 +86,12 @@ def test_overlap_interrupt_records_the_step_in_flight_under_the_old_weights(tmp_
     torch.testing.assert_close(c.logp_tensor()[5:], lp_new[5:], atol=1e-4, rtol=0)
 
 
-def test_overlap_finish_mode_and_abort(pair):
+def test_overlap_abort_records_the_step_in_flight(pair):
+    """(A finish-mode update under overlap: tests/test_sampler.py, parametrized.) An abort with a
+    step in flight: the partial samples include that step's token."""
     model, _ = pair
-    prompts = [[5, 17, 33], [9] * 12, [40, 41, 42], [88]]
     s = Sampler(model, max_batch=2, max_seq_len=64, overlap=True)
-    for q in prompts:
-        s.submit(q, SamplingParams(max_new_tokens=5, temperature=0))
-    s.step()
-    s.update_weights(lambda m: None, version=7, mode="finish")
-    outs = []
-    while s.has_work():
-        outs += s.step()
-    by_id = {c.request_id: c for c in outs}
-    assert by_id[0].versions == [0] * 5 and by_id[1].versions == [0] * 5  # in flight at the sync: old weights
-    assert by_id[2].versions == [7] * 5 and by_id[3].versions == [7] * 5
-    # abort with a step in flight: the partial samples include that step's token
-    for q in prompts[:3]:
+    for q in ([5, 17, 33], [9] * 12, [40, 41, 42]):
         s.submit(q, SamplingParams(max_new_tokens=20, temperature=0))
     s.step(), s.step(), s.step()
     assert s._inflight is not None

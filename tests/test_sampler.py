@@ -135,9 +135,10 @@ def test_interrupt_applies_new_weights_at_once(tmp_path):
     torch.testing.assert_close(c.logp_tensor()[5:], lp_new[5:], atol=1e-4, rtol=0)
 
 
-def test_finish_mode_drains_then_applies(pair):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_finish_mode_drains_then_applies(pair, overlap):
     ours, _ = pair
-    s = Sampler(ours, max_batch=2, max_seq_len=64)
+    s = Sampler(ours, max_batch=2, max_seq_len=64, overlap=overlap)
     p = SamplingParams(max_new_tokens=5, temperature=0)
     for q in PROMPTS[:4]:
         s.submit(q, p)
