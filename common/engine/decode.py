@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from common.engine.inflight import HostRing
+from common.engine.inflight import HostRing, to_device
 from common.engine.sampling import effective_temperature
 
 
@@ -83,13 +83,13 @@ class Rows:
     def start(self, slots: list[int], prompt_len: list[int], params: list, keys: torch.Tensor) -> torch.Tensor:
         """Set up `slots` for new samples (their prompts' lengths, SamplingParams, random keys);
         returns the slots as a device index tensor. The first token is the caller's to set."""
-        dev = self.tok.device
-        rows = torch.tensor(slots, device=dev)
-        temp = torch.tensor([p.temperature for p in params], device=dev)
-        self.pos[rows] = self.plen[rows] = torch.tensor(prompt_len, device=dev)
+        dev = self.tok.device  # copies non-blocking: a step may be in flight (inflight.py)
+        rows = to_device(slots, dev)
+        temp = to_device([p.temperature for p in params], dev, torch.float32)
+        self.pos[rows] = self.plen[rows] = to_device(prompt_len, dev)
         self.temp[rows], self.greedy[rows] = effective_temperature(temp), temp <= 0
-        self.top_k[rows] = torch.tensor([p.top_k for p in params], device=dev)
-        self.top_p[rows] = torch.tensor([p.top_p for p in params], device=dev, dtype=self.top_p.dtype)
+        self.top_k[rows] = to_device([p.top_k for p in params], dev)
+        self.top_p[rows] = to_device([p.top_p for p in params], dev, self.top_p.dtype)
         self.key[rows] = keys
         self.active[rows] = True
         return rows

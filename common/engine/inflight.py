@@ -1,13 +1,18 @@
-"""Host <-> device transfers that never make the sampler's host wait, and a decode step in flight.
+"""Host <-> device transfers that never make the sampler's host wait, and sampled tokens in flight.
 
 Runs inside the sampler's process (`common/engine/sampler.py`). On a GPU a decode step (one CUDA
-graph replay) runs while the host goes on; the host waits only where it reads the step's tokens.
+graph replay) runs while the host goes on; the host waits only where it reads sampled tokens.
 Without overlap it reads them at once, so the device idles while the host records them and
 plans and launches the next step. With `Sampler(overlap=True)` the host launches step t+1
 before it reads step t's tokens, and records t while the device computes t+1 (one step of lag):
 
   launch t+1 (queued behind t)   | device: ... t | t+1 | ...
   read t, record t, plan t+2     | host:   ...   | record t, plan | launch t+2 | record t+1 ...
+
+Admission works the same way: the prompts' prefill and the new samples' first tokens are queued,
+step t+1 (which already decodes those samples) is launched behind them, and only then does the
+host read the first tokens. So the device never waits for the host's bookkeeping, whether
+samples start, end or move.
 
 Why the lag changes no sample. A sample's tokens depend only on the weights, its prompt and
 its own counter-based uniforms (`sampling.py`), not on which step or row computes them; rows
@@ -18,7 +23,8 @@ time t+1 is recorded its `Seq` no longer holds the slot (`LiveBatch._collect` ma
 samples by identity, not by slot). Every device write of the host (admission, compaction, the
 plan, freeing a row) is queued on the one stream behind the step in flight, so it lands after
 that step as it would without overlap. What changes: a freed slot is refilled a step later,
-and compaction copies one more cache column (the one the step in flight writes).
+and a step attends one more cache column, compaction copies one more (the one the step in
+flight writes; a new sample's first token, recorded after the step that writes it).
 
 Copies to the device go through pinned host memory, non-blocking: a pageable copy would make
 the host wait for the device to finish everything queued, the step in flight included.
@@ -31,10 +37,11 @@ import numpy as np
 import torch
 
 
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A long tensor of `values` on `device` without waiting for the device: on CUDA from pinned
-    memory, non-blocking (PyTorch's pinned allocator keeps the block until the copy has run)."""
-    t = torch.tensor(values, dtype=torch.long)
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A tensor of `values` (a list, or a list of equal-length lists) on `device` without waiting for
+    the device: on CUDA from pinned memory, non-blocking (PyTorch's pinned allocator keeps the
+    block until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t
     return t.pin_memory().to(device, non_blocking=True)
@@ -43,18 +50,25 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 class HostRing:
     """`n` host buffers (pinned on CUDA) taken in turn for non-blocking copies to or from the
     device. A buffer is handed out again only after the copy that last used it has run (its
-    event), so a copy still queued behind a step in flight never sees its source rewritten."""
+    event), so a copy still queued behind a step in flight never sees its source rewritten; with
+    `reads=True` (copies from the device) also only after the host has read it, checked: taking
+    a buffer still unread is a bug of the caller's, not something to wait for."""
 
-    def __init__(self, shape: tuple, dtype: torch.dtype, device, n: int = 2):
+    def __init__(self, shape: tuple, dtype: torch.dtype, device, n: int = 2, reads: bool = False):
         self.cuda = torch.device(device).type == "cuda"
         self.bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for _ in range(n)]
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(n)]
+        self.unread = [False] * n if reads else None
         self.next = 0
 
     def take(self) -> int:
         """The index of a buffer free to write (waits for its last copy, normally long done)."""
         i = self.next
         self.next = (i + 1) % len(self.bufs)
+        if self.unread is not None:
+            if self.unread[i]:
+                raise RuntimeError(f"HostRing: buffer {i} of {len(self.bufs)} taken again before it was read")
+            self.unread[i] = True
         self.wait(i)
         return i
 
@@ -67,35 +81,38 @@ class HostRing:
         if self.cuda:
             self.events[i].synchronize()  # an event never recorded returns at once
 
+    def read(self, i: int) -> torch.Tensor:
+        """Buffer i once its copy has run; it may be taken again after this."""
+        self.wait(i)
+        if self.unread is not None:
+            self.unread[i] = False
+        return self.bufs[i]
+
 
 @dataclass
 class Launched:
-    """A decode step queued on the device, waiting to be recorded: its rows' tokens and
-    log-probs arrive in the first 2 x hi values of `ring.bufs[buf]` (flat: 2 x max_batch)."""
+    """Sampled tokens queued on the device, waiting to be recorded on the host: a decode step's
+    (one per busy slot) or the first tokens of newly admitted samples. Output column cols[j]
+    holds slot slots[j]'s token and log-prob (sample seqs[j]'s, at launch)."""
     ring: HostRing
     buf: int
-    hi: int                # rows 0..hi-1 were computed
-    busy_np: np.ndarray    # the busy slots at launch (numpy, for indexing the output)
-    busy: list[int]
-    seqs: list             # the `Seq` in each busy slot at launch, in order
+    n: int                 # output columns copied
+    cols: np.ndarray       # the output column of each slot below
+    slots: list[int]       # the slots at launch
+    slots_np: np.ndarray
+    seqs: list             # the `Seq` in each of those slots at launch
     epoch: int             # the live batch's epoch at launch: unchanged = no sample started, ended or moved
-    host: torch.Tensor | None = None  # on the CPU: the step's own output, already on the host
 
     @classmethod
-    def send(cls, ring: HostRing, out: torch.Tensor, hi: int, **kw) -> "Launched":
-        """Queue the copy of a step's output (2, >= hi) to the host (non-blocking on CUDA)."""
-        if not ring.cuda:  # a CPU step returns a tensor of its own (never a graph's reused output)
-            return cls(ring, -1, hi, host=out[:, :hi], **kw)
+    def send(cls, ring: HostRing, out: torch.Tensor, n: int, **kw) -> "Launched":
+        """Queue the copy of `out[:, :n]` (2 rows: tokens, log-probs) to the host (non-blocking on CUDA)."""
         i = ring.take()
         # into a contiguous prefix of the flat buffer: a copy into a strided host view would go
         # through a pageable temporary, which makes the host wait
-        ring.bufs[i][:2 * hi].view(2, hi).copy_(out[:, :hi], non_blocking=True)
+        ring.bufs[i][:2 * n].view(2, n).copy_(out[:, :n], non_blocking=ring.cuda)
         ring.mark(i)
-        return cls(ring, i, hi, **kw)
+        return cls(ring, i, n, **kw)
 
     def result(self) -> torch.Tensor:
-        """(2, hi) host tensor: the step's tokens and log-probs (waits for the step on CUDA)."""
-        if self.host is not None:
-            return self.host
-        self.ring.wait(self.buf)
-        return self.ring.bufs[self.buf][:2 * self.hi].view(2, self.hi)
+        """(2, n) host tensor: the tokens and log-probs (waits for them on CUDA). Read it once."""
+        return self.ring.read(self.buf)[:2 * self.n].view(2, self.n)

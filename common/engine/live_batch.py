@@ -55,11 +55,12 @@ class LiveBatch:
         """(some row is top-k / top-p filtered, some row is greedy): work `sample` may skip."""
         return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
 
-    def _admit(self) -> list[Completion]:
+    def _admit(self) -> Launched | None:
         """Give free slots to waiting samples, first come first served; prefill new prompts
-        together; draw every admitted sample's first token in one call."""
+        together; draw every admitted sample's first token in one call. Returns those tokens on
+        their way to the host (`_collect` records them), or None if nobody was admitted."""
         if not self.queue or self._pending_update is not None:
-            return []
+            return None
         free = [s for s, q in enumerate(self.slots) if q is None]
         plan: list[tuple[Request, list[int]]] = []
         for req in self.queue:
@@ -68,7 +69,7 @@ class LiveBatch:
             take, free = free[:req.params.n - req.next_sample], free[req.params.n - req.next_sample:]
             plan.append((req, take))
         if not plan:
-            return []
+            return None
         new = [req for req, _ in plan if req.entry < 0]
         for req in new:  # a free prefix entry each; never fails: entries = max_batch + 1
             req.entry = self.entries.index(None)
@@ -94,11 +95,14 @@ class LiveBatch:
         self._changed()
         params = [self.slots[s].req.params for s in slots]
         rows = r.start(slots, [len(self.slots[s].req.prompt) for s in slots], params,
-                       row_keys(self.seed, torch.tensor(rids, device=dev), torch.tensor(sidx, device=dev)))
+                       row_keys(self.seed, to_device(rids, dev), to_device(sidx, dev)))
         tok, lp = sample(torch.cat(logits), r.greedy[rows], r.top_k[rows], r.top_p[rows],
                          uniforms(r.key[rows], torch.zeros_like(rows)), *self._flags(params))
         r.tok[rows] = tok
-        return self._record(slots, torch.stack((tok.double(), lp.double())).cpu())
+        slots_np = np.asarray(slots, dtype=np.int64)
+        return Launched.send(self._outs, torch.stack((tok.double(), lp.double())), len(slots),
+                             cols=np.arange(len(slots)), slots=slots, slots_np=slots_np,
+                             seqs=[self.slots[s] for s in slots], epoch=self._epoch)
 
     def _compact(self) -> None:
         """Move the highest busy slots into the lowest free ones (and likewise for prompt entries)
@@ -111,8 +115,8 @@ class LiveBatch:
             return
         src, dst = _compaction(self.slots)
         if src:
-            # own columns written so far: count - 1, and the column a step in flight writes
-            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1 + (self._inflight is not None))
+            # own columns written so far: count - 1, and under overlap the one a step in flight writes
+            self.cache.move_slots(src, dst, int(self.log.count[src].max()) - 1 + self.overlap)
             si, di = (to_device(x, self.rows.tok.device) for x in (src, dst))
             for t in self.rows.per_slot():
                 t[di] = t[si]
@@ -176,14 +180,14 @@ class LiveBatch:
         return finished
 
     def _collect(self, step: Launched) -> list[Completion]:
-        """Record a launched step's tokens (waiting for it on CUDA). Rows are matched to samples by
+        """Record launched tokens (waiting for them on CUDA). Rows are matched to samples by
         identity: a sample that moved since the launch is recorded in its new slot, and a row whose
         sample ended meanwhile (computed once more under overlap: `inflight.py`) is dropped."""
         out = step.result()
         if step.epoch == self._epoch:  # nothing started, ended or moved since the launch
-            return self._record(step.busy, out[:, step.busy_np], step.busy_np)
+            return self._record(step.slots, out[:, step.cols], step.slots_np)
         keep = [j for j, q in enumerate(step.seqs) if self.slots[q.slot] is q]
-        return self._record([step.seqs[j].slot for j in keep], out[:, step.busy_np[keep]])
+        return self._record([step.seqs[j].slot for j in keep], out[:, step.cols[keep]])
 
     def _drain(self) -> None:
         """Record the step in flight now (before the weights change or the batch is dropped); the

@@ -96,7 +96,9 @@ class Sampler(LiveBatch):
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
         self.overlap = overlap
-        self._outs = HostRing((2 * max_batch,), torch.float64, dev)  # each step's tokens and log-probs, to the host
+        # sampled tokens and log-probs on their way to the host: under overlap at most three at once
+        # (the step in flight, an admission's first tokens, the step just launched)
+        self._outs = HostRing((2 * max_batch,), torch.float64, dev, n=3, reads=True)
         self._inflight: Launched | None = None  # overlap: the step launched, not yet recorded
         self._ready: list[Completion] = []      # finished by a `_drain` (a weight update, an abort): the next step's
         # The busy slots and what a step's shape needs of them change only when samples start, end
@@ -208,12 +210,17 @@ class Sampler(LiveBatch):
         if self._pending_update is not None and self.num_active == 0:
             self._apply(*self._pending_update)
         finished, self._ready = self._ready, []
-        finished += self._admit()
+        firsts = self._admit()
+        if firsts is not None and not self.overlap:
+            finished += self._collect(firsts)
+            firsts = None
         self._compact()
         launched = self._launch()
         prev, self._inflight = self._inflight, None
-        if prev is not None:  # overlap: step t is recorded while the device computes t + 1
+        if prev is not None:  # overlap: step t is recorded while the device computes t + 1 ...
             finished += self._collect(prev)
+        if firsts is not None:  # ... and so are the first tokens of the samples admitted for it
+            finished += self._collect(firsts)
         if launched is not None:
             if self.overlap:
                 self._inflight = launched
@@ -227,8 +234,9 @@ class Sampler(LiveBatch):
         if members is None:
             return None
         busy_np, busy, seqs, hi, E, n, P, flags = members
-        # S: own columns, the new one included (and the one a step in flight writes)
-        live = Shape(B=hi, E=E, n=n, S=int(self.log.count[busy_np].max()) + (self._inflight is not None), P=P)
+        # S: own columns, the new one included; under overlap one more (the one a step in flight
+        # writes; a new sample's first token, not yet recorded, goes to column 0 of a count of 0)
+        live = Shape(B=hi, E=E, n=n, S=int(self.log.count[busy_np].max()) + self.overlap, P=P)
         shape = live
         if self.static_shapes:  # the shapes a captured step runs at (eagerly: tests compare them with the live ones)
             shape = captured_shape(live, self.max_batch, self.cache.max_prefixes, self.max_seq_len,
@@ -248,7 +256,8 @@ class Sampler(LiveBatch):
             self.stats[f"{name}_own_cols"] += sh.S            # slot columns attended per row
             self.stats[f"{name}_prompt_cols"] += sh.P         # prompt columns attended per entry
         # the step's one device-to-host transfer: tokens and log-probs
-        return Launched.send(self._outs, out, hi, busy_np=busy_np, busy=busy, seqs=seqs, epoch=self._epoch)
+        return Launched.send(self._outs, out, hi, cols=busy_np, slots=busy, slots_np=busy_np, seqs=seqs,
+                             epoch=self._epoch)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list[Completion]:
         """Sample params.n completions per prompt; results ordered by (prompt, sample).
