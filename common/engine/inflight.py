@@ -58,6 +58,7 @@ class HostRing:
         self.cuda = torch.device(device).type == "cuda"
         self.bufs = [torch.zeros(shape, dtype=dtype, pin_memory=self.cuda) for _ in range(n)]
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(n)]
+        self.host = [b.numpy() for b in self.bufs]  # the same memory
         self.unread = [False] * n if reads else None
         self.next = 0
 
@@ -81,12 +82,13 @@ class HostRing:
         if self.cuda:
             self.events[i].synchronize()  # an event never recorded returns at once
 
-    def read(self, i: int) -> torch.Tensor:
-        """Buffer i once its copy has run; it may be taken again after this."""
+    def read(self, i: int) -> np.ndarray:
+        """Buffer i (as numpy: reading it runs no torch op) once its copy has run; it may be taken
+        again after this."""
         self.wait(i)
         if self.unread is not None:
             self.unread[i] = False
-        return self.bufs[i]
+        return self.host[i]
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Launched:
         ring.mark(i)
         return cls(ring, i, n, **kw)
 
-    def result(self) -> torch.Tensor:
-        """(2, n) host tensor: the tokens and log-probs (waits for them on CUDA). Read it once."""
-        return self.ring.read(self.buf)[:2 * self.n].view(2, self.n)
+    def result(self) -> np.ndarray:
+        """(2, n) float64: the tokens and log-probs (waits for them on CUDA). Read it once: the
+        buffer may be taken again after, so index out of it (a copy) before anything is sent."""
+        return self.ring.read(self.buf)[:2 * self.n].reshape(2, self.n)

@@ -160,11 +160,11 @@ class LiveBatch:
             self.entries[req.entry] = None
             req.entry = -1
 
-    def _record(self, slots: list[int], out: torch.Tensor, slots_np: np.ndarray | None = None) -> list[Completion]:
-        """Append each slot's new token (out: (2, len(slots)) host tensor, tokens and log-probs);
+    def _record(self, slots: list[int], out: np.ndarray, slots_np: np.ndarray | None = None) -> list[Completion]:
+        """Append each slot's new token (out: (2, len(slots)) float64, tokens and log-probs);
         free the slots whose sample is finished (a stop token, max_new_tokens or max_seq_len)."""
         slots_np = np.asarray(slots, dtype=np.int64) if slots_np is None else slots_np
-        fin, stopped = self.log.append(slots_np, out[0].numpy().astype(np.int64), out[1].numpy(), self.version)
+        fin, stopped = self.log.append(slots_np, out[0].astype(np.int64), out[1], self.version)
         finished, done = [], slots_np[fin].tolist()
         for s, stop in zip(done, stopped[fin].tolist()):
             seq = self.slots[s]
