@@ -75,6 +75,10 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
             print(f"  {s} ERROR {d['error'][:300]}\n{d['traceback'][-1200:]}")
     for k, v in r.get("targets", {}).items():
         print(f"  target {k}: {json.dumps(v)[:300]}")
+    for v, x in (r.get("decode") or {}).items():  # each variant's step: synced, back to back, bare replay, GPU
+        if isinstance(x, dict) and "gpu_ms" in x:
+            ks = ("wall_ms", "wall_ms_back_to_back", "replay_wall_ms", "gpu_ms", "kernels_per_layer")
+            print(f"  decode {v}: " + " ".join(f"{k}={x[k]:.4g}" for k in ks if isinstance(x.get(k), (int, float))))
     if not r.get("complete"):  # cut short: the figures of the parts that finished
         keys = ("tok_s", "step_s", "wall_ms", "gpu_ms", "peak_gib", "device_ms", "_over_", "captures")
         def leaves(d, path=""):
