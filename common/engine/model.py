@@ -166,6 +166,7 @@ class Transformer(nn.Module):
         self.kv_dtype: torch.dtype | None = None  # the sampler's KV cache dtype; None = the weights'
         self.decode_graphs = False  # a Sampler built without cuda_graphs= (evaluation) captures its decode on CUDA
         self.decode_compile: bool | None = None  # a Sampler built without compile= compiles its decode body (None: on CUDA)
+        self.decode_overlap = False  # a Sampler built without overlap= launches a step before recording the last
         # Trainer option: recompute each block's activations in backward instead of keeping them
         # (memory ~ one block's activations plus each block's input; ~1/3 more compute).
         self.checkpoint_layers = False

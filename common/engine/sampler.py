@@ -54,7 +54,7 @@ class Sampler(LiveBatch):
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
-                 compile: bool | None = None, flash: bool | None = None, overlap: bool = False):
+                 compile: bool | None = None, flash: bool | None = None, overlap: bool | None = None):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
@@ -66,7 +66,8 @@ class Sampler(LiveBatch):
         captured shapes eagerly (tests). compile: the decode step's layer body through torch.compile
         (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's `--precision.decode`),
         else on for CUDA; flash: decode attention through the flash kernel (None: where available);
-        overlap: launch each decode step before recording the previous one (module docstring)."""
+        overlap: launch each decode step before recording the previous one (module docstring);
+        None = `model.decode_overlap` (the run's --gen.overlap, set by the trainer on the model it evaluates)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
         if self.max_positions is not None:
@@ -95,7 +96,7 @@ class Sampler(LiveBatch):
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
         self._pending_update = None  # (fn, version) waiting for mode="finish"
-        self.overlap = overlap
+        self.overlap = bool(getattr(model, "decode_overlap", False)) if overlap is None else overlap
         # sampled tokens and log-probs on their way to the host: under overlap at most three at once
         # (the step in flight, an admission's first tokens, the step just launched)
         self._outs = HostRing((2 * max_batch,), torch.float64, dev, n=3, reads=True)

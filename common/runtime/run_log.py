@@ -18,13 +18,13 @@ from common.runtime.generator import Control, decode_graphs
 
 def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
     """evaluate(model, tokenizer) on the trainer's current weights, in the generators' dtype and
-    decoding as they do (`--gen.cuda_graphs`, read by common/evaluate.py's Sampler); logged at `step`."""
+    decoding as they do (`--gen.cuda_graphs`, `--gen.overlap`, read by common/evaluate.py's Sampler); logged at `step`."""
     if evaluate is None:
         return {}
     t = time.perf_counter()
     group.model.eval()
     m = prec.inference_copy(group.full_model())
-    m.decode_graphs = decode_graphs(cfg.gen, m.device)
+    m.decode_graphs, m.decode_overlap = decode_graphs(cfg.gen, m.device), cfg.gen.overlap
     out = evaluate(m, tok)
     group.model.train()
     out = {**out, "eval_s": time.perf_counter() - t}
