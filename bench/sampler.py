@@ -43,6 +43,7 @@ import common.engine.live_batch as live_batch_mod  # noqa: E402
 import common.engine.sampler as sampler_mod  # noqa: E402
 from common.engine.hf_io import load_model  # noqa: E402
 from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
+from common.engine.machine_decode import compile_ab  # noqa: E402
 from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
@@ -106,30 +107,6 @@ def run_ours(model, prompts, params, max_batch) -> dict:
             "dtype": str(model.dtype).replace("torch.", ""), "kv_dtype": str(s.cache.dtype).replace("torch.", ""),
             "prefill_tokens": s.stats["prefill_tokens"], "decode_steps": s.stats["decode_steps"],
             "decode_rows": s.stats["decode_rows"], "compiled": s.dec.compile, "warmup_s": warm}
-
-
-def compile_ab(model, prompts, params, max_batch, rounds: int) -> dict:
-    """The decode step's layer body eager vs compiled, same weights and work: both samplers warmed
-    up (the compiled one compiles there), then `rounds` alternating timed runs (eager, compiled, ...),
-    so a drifting machine speed hits both; the median of the per-round tok/s ratios."""
-    P = max(len(p) for p in prompts)
-    samplers = {c: Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P,
-                           compile=c) for c in (False, True)}
-    warm = {}
-    for c, s in samplers.items():
-        t = time.perf_counter()
-        for k in (1, 2):  # one row, then several: every graph a run meets
-            s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
-        warm[c] = time.perf_counter() - t
-    rates = {False: [], True: []}
-    for _ in range(rounds):
-        for c, s in samplers.items():
-            t = time.perf_counter()
-            ntok = sum(len(o.tokens) for o in s.generate(prompts, params))
-            rates[c].append(ntok / (time.perf_counter() - t))
-    ratios = sorted(b / a for a, b in zip(rates[False], rates[True]))
-    return {"eager_tok_s": rates[False], "compiled_tok_s": rates[True], "compiled_over_eager": ratios[len(ratios) // 2],
-            "ratios": ratios, "warmup_s": {"eager": warm[False], "compiled": warm[True]}, "rounds": rounds}
 
 
 def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0, ragged: bool = True) -> dict:

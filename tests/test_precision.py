@@ -10,6 +10,7 @@ Tolerances (tiny random models, logits std ~1 so log-probs span a few nats):
   - fp32 greedy decoding equals transformers exactly, through either GEMM backend.
 """
 import json
+import math
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from common.engine.causal_attention import kernel_enabled, set_kernel
 from common.engine.hf_io import load_model
 from common.engine.linear import Linear, onednn_available, onednn_enabled, set_onednn
 import common.engine.machine as machine
+import common.engine.machine_decode as machine_decode
 import common.engine.precision as P
 from common.engine.precision import Precision, PrecisionConfig, resolve
 from common.engine.sampler import Sampler
@@ -32,12 +34,23 @@ FAKE = {"shape": [256, 576, 1536], "fp32_aten_gflops": 100.0, "fp32_onednn_gflop
         "full_attn_kernel_ms": 5.0, "full_attn_sdpa_ms": 8.0}
 
 
-def _fake_machine(monkeypatch, flags, measured=FAKE):
+def _fake_machine(monkeypatch, flags, measured=FAKE, decode=None):
+    """A CPU with `flags` whose fast measurement is `measured` (its calls' bf16 flags returned) and whose
+    decode measurement (`decode_*` cache entries) is `decode` (None: never taken)."""
     calls = []
     monkeypatch.setattr(P, "cpu_info", lambda: {"model": "test cpu", "flags": flags, "capability": "AVX512",
                                                 "threads": 1})
     monkeypatch.setattr(P, "measured", lambda info, bf16, remeasure=False: calls.append(bf16) or dict(measured))
+    monkeypatch.setattr(P, "cached_decode", lambda info: dict(decode or {}))
     return calls
+
+
+def _no_decode_measurement(monkeypatch):
+    """Make the slow decode measurement fail if anything starts it."""
+    def refuse(*a, **kw):
+        raise AssertionError("the decode measurement was started")
+    monkeypatch.setattr(machine_decode, "measure_decode", refuse)
+    monkeypatch.setattr(machine_decode, "compile_ab", refuse)
 
 
 # ------------------------------------------------------------------------------ the choice
@@ -80,7 +93,7 @@ def test_trainer_gemms_are_timed_alternating_on_both_backends():
 
 def test_forced_choices_skip_the_measurement(monkeypatch):
     calls = _fake_machine(monkeypatch, ["amx_bf16"])
-    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa"))
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa", decode="eager"))
     assert (p.dtype, p.gemm, p.kv, p.attention, p.why) == ("bf16", "aten", "bf16", "sdpa", "all forced") and calls == []
     assert p.decode == "eager" and resolve(PrecisionConfig(decode="compiled", dtype="fp32", gemm="aten",
                                                            attention="sdpa")).decode == "compiled"
@@ -90,6 +103,85 @@ def test_forced_choices_skip_the_measurement(monkeypatch):
     assert resolve(PrecisionConfig(), device="cuda").decode == "compiled"
     p = resolve(PrecisionConfig(), device="cuda")
     assert (p.dtype, p.kv) == ("bf16", "bf16")
+
+
+def test_decode_auto_reads_the_machines_decode_measurement(monkeypatch):
+    """CPU `decode=auto`: compiled where this machine's recorded measurement, in the run's dtype, shows
+    compiled DECODE_MIN_GAIN faster; eager below it, and eager where never measured. Resolving only
+    reads: the measurement (a compile) is never started, nor the fast one when the rest is forced."""
+    _no_decode_measurement(monkeypatch)
+    _fake_machine(monkeypatch, ["avx2"], decode={"decode_fp32_compiled_over_eager_tok_s": 1.14})
+    p = resolve(PrecisionConfig())
+    assert p.decode == "compiled" and "decode compiled: compiled 1.14x eager, measured (need 1.05x)" in p.why
+    assert p.measured["decode_fp32_compiled_over_eager_tok_s"] == 1.14  # saved with the run (precision.json)
+    assert Precision.from_dict(json.loads(json.dumps(p.to_dict()))).measured == p.measured
+    _fake_machine(monkeypatch, ["avx2"], decode={"decode_fp32_compiled_over_eager_tok_s": P.DECODE_MIN_GAIN - 0.01})
+    p = resolve(PrecisionConfig())
+    assert p.decode == "eager" and "decode eager: compiled 1.04x eager" in p.why
+    calls = _fake_machine(monkeypatch, ["avx2"])
+    p = resolve(PrecisionConfig(dtype="fp32", gemm="aten", attention="sdpa"))  # all else forced: nothing measured
+    assert p.decode == "eager" and calls == [] and p.measured == {}
+    assert p.why == "decode eager: not measured on this machine (python -m common.runtime.measure_decode, ~1 min once)"
+    # the measurement of the run's dtype: a bf16 machine measured in fp32 only is not measured for its run
+    _fake_machine(monkeypatch, ["amx_bf16"], decode={"decode_fp32_compiled_over_eager_tok_s": 1.3})
+    p = resolve(PrecisionConfig())
+    assert (p.dtype, p.decode) == ("bf16", "eager") and "not measured" in p.why
+    _fake_machine(monkeypatch, ["amx_bf16"], decode={"decode_fp32_compiled_over_eager_tok_s": 0.9,
+                                                     "decode_bf16_compiled_over_eager_tok_s": 1.3})
+    assert resolve(PrecisionConfig()).decode == "compiled"
+    assert resolve(PrecisionConfig(), device="cuda").decode == "compiled"  # CUDA: compiled, not measured
+
+
+def test_forced_decode_skips_reading_the_decode_measurement(monkeypatch):
+    _fake_machine(monkeypatch, ["avx2"])
+
+    def refuse(info):
+        raise AssertionError("read the decode measurement")
+    monkeypatch.setattr(P, "cached_decode", refuse)
+    assert resolve(PrecisionConfig(decode="eager")).decode == "eager"
+    p = resolve(PrecisionConfig(decode="compiled"))
+    assert p.decode == "compiled" and "decode" not in p.why
+
+
+def test_the_decode_command_measures_the_runs_dtype(tmp_path, monkeypatch):
+    """`take` (python -m common.runtime.measure_decode): fp32, and the dtype and KV dtype `auto` picks
+    where that is bf16; recorded under the machine's key, kept beside the fast measurement."""
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    info = {"model": "test cpu", "flags": ["amx_bf16"], "capability": "AVX512", "threads": 1}
+    monkeypatch.setattr(P, "cpu_info", lambda: dict(info))
+    monkeypatch.setattr(P, "measured", lambda info, bf16, remeasure=False: dict(FAKE))
+    taken = []
+
+    def fake_measure(dtype, kv, rounds, **kw):
+        taken.append((dtype, kv))
+        return {f"decode_{dtype}_compiled_over_eager_tok_s": 1.2 if dtype == "bf16" else 0.9, f"decode_{dtype}_kv": kv}
+    monkeypatch.setattr(machine_decode, "measure_decode", fake_measure)
+    out = machine_decode.take(rounds=1)
+    assert taken == [("fp32", "fp32"), ("bf16", "fp32")]  # FAKE: bf16 GEMMs 2.5x, decode attention faster in fp32
+    assert out["decode"] == "compiled" and "compiled 1.20x eager" in out["why"]
+    assert machine.cached_decode(info) == {"decode_fp32_compiled_over_eager_tok_s": 0.9, "decode_fp32_kv": "fp32",
+                                           "decode_bf16_compiled_over_eager_tok_s": 1.2, "decode_bf16_kv": "fp32"}
+    assert out["cache"] == str(machine._cache_file(info))
+
+
+def test_decode_measurement_is_real_and_read_by_resolve(tmp_path, monkeypatch):
+    """The real measurement at a tiny width into a fresh cache; `resolve` then reads it. The compile is
+    what costs: the sizes, eps and sequence length are tests/test_decode_compile.py's llama_tied's, so
+    in a suite inductor's cache holds some of these graphs already."""
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path))
+    out = machine_decode.take(rounds=2, prompts=2, prompt_len=16, n=2, new_tokens=32, hidden_size=32,
+                              intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              vocab_size=97, rms_norm_eps=1e-6)
+    saved = json.loads(machine._cache_file(P.cpu_info()).read_text())
+    assert out["cache"] == str(machine._cache_file(P.cpu_info())) and "fp32_aten_train_ms" in saved  # merged
+    for k in ("compiled_over_eager_tok_s", "eager_tok_s", "compiled_tok_s", "compile_s"):
+        v = saved[f"decode_fp32_{k}"]
+        assert math.isfinite(v) and v > 0, (k, v)
+    assert saved["decode_shape"]["hidden_size"] == 32 and len(saved["decode_fp32_ratios"]) == 2
+    p = resolve(PrecisionConfig(dtype="fp32"))
+    gain = saved["decode_fp32_compiled_over_eager_tok_s"]
+    assert p.decode == ("compiled" if gain >= P.DECODE_MIN_GAIN else "eager") and f"compiled {gain:.2f}x eager" in p.why
+    assert p.measured["decode_fp32_eager_tok_s"] == saved["decode_fp32_eager_tok_s"]
 
 
 def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
@@ -103,7 +195,9 @@ def test_measurement_is_real_and_cached_per_machine(tmp_path, monkeypatch):
     assert len(files) == 1 and json.loads(files[0].read_text())["bf16_gflops"] == m["bf16_gflops"]
     again = P.measured(info, bf16=True)
     assert again["cached"] == str(files[0]) and again["bf16_gflops"] == m["bf16_gflops"]
+    machine.record_decode(info, {"decode_fp32_compiled_over_eager_tok_s": 1.5})
     assert "cached" not in P.measured(info, bf16=True, remeasure=True)
+    assert machine.cached_decode(info) == {"decode_fp32_compiled_over_eager_tok_s": 1.5}  # kept: taken only on request
     p = resolve(PrecisionConfig())  # on this machine, whatever it is: a valid, explained choice
     assert p.dtype in ("fp32", "bf16") and p.gemm in ("onednn", "aten") and p.why and p.cpu["model"]
     assert p.attention in ("kernel", "sdpa")

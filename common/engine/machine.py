@@ -18,7 +18,10 @@ backend after the other can favour whichever ran in the faster phase.
 
 The result is cached per machine in $ASYNCRL_CACHE/precision/ (keyed by CPU model, flags, torch
 version and thread count) so that reruns on one machine make the same choice;
-`--precision.remeasure` refreshes it.
+`--precision.remeasure` refreshes it. The same file holds the decode step's eager vs compiled
+measurement (the `decode` choice), which costs a compile and so is taken only on request, by
+`python -m common.runtime.measure_decode` (written by `record_decode`, read by `cached_decode`, kept
+when the rest is measured again).
 """
 from __future__ import annotations
 
@@ -162,17 +165,15 @@ def _cache_file(info: dict) -> Path:
     return cache_root() / "precision" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
 
 
-def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
-    """`measure()` through the per-machine cache (a file per CPU/flags/torch/threads key)."""
-    path = _cache_file(info)
-    if not remeasure and path.is_file():
-        try:
-            m = json.loads(path.read_text())
-            if (not bf16 or "bf16_gflops" in m) and "full_attn_kernel_ms" in m and "fp32_aten_train_ms" in m:
-                return {**m, "cached": str(path)}
-        except (OSError, ValueError):
-            pass  # unreadable cache: measure again
-    m = measure(bf16)
+def _read(path: Path) -> dict:
+    """A cache file's entries; {} when absent or unreadable (then measured again)."""
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write(path: Path, m: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -180,4 +181,33 @@ def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
         os.replace(tmp, path)  # atomic: concurrent runs never read half a file
     except OSError:
         pass  # read-only home: the choice still holds for this run
+
+
+def _decode_entries(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k.startswith("decode_")}
+
+
+def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
+    """`measure()` through the per-machine cache (a file per CPU/flags/torch/threads key). A fresh
+    measurement keeps the file's decode measurement (taken only on request: `cached_decode`)."""
+    path = _cache_file(info)
+    old = _read(path)
+    if (not remeasure and (not bf16 or "bf16_gflops" in old) and "full_attn_kernel_ms" in old
+            and "fp32_aten_train_ms" in old):
+        return {**old, "cached": str(path)}
+    m = measure(bf16)
+    _write(path, {**m, **_decode_entries(old)})
     return m
+
+
+def cached_decode(info: dict) -> dict:
+    """This machine's decode measurement (`decode_*` entries, `common/engine/machine_decode.py`) from
+    its cache file; {} where none was taken. Only reads: the measurement itself costs a compile."""
+    return _decode_entries(_read(_cache_file(info)))
+
+
+def record_decode(info: dict, entries: dict) -> Path:
+    """Merge a decode measurement into this machine's cache file (the fast entries kept); its path."""
+    path = _cache_file(info)
+    _write(path, {**_read(path), **_decode_entries(entries)})
+    return path

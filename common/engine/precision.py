@@ -2,7 +2,7 @@
 
 The trainer (main process) calls `resolve` once at start; the resolved `Precision` is printed,
 saved with the run (`precision.json` and the metrics' config) and handed to the generator
-processes, which apply it without measuring again. Four choices, each `auto` or forced:
+processes, which apply it without measuring again. Five choices, each `auto` or forced:
 
   dtype   compute dtype. bf16 means mixed precision as on GPUs: the trainer keeps fp32 master
           weights and optimizer state and runs forward passes under bf16 autocast (log-softmax
@@ -23,9 +23,11 @@ processes, which apply it without measuring again. Four choices, each `auto` or 
           CUDA always take F.scaled_dot_product_attention.
   decode  the sampler's decode step: its layer body run eagerly or through torch.compile
           (`common/engine/decode_model.py`). auto on CUDA = compiled (a few fused kernels per layer
-          instead of ~90); on CPU = eager: the CPU step is GEMM-bound, compiled measured 0.99x eager
-          on an AVX2 EPYC, and measuring it here would cost a cold compile of a minute or two at
-          every first run (`bench/sampler.py --compile-ab` measures a machine; BENCHMARKS.md).
+          instead of ~90). auto on CPU = what this machine measured in the run's dtype: compiled
+          where it ran the decode step DECODE_MIN_GAIN faster than eager, else eager; eager where
+          it was never measured. Measuring compiles the decode pieces (tens of seconds cold), too
+          much for every first run on a machine, so it is taken on request, once per machine
+          (`python -m common.runtime.measure_decode`), and `resolve` only reads it.
 
 The measurements behind `auto` (and their per-machine cache) are `common/engine/machine.py`'s.
 Outside a run (a notebook or a script calling `load_model` and `token_logp`) the process keeps its
@@ -46,10 +48,12 @@ import torch
 from common.engine.causal_attention import set_kernel
 from common.engine.hf_io import load_model
 from common.engine.linear import set_onednn
-from common.engine.machine import cpu_info, has_bf16_hardware, measured, onednn_faster
+from common.engine.machine import cached_decode, cpu_info, has_bf16_hardware, measured, onednn_faster
 
 BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
 # autocast adds a weight cast per micro-batch, so a smaller GEMM gain would not pay for them
+DECODE_MIN_GAIN = 1.05  # compiled decode must beat eager by this much: each generator pays the compile at start
+DECODE_COMMAND = "python -m common.runtime.measure_decode"  # takes the decode measurement
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -59,7 +63,7 @@ class PrecisionConfig:
     gemm: Literal["auto", "onednn", "aten"] = "auto"  # CPU fp32 GEMM backend; auto: the faster on the trainer's GEMMs, measured
     kv: Literal["auto", "fp32", "bf16"] = "auto"      # sampler KV cache / attention dtype; auto: measured (CPU), = dtype (CUDA)
     attention: Literal["auto", "kernel", "sdpa"] = "auto"  # CPU fp32 full-pass attention: ours or the flash kernel; auto: measured
-    decode: Literal["auto", "eager", "compiled"] = "auto"  # sampler decode step's layer body; auto: compiled on CUDA, eager on CPU
+    decode: Literal["auto", "eager", "compiled"] = "auto"  # sampler decode step's layer body; auto: compiled on CUDA, measured on CPU
     remeasure: bool = False                           # ignore this machine's cached measurement and measure again
 
 
@@ -171,7 +175,16 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         ours, sdpa = m["full_attn_kernel_ms"], m["full_attn_sdpa_ms"]
         attention = "kernel" if ours < sdpa else "sdpa"
         why.append(f"causal attention kernel {ours:.1f} vs SDPA {sdpa:.1f} ms")
-    decode = "eager" if cfg.decode == "auto" else cfg.decode  # a rule, not a measurement (module docstring)
+    decode = cfg.decode
+    if decode == "auto":  # read, never measured here: the measurement compiles (module docstring)
+        m = {**m, **cached_decode(info)}
+        gain = m.get(f"decode_{dtype}_compiled_over_eager_tok_s")
+        if gain is None:
+            decode = "eager"
+            why.append(f"decode eager: not measured on this machine ({DECODE_COMMAND}, ~1 min once)")
+        else:
+            decode = "compiled" if gain >= DECODE_MIN_GAIN else "eager"
+            why.append(f"decode {decode}: compiled {gain:.2f}x eager, measured (need {DECODE_MIN_GAIN}x)")
     return Precision(dtype, gemm, kv, attention, decode, why="; ".join(why) or "all forced", cpu=info, measured=m)
 
 
