@@ -128,8 +128,16 @@ def test_overlap_steps_never_make_the_host_wait_implicitly(tmp_path, monkeypatch
     prompts = [[5, 6, 7], [9] * 10, [3, 4, 8, 8], [7] * 6]
     params = SamplingParams(max_new_tokens=20, temperature=1.0, n=4, stop_token_ids=(3, 4, 5, 6), seed=3)
     s = Sampler(model, max_batch=8, max_seq_len=48, cuda_graphs=True, overlap=True)  # 16 samples, 8 slots
-    first = s.generate(prompts, params)  # captures every bucket this schedule meets (a capture syncs) ...
-    s.generate(prompts, params)  # ... from the state a round leaves (its last step in flight): as the next
+
+    def round_():  # the same request ids every round: the same random streams, samples and buckets
+        for i, p in enumerate(prompts):
+            s.submit(p, params, request_id=i)
+        done = []
+        while s.has_work():
+            done += s.step()
+        return sorted(done, key=lambda c: (c.request_id, c.sample_idx))
+    first = round_()  # captures every bucket this schedule meets (a capture syncs) ...
+    round_()  # ... from the state a round leaves (its last step in flight), as the next round starts
     real_wait = HostRing.wait
 
     def explicit_wait(self, i):
@@ -141,7 +149,7 @@ def test_overlap_steps_never_make_the_host_wait_implicitly(tmp_path, monkeypatch
     monkeypatch.setattr(HostRing, "wait", explicit_wait)
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = s.generate(prompts, params)
+        out = round_()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert len({len(c.tokens) for c in out}) > 2  # samples ended at different steps: frees, refills, compaction
