@@ -8,7 +8,8 @@
 #   bash bench/gpu_check.sh                                   # tests, smoke, decode/trainer/ipc (<= 11 min)
 #   SECTIONS=async,sampler TESTS=0 SMOKE=0 T_sampler=200 ARGS_async="--async-steps 6" bash bench/gpu_check.sh
 #
-# Variables: TESTS / SMOKE / HOSTCPU = 0 to skip a phase; TEST_K (pytest -k); SECTIONS (bench/gpu.py
+# Variables: TESTS / SMOKE / HOSTCPU = 0 to skip a phase, HOSTDECODE = 1 to add one (the host CPU's
+# decode choice: python -m common.runtime.measure_decode); TEST_K (pytest -k); SECTIONS (bench/gpu.py
 # sections, comma-separated, each its own process; empty: none); BENCH_ARGS (flags for every
 # section), ARGS_<section> (for one); T_TESTS / T_SMOKE / T_BENCH / T_<section> (seconds).
 set -u
@@ -48,6 +49,16 @@ from common.engine.precision import PrecisionConfig, resolve
 p = resolve(PrecisionConfig(remeasure=True), 'cpu'); print(p.summary())" 2>&1 | tail -3
 fi
 
+if [ "${HOSTDECODE:-0}" = 1 ]; then  # off by default: ~1 min (a cold compile), for a host CPU worth knowing (AMX)
+  stamp "decode eager vs compiled on the host CPU (precision.decode=auto)"
+  timeout -k 5 "${T_HOSTDECODE:-180}" $PY -m common.runtime.measure_decode > "$OUT/hostdecode.json" 2> "$OUT/hostdecode.log"
+  echo "hostdecode rc=$?"; $PY -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print({k: v for k, v in d.items() if k.endswith(('compiled_over_eager_tok_s', 'eager_tok_s', 'compile_s')) or k in ('decode', 'why')})
+" "$OUT/hostdecode.json" 2>&1 | tail -3
+fi
+
 # one bench/gpu.py process per section, each under its own limit (T_<section>; default below) with
 # its own flags (ARGS_<section>, after BENCH_ARGS): a section that hangs costs only its own time
 for s in $(echo "${SECTIONS=decode,trainer,ipc}" | tr ',' ' '); do
@@ -68,6 +79,8 @@ from pathlib import Path
 for p in sorted(Path(sys.argv[1]).glob("*.json")):
     name = p.name
     r = json.loads(p.read_text())
+    if r.get("bench") != "gpu":  # bench/gpu.py's records only (hostdecode.json is printed above)
+        continue
     print(f"== {name}: complete={r.get('complete')} section_s={r.get('section_s')}")
     for s in r.get("sections", []):
         d = r.get(s)
