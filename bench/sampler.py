@@ -14,6 +14,7 @@ bandwidth). Prints one JSON line.
     python bench/sampler.py --quick    # smoke check (< 1 min)
     python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
     python bench/sampler.py --compile-ab --skip-hf  # the decode step's layer body eager vs compiled
+    python bench/sampler.py --decode-gemm-ab --skip-hf  # bf16 decode GEMMs on packed vs plain weights
     python bench/sampler.py --arch pythia-160m  # a random GPT-NeoX of Pythia-160M's shape (bench/_arch.py)
 
 `--arch` runs another family on the same workload: a random model of that published shape built
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -106,7 +108,23 @@ def run_ours(model, prompts, params, max_batch) -> dict:
     return {"tokens": ntok, "seconds": dt, "tok_s": ntok / dt, "max_batch": max_batch, "onednn": onednn_enabled(),
             "dtype": str(model.dtype).replace("torch.", ""), "kv_dtype": str(s.cache.dtype).replace("torch.", ""),
             "prefill_tokens": s.stats["prefill_tokens"], "decode_steps": s.stats["decode_steps"],
-            "decode_rows": s.stats["decode_rows"], "compiled": s.dec.compile, "warmup_s": warm}
+            "decode_rows": s.stats["decode_rows"], "compiled": s.dec.compile, "packed": s.dec.packed_gemm,
+            "warmup_s": warm}
+
+
+def decode_gemm_ab(model, prompts, params, max_batch, rounds: int) -> dict:
+    """Ours with the decode GEMMs on oneDNN-packed weights and on plain ones (`precision.decode_gemm`),
+    the whole workload each, alternating `rounds` times: tok/s and the median per-round ratio."""
+    keep, rates = getattr(model, "decode_packed", False), {True: [], False: []}
+    try:
+        for _ in range(rounds):
+            for packed in (True, False):
+                model.decode_packed = packed
+                rates[packed].append(run_ours(model, prompts, params, max_batch)["tok_s"])
+    finally:
+        model.decode_packed = keep
+    return {"packed_tok_s": rates[True], "plain_tok_s": rates[False], "rounds": rounds,
+            "packed_over_plain": statistics.median(p / q for p, q in zip(rates[True], rates[False]))}
 
 
 def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, seed: int = 0, ragged: bool = True) -> dict:
@@ -141,7 +159,9 @@ def host_ms_per_step(model, rows: int = 256, n: int = 20, max_new: int = 48, see
     prompts = [torch.randint(4, model.cfg.vocab_size, (int(L),), generator=g).tolist()
                for L in torch.randint(20, 120, (rows // n + 2 if ragged else rows // n,), generator=g)]
     params = SamplingParams(max_new_tokens=max_new, temperature=1.0, n=n, stop_token_ids=(3,) if ragged else (), seed=seed)
-    s = Sampler(model, max_batch=rows, max_seq_len=128 + max_new, max_prompt_len=128)
+    # the layer body eager: the op counter's dispatch mode cannot run under torch.compile, and the
+    # host's work (outside the model calls) is the same either way
+    s = Sampler(model, max_batch=rows, max_seq_len=128 + max_new, max_prompt_len=128, compile=False)
     s.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=1.0, n=2))  # warm-up
     for (mod, k), fn in saved.items():
         setattr(mod, k, timed(fn))
@@ -206,7 +226,9 @@ def main():
     ap.add_argument("--host-only", action="store_true", help="only host ms per decode step, on a tiny random model")
     ap.add_argument("--compile-ab", action="store_true",
                     help="also run ours with the decode step's layer body compiled (inductor's C++ backend on CPU)")
-    ap.add_argument("--ab-rounds", type=int, default=3, help="--compile-ab: alternating timed rounds")
+    ap.add_argument("--ab-rounds", type=int, default=3, help="--compile-ab, --decode-gemm-ab: alternating timed rounds")
+    ap.add_argument("--decode-gemm-ab", action="store_true",
+                    help="also ours with the decode GEMMs on packed and plain weights, alternating (bf16 on CPU)")
     ap.add_argument("--ablate-onednn", action="store_true",
                     help="also run ours with F.linear (MKL) GEMMs, to separate the GEMM backend from the engine")
     add_arch_arg(ap)
@@ -246,6 +268,8 @@ def main():
     res["host"] = host_ms_per_step(model, max_new=8 if a.quick else 48)
     if a.compile_ab:
         res["compile_ab"] = compile_ab(model, prompts, params, a.max_batch, a.ab_rounds)
+    if a.decode_gemm_ab:
+        res["decode_gemm_ab"] = decode_gemm_ab(model, prompts, params, a.max_batch, a.ab_rounds)
     if a.ablate_onednn:
         old = set_onednn(False)
         res["ours_mkl_gemm"] = run_ours(model, prompts, params, a.max_batch)

@@ -93,11 +93,12 @@ def test_trainer_gemms_are_timed_alternating_on_both_backends():
 
 def test_forced_choices_skip_the_measurement(monkeypatch):
     calls = _fake_machine(monkeypatch, ["amx_bf16"])
-    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa", decode="eager"))
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", kv="bf16", attention="sdpa", decode="eager",
+                                decode_gemm="plain"))
     assert (p.dtype, p.gemm, p.kv, p.attention, p.why) == ("bf16", "aten", "bf16", "sdpa", "all forced") and calls == []
     assert p.decode == "eager" and resolve(PrecisionConfig(decode="compiled", dtype="fp32", gemm="aten",
                                                            attention="sdpa")).decode == "compiled"
-    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", attention="kernel"))  # kv auto needs the attention timing
+    p = resolve(PrecisionConfig(dtype="bf16", gemm="aten", attention="kernel", decode_gemm="plain"))  # kv auto: timed
     assert p.kv == "fp32" and calls == [True]
     assert resolve(PrecisionConfig(dtype="fp32"), device="cuda").dtype == "fp32"
     assert resolve(PrecisionConfig(), device="cuda").decode == "compiled"
@@ -119,7 +120,7 @@ def test_decode_auto_reads_the_machines_decode_measurement(monkeypatch):
     p = resolve(PrecisionConfig())
     assert p.decode == "eager" and "decode eager: compiled 1.04x eager" in p.why
     calls = _fake_machine(monkeypatch, ["avx2"])
-    p = resolve(PrecisionConfig(dtype="fp32", gemm="aten", attention="sdpa"))  # all else forced: nothing measured
+    p = resolve(PrecisionConfig(dtype="fp32", gemm="aten", attention="sdpa", decode_gemm="plain"))  # all else forced
     assert p.decode == "eager" and calls == [] and p.measured == {}
     assert p.why == "decode eager: not measured on this machine (python -m common.runtime.measure_decode, ~1 min once)"
     # the measurement of the run's dtype: a bf16 machine measured in fp32 only is not measured for its run
@@ -130,6 +131,33 @@ def test_decode_auto_reads_the_machines_decode_measurement(monkeypatch):
                                                      "decode_bf16_compiled_over_eager_tok_s": 1.3})
     assert resolve(PrecisionConfig()).decode == "compiled"
     assert resolve(PrecisionConfig(), device="cuda").decode == "compiled"  # CUDA: compiled, not measured
+
+
+def test_decode_gemm_auto_packs_where_measured_faster(monkeypatch):
+    """CPU `decode_gemm=auto`: the bf16 decode GEMMs on oneDNN-packed weights where the machine measured
+    them DECODE_GEMM_MIN_GAIN faster than F.linear; plain below it, in fp32, without a measurement
+    (PyTorch without bf16 packing) and on CUDA; `packed` forced where it cannot apply is an error."""
+    bf16 = {**FAKE, "attn_bf16_ms": 0.5}
+    _fake_machine(monkeypatch, ["amx_bf16"], {**bf16, "bf16_decode_gemm_ms": 6.8, "bf16_decode_packed_ms": 3.1})
+    p = resolve(PrecisionConfig())
+    assert (p.dtype, p.decode_gemm) == ("bf16", "packed") and "decode GEMMs packed: F.linear 6.80 vs packed 3.10 ms" in p.why
+    assert "decode_gemm=packed" in p.summary()
+    model = p.configure(torch.nn.Linear(1, 1), "generator")
+    assert model.decode_packed  # what a sampler on this model reads (tests/test_decode_packed.py)
+    _fake_machine(monkeypatch, ["amx_bf16"], {**bf16, "bf16_decode_gemm_ms": 3.3, "bf16_decode_packed_ms": 3.1})
+    assert resolve(PrecisionConfig()).decode_gemm == "plain"
+    _fake_machine(monkeypatch, ["amx_bf16"], bf16)  # no packing in this PyTorch: never measured
+    p = resolve(PrecisionConfig())
+    assert p.decode_gemm == "plain" and "bf16 packing unavailable" in p.why
+    _fake_machine(monkeypatch, ["avx2"])
+    p = resolve(PrecisionConfig())
+    assert (p.dtype, p.decode_gemm) == ("fp32", "plain") and "decode GEMMs" not in p.why  # nothing to choose
+    with pytest.raises(ValueError, match="decode_gemm=packed needs bf16 decode"):
+        resolve(PrecisionConfig(decode_gemm="packed"))
+    assert resolve(PrecisionConfig(), device="cuda").decode_gemm == "plain"
+    with pytest.raises(ValueError, match="for CPU bf16 decode"):
+        resolve(PrecisionConfig(decode_gemm="packed"), device="cuda")
+    assert Precision.from_dict({"dtype": "bf16"}).decode_gemm == "plain"  # a run saved before the choice
 
 
 def test_forced_decode_skips_reading_the_decode_measurement(monkeypatch):

@@ -27,6 +27,10 @@ Merged weights: `merged([Wq, Wk, Wv])` is a view when the three lie back to back
 generator's weights bound to the weight store's flat slot, laid out in that order, and any model
 whose loader put them so), else a packed copy, packed again by `refresh` after each weight
 update (`Sampler.update_weights`). Either way the model keeps its Hugging Face layout.
+With `packed` (CPU, bf16 weights: `precision.decode_gemm`), every decode GEMM's weight, the head's
+too, is also reordered into oneDNN's blocked layout (`linear.pack`: a private copy, made again by
+each `refresh`) and multiplied by `linear.packed_linear`: the same products without F.linear's
+reorder of the weight on every call.
 Shapes: B rows, D hidden, H query heads, Hkv key/value heads, G = H / Hkv, hd head dim.
 """
 from __future__ import annotations
@@ -42,7 +46,7 @@ from common.engine import decode_attention
 from common.engine.attention import merge
 from common.engine.fused import activation, rms_norm
 from common.engine.layers import apply_rope
-from common.engine.linear import linear
+from common.engine.linear import linear, pack, packed_linear
 from common.engine.sampling import sample, scale_logits, uniforms
 
 
@@ -89,6 +93,7 @@ class LayerWeights:
     post_attn: torch.Tensor | None = None  # Gemma 3's sandwich norms: on the attention's output (ln2 is
     post_mlp: torch.Tensor | None = None   # then pre_feedforward_layernorm) and on the MLP's output
     local: int = 0                         # 1: a sliding-window layer, its own RoPE table (Gemma 3)
+    packed: bool = False                   # the GEMM weights are `linear.pack`ed (oneDNN's layout)
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,11 @@ class Body:
     act: str = "silu"           # the MLP activation (`fused.activation`)
     gated: bool = True          # gu = [gate | up] (Llama), or up alone (GPT-NeoX, GPT-2)
     parallel: bool = False      # the MLP reads the block's input, not x + attention (GPT-NeoX)
+
+
+def _lin(x, w, b, packed: bool):
+    """x W^T + b through F.linear / oneDNN (`linear`), or on a packed weight (`linear.packed_linear`)."""
+    return packed_linear(x, w, b) if packed else linear(x, w, b)
 
 
 def _norm(x, w, b, eps: float):
@@ -109,7 +119,7 @@ def attn_in(x, d, w: LayerWeights, eps: float, cos_t, sin_t, pos, kc, vc, own, q
     dtype; writes the rows' k/v into their slots' column `own` of kc/vc (max_batch, Hkv, S, hd)."""
     x = x + d
     B, hd = x.shape[0], kc.shape[-1]
-    qkv = linear(_norm(x, w.ln1, w.ln1_b, eps), w.qkv, w.qkv_b)            # (B, (H + 2 Hkv) hd)
+    qkv = _lin(_norm(x, w.ln1, w.ln1_b, eps), w.qkv, w.qkv_b, w.packed)            # (B, (H + 2 Hkv) hd)
     q, k, v = qkv.split([H * hd, Hkv * hd, Hkv * hd], dim=-1)
     q, k, v = q.view(B, H, hd), k.view(B, Hkv, hd), v.view(B, Hkv, hd)
     if w.q_norm is not None:
@@ -130,26 +140,26 @@ def attn_out(x, o_s, l_s, o_p, l_p, back_e, back_i, w: LayerWeights, eps: float,
     back_i[b]), the output projection, and the MLP: -> x (B, D) after attention, d (B, D) the MLP's output."""
     B = x.shape[0]
     o = merge(o_p[back_e, back_i], l_p[back_e, back_i], o_s, l_s)       # (B, G, Hkv, hd)
-    o = linear(o.transpose(1, 2).reshape(B, -1).to(x.dtype), w.o, w.o_b)  # heads back in h = j*G + g order
+    o = _lin(o.transpose(1, 2).reshape(B, -1).to(x.dtype), w.o, w.o_b, w.packed)  # heads back in h = j*G + g order
     if w.post_attn is not None:
         o = rms_norm(o, w.post_attn, eps)
     h = _norm(x if body.parallel else x + o, w.ln2, w.ln2_b, eps)
     x = x + o
-    a = linear(h, w.gu, w.gu_b)
+    a = _lin(h, w.gu, w.gu_b, w.packed)
     if body.gated:
         g, u = a.chunk(2, dim=-1)
-        d = linear(activation(body.act)(g) * u, w.down, w.down_b)
+        d = _lin(activation(body.act)(g) * u, w.down, w.down_b, w.packed)
     else:
-        d = linear(activation(body.act)(a), w.down, w.down_b)
+        d = _lin(activation(body.act)(a), w.down, w.down_b, w.packed)
     return x, (d if w.post_mlp is None else rms_norm(d, w.post_mlp, eps))
 
 
 def tail(x, d, norm_w, norm_b, eps: float, head_w, temp, greedy, top_k, top_p, key, own, any_filtered: bool,
-         any_greedy: bool):
+         any_greedy: bool, packed: bool = False):
     """The last norm, the head, and the draw: tokens (B,) and their log-probs (B,) under the fp32
     logits / T_eff (`sampling.sample`). The uniform is token own + 1 of each sample's random stream
-    (token 0 came from the prefill)."""
-    logits = linear(_norm(x + d, norm_w, norm_b, eps), head_w)
+    (token 0 came from the prefill). `packed`: head_w is `linear.pack`ed."""
+    logits = _lin(_norm(x + d, norm_w, norm_b, eps), head_w, None, packed)
     u = uniforms(key, own + 1)
     return sample(scale_logits(logits, temp), greedy, top_k, top_p, u, any_filtered, any_greedy)
 
@@ -182,9 +192,10 @@ def _dynamic(*marks) -> None:
 class DecodeModel:
     """A `Transformer`'s weights laid out for decode, and the step through them."""
 
-    def __init__(self, model, compile: bool = False, flash: bool = False):
+    def __init__(self, model, compile: bool = False, flash: bool = False, packed: bool = False):
         self.model, self.cfg, self.compile = model, model.cfg, compile
         self.flash = flash  # decode attention through the flash kernel (`decode_attention.py`), else dense
+        self.packed_gemm = packed  # GEMM weights in oneDNN's layout (module docstring; CPU bf16 only)
         self.generation = 0  # bumped when a weight's address changes (captured graphs must be dropped)
         self._ptrs: tuple | None = None
         self.refresh()
@@ -201,9 +212,9 @@ class DecodeModel:
     def refresh(self) -> None:
         """After a weight load: packed copies are packed again in place (captured graphs keep their
         addresses); if a parameter's storage moved (e.g. bound to the weight store), everything is
-        rebuilt and `generation` moves on."""
+        rebuilt and `generation` moves on. oneDNN-packed weights are new tensors: always rebuilt."""
         ptrs = tuple(p.data_ptr() for p in self.model.parameters())
-        if ptrs == self._ptrs:
+        if ptrs == self._ptrs and not self.packed_gemm:
             for dst, src in self.packed:
                 torch.cat([t.detach() for t in src], out=dst)
             return
@@ -214,7 +225,7 @@ class DecodeModel:
             for src in srcs:
                 t, is_view = merged(src)
                 out.append(t)
-                if not is_view:
+                if not is_view and not self.packed_gemm:
                     self.packed.append((t, src))
             qkv, qkv_b, gu, gu_b = out
             a, m = blk.self_attn, blk.mlp
@@ -228,6 +239,10 @@ class DecodeModel:
                 ln1_b=_d(getattr(blk.input_layernorm, "bias", None)), ln2_b=_d(getattr(ln2, "bias", None)),
                 post_attn=blk.post_attention_layernorm.weight.detach() if sandwich else None,
                 post_mlp=blk.post_feedforward_layernorm.weight.detach() if sandwich else None, local=int(a.local)))
+            if self.packed_gemm:
+                w = self.layers[-1]
+                w.qkv, w.o, w.gu, w.down, w.packed = pack(w.qkv), pack(w.o), pack(w.gu), pack(w.down), True
+        self.head = pack(self.model.lm_head.weight) if self.packed_gemm else self.model.lm_head.weight.detach()
 
     def _fn(self, fn):
         return _compiled(fn) if self.compile else fn
@@ -260,5 +275,5 @@ class DecodeModel:
             x, d = f_out(x, o_s, l_s, o_p, l_p, p.back_e, p.back_i, w, eps, body)
         mark((x, 0), (d, 0), (temp, 0), (greedy, 0), (top_k, 0), (top_p, 0), (key, 0))
         norm = m.model.norm
-        return self._fn(tail)(x, d, norm.weight, _d(getattr(norm, "bias", None)), eps, m.lm_head.weight, temp, greedy,
-                              top_k, top_p, key, own, any_filtered, any_greedy)
+        return self._fn(tail)(x, d, norm.weight, _d(getattr(norm, "bias", None)), eps, self.head, temp, greedy,
+                              top_k, top_p, key, own, any_filtered, any_greedy, self.packed_gemm)

@@ -19,6 +19,11 @@ Routing (`bench/sampler.py --ablate-onednn` prints the effect):
   - never on CUDA, for other dtypes (bf16 F.linear already runs on oneDNN), or under autocast
     (F.linear is where autocast casts to bf16; the oneDNN op has no autocast rule).
 `set_onednn(False)` turns it off (for A/B benchmarks and bisecting numerical questions).
+
+Packed weights (`pack`, `packed_linear`): the sampler's CPU bf16 decode GEMMs on a weight reordered
+once into oneDNN's blocked layout, instead of F.linear, which reorders it on every call (the
+decode step's GEMMs are small in M, so that reorder is a large part of each). Used where
+`precision.decode_gemm` picks it (measured per machine: `common/engine/machine.py`).
 """
 from __future__ import annotations
 
@@ -50,6 +55,36 @@ def onednn_available() -> bool:
 def _mm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN x @ weight^T + bias: x (..., K), weight (N, K) -> (..., N)."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def bf16_packing_available() -> bool:
+    """Whether this PyTorch can pack bf16 weights for oneDNN (`pack`) on this CPU."""
+    return _AVAILABLE and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def pack(weight: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """A bf16 weight (N, K) reordered into oneDNN's blocked layout for `packed_linear` (a new tensor,
+    shape (N, K), opaque strides: read it only through `packed_linear`). `rows`: a typical M, a
+    hint to oneDNN; any M runs."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+
+@torch.library.custom_op("asyncrl::packed_linear", mutates_args=())
+def _packed_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """y = x W^T + b, W from `pack`. An op of its own because inductor lowers oneDNN's op only for
+    weights frozen into the graph, and the decode body takes its weights as arguments."""
+    return _mm(x, weight, bias)
+
+
+@_packed_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ W^T + b -> (..., N) for W = pack(W (N, K)); no gradient. Eagerly oneDNN's op
+    itself, inside torch.compile the custom op around it."""
+    return _packed_op(x, weight, bias) if torch.compiler.is_compiling() else _mm(x, weight, bias)
 
 
 def _mm_dx(gy: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ trainer's process at start (`precision.resolve`), and in benchmarks.
     dX = dY W and dW = dY^T X) on ATen and oneDNN alternating call by call, the median of the
     per-round ratios (the `gemm` choice);
   - one decode attention in fp32 and bf16 (the `kv` choice), one full causal attention forward +
-    backward, 2 rows x 200 tokens, 9 query / 3 kv heads of 64, our kernel and SDPA (`attention`).
+    backward, 2 rows x 200 tokens, 9 query / 3 kv heads of 64, our kernel and SDPA (`attention`);
+  - with bf16, one decode layer's GEMMs and the head at 64 rows through F.linear and on weights
+    packed for oneDNN (`decode_gemm`).
 Why the trainer's GEMMs decide the backend: on CPU every run waits on the trainer, and a backend
 can win the forward layout and lose the backward's (oneDNN copies a transposed first operand; an
 AVX2 EPYC where oneDNN wins forward GEMMs runs the whole training step much slower on it:
@@ -40,7 +42,8 @@ import torch.nn.functional as F
 from common.engine.attention import attend_lse
 from common.engine.causal_attention import causal_attention, set_kernel
 from common.engine.hf_io import cache_root
-from common.engine.linear import linear, linear_dw, linear_dx, onednn_available, set_onednn
+from common.engine.linear import (bf16_packing_available, linear, linear_dw, linear_dx, onednn_available, pack,
+                                 packed_linear, set_onednn)
 
 _FLAGS = ("amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2")
 
@@ -157,7 +160,21 @@ def measure(bf16: bool = True) -> dict:
             q, k = torch.randn(64, 9, 1, 64, dtype=dt), torch.randn(64, 3, 256, 64, dtype=dt)
             mask = torch.zeros(64, 1, 1, 256, dtype=dt)
             out[f"attn_{name}_ms"] = 1e3 * _best_time(lambda: attend_lse(q, k, k, mask))
+        if bf16_packing_available():
+            out["bf16_decode_gemm_ms"], out["bf16_decode_packed_ms"] = _decode_gemms_ms()
     return out
+
+
+def _decode_gemms_ms() -> tuple[float, float]:
+    """ms of one decode layer's bf16 GEMMs plus a 49,152-token head at 64 rows (SmolLM2-135M's
+    shapes), through F.linear and on oneDNN-packed weights (`precision.decode_gemm`)."""
+    g = torch.Generator().manual_seed(0)
+    x = {k: torch.randn(64, k, generator=g).bfloat16() for k in (576, 1536)}
+    ws = [torch.randn(n, k, generator=g).bfloat16() for n, k in ((960, 576), (576, 576), (3072, 576), (576, 1536),
+                                                                (49152, 576))]
+    packed = [pack(w) for w in ws]
+    plain = _best_time(lambda: [F.linear(x[w.shape[1]], w) for w in ws])
+    return 1e3 * plain, 1e3 * _best_time(lambda: [packed_linear(x[w.shape[1]], p) for w, p in zip(ws, packed)])
 
 
 def _cache_file(info: dict) -> Path:
@@ -193,6 +210,7 @@ def measured(info: dict, bf16: bool, remeasure: bool = False) -> dict:
     path = _cache_file(info)
     old = _read(path)
     if (not remeasure and (not bf16 or "bf16_gflops" in old) and "full_attn_kernel_ms" in old
+            and (not bf16 or not bf16_packing_available() or "bf16_decode_packed_ms" in old)
             and "fp32_aten_train_ms" in old):
         return {**old, "cached": str(path)}
     m = measure(bf16)

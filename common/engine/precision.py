@@ -28,6 +28,10 @@ processes, which apply it without measuring again. Five choices, each `auto` or 
           it was never measured. Measuring compiles the decode pieces (tens of seconds cold), too
           much for every first run on a machine, so it is taken on request, once per machine
           (`python -m common.runtime.measure_decode`), and `resolve` only reads it.
+  decode_gemm  the sampler's decode GEMMs in bf16 on CPU: F.linear (`plain`), or oneDNN on weights
+          packed once into its blocked layout (`packed`: `common/engine/linear.py`, a private copy
+          of the decode weights per sampler); auto = packed where the machine measured the decode
+          step's GEMMs DECODE_GEMM_MIN_GAIN faster so, else plain; fp32 decode and CUDA: plain.
 
 The measurements behind `auto` (and their per-machine cache) are `common/engine/machine.py`'s.
 Outside a run (a notebook or a script calling `load_model` and `token_logp`) the process keeps its
@@ -47,13 +51,14 @@ import torch
 
 from common.engine.causal_attention import set_kernel
 from common.engine.hf_io import load_model
-from common.engine.linear import set_onednn
+from common.engine.linear import bf16_packing_available, set_onednn
 from common.engine.machine import cached_decode, cpu_info, has_bf16_hardware, measured, onednn_faster
 
 BF16_MIN_GAIN = 1.5  # bf16 GEMM must beat fp32 by this much: GEMMs are ~50-70% of a step and
 # autocast adds a weight cast per micro-batch, so a smaller GEMM gain would not pay for them
 DECODE_MIN_GAIN = 1.05  # compiled decode must beat eager by this much: each generator pays the compile at start
 DECODE_COMMAND = "python -m common.runtime.measure_decode"  # takes the decode measurement
+DECODE_GEMM_MIN_GAIN = 1.1  # packed decode GEMMs must beat F.linear by this much: the copy costs memory
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -64,6 +69,7 @@ class PrecisionConfig:
     kv: Literal["auto", "fp32", "bf16"] = "auto"      # sampler KV cache / attention dtype; auto: measured (CPU), = dtype (CUDA)
     attention: Literal["auto", "kernel", "sdpa"] = "auto"  # CPU fp32 full-pass attention: ours or the flash kernel; auto: measured
     decode: Literal["auto", "eager", "compiled"] = "auto"  # sampler decode step's layer body; auto: compiled on CUDA, measured on CPU
+    decode_gemm: Literal["auto", "plain", "packed"] = "auto"  # CPU bf16 decode GEMMs: F.linear or on oneDNN-packed weights; auto: measured
     remeasure: bool = False                           # ignore this machine's cached measurement and measure again
 
 
@@ -75,6 +81,7 @@ class Precision:
     kv: str = "fp32"         # "fp32" | "bf16"
     attention: str = "kernel"  # "kernel" | "sdpa" (CPU fp32 full passes)
     decode: str = "eager"      # "eager" | "compiled" (the sampler's decode step)
+    decode_gemm: str = "plain"  # "plain" | "packed" (the sampler's CPU bf16 decode GEMMs)
     why: str = ""            # one line: what decided it
     cpu: dict = field(default_factory=dict)       # model name, bf16-relevant flags, torch capability
     measured: dict = field(default_factory=dict)  # GFLOP/s and attention ms, when measured
@@ -108,6 +115,7 @@ class Precision:
             model.compute_dtype = None if self.dtype == "fp32" else self.torch_dtype
         model.kv_dtype = self.kv_dtype
         model.decode_compile = self.decode == "compiled"
+        model.decode_packed = self.decode_gemm == "packed"
         return model
 
     def inference_copy(self, model):
@@ -121,7 +129,7 @@ class Precision:
 
     def summary(self) -> str:
         return (f"dtype={self.dtype} gemm={self.gemm} kv={self.kv} attention={self.attention} decode={self.decode} "
-                f"({self.why})")
+                f"decode_gemm={self.decode_gemm} ({self.why})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -139,12 +147,14 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         kv = dtype if cfg.kv == "auto" else cfg.kv
         gemm = cfg.gemm if cfg.gemm != "auto" else "aten"
         decode = "compiled" if cfg.decode == "auto" else cfg.decode
-        return Precision(dtype, gemm, kv, "sdpa", decode, why="CUDA: bf16 autocast with fp32 master weights, compiled "
-                         "decode, unless forced")
+        if cfg.decode_gemm == "packed":
+            raise ValueError("precision.decode_gemm=packed is for CPU bf16 decode (oneDNN); on CUDA use plain or auto")
+        return Precision(dtype, gemm, kv, "sdpa", decode, "plain", why="CUDA: bf16 autocast with fp32 master weights, "
+                         "compiled decode, unless forced")
     info = cpu_info()
     hw = has_bf16_hardware(info)
     need = (cfg.gemm == "auto" or cfg.dtype == "auto" or cfg.attention == "auto"
-            or (cfg.kv == "auto" and cfg.dtype != "fp32"))
+            or ((cfg.kv == "auto" or cfg.decode_gemm == "auto") and cfg.dtype != "fp32"))
     m = measured(info, bf16=hw or cfg.dtype == "bf16", remeasure=cfg.remeasure) if need else {}
     why = []
     gemm = cfg.gemm
@@ -185,7 +195,23 @@ def resolve(cfg: PrecisionConfig, device: str = "cpu") -> Precision:
         else:
             decode = "compiled" if gain >= DECODE_MIN_GAIN else "eager"
             why.append(f"decode {decode}: compiled {gain:.2f}x eager, measured (need {DECODE_MIN_GAIN}x)")
-    return Precision(dtype, gemm, kv, attention, decode, why="; ".join(why) or "all forced", cpu=info, measured=m)
+    decode_gemm = cfg.decode_gemm
+    if decode_gemm == "packed" and (dtype != "bf16" or not bf16_packing_available()):
+        raise ValueError(f"precision.decode_gemm=packed needs bf16 decode on a CPU whose PyTorch packs bf16 for oneDNN "
+                         f"(here: dtype={dtype}, packing {'available' if bf16_packing_available() else 'unavailable'})")
+    if decode_gemm == "auto":
+        if dtype != "bf16":
+            decode_gemm = "plain"  # nothing to choose (as kv in fp32)
+        elif "bf16_decode_packed_ms" not in m:
+            decode_gemm = "plain"
+            why.append("decode GEMMs plain: bf16 packing unavailable")
+        else:
+            plain, packed = m["bf16_decode_gemm_ms"], m["bf16_decode_packed_ms"]
+            decode_gemm = "packed" if plain >= DECODE_GEMM_MIN_GAIN * packed else "plain"
+            why.append(f"decode GEMMs {decode_gemm}: F.linear {plain:.2f} vs packed {packed:.2f} ms "
+                       f"(need {DECODE_GEMM_MIN_GAIN}x)")
+    return Precision(dtype, gemm, kv, attention, decode, decode_gemm, why="; ".join(why) or "all forced", cpu=info,
+                     measured=m)
 
 
 def machine_precision(device: str = "cpu") -> Precision:

@@ -44,6 +44,7 @@ from common.engine.decode_attention import flash_available
 from common.engine.decode_model import DecodeModel
 from common.engine.inflight import HostRing, Launched
 from common.engine.kv_cache import KVCache
+from common.engine.linear import bf16_packing_available
 from common.engine.live_batch import LiveBatch, Request, Seq
 from common.engine.prefill import prefill_continuations, prefill_prompts
 from common.engine.sampling import Completion, SamplingParams
@@ -54,7 +55,8 @@ class Sampler(LiveBatch):
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
-                 compile: bool | None = None, flash: bool | None = None, overlap: bool | None = None):
+                 compile: bool | None = None, flash: bool | None = None, overlap: bool | None = None,
+                 packed: bool | None = None):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
@@ -67,7 +69,9 @@ class Sampler(LiveBatch):
         (`common/engine/decode_model.py`); None = `model.decode_compile` (the run's `--precision.decode`),
         else on for CUDA; flash: decode attention through the flash kernel (None: where available);
         overlap: launch each decode step before recording the previous one (module docstring);
-        None = `model.decode_overlap` (the run's --gen.overlap, set by the trainer on the model it evaluates)."""
+        None = `model.decode_overlap` (the run's --gen.overlap, set by the trainer on the model it evaluates);
+        packed: the decode GEMMs on weights packed for oneDNN (CPU, bf16 weights: `decode_model.py`);
+        None = `model.decode_packed` (the run's `--precision.decode_gemm`) where it applies."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
         if self.max_positions is not None:
@@ -91,7 +95,11 @@ class Sampler(LiveBatch):
             compile = dev.type == "cuda" if compile is None else compile
         if flash is None:
             flash = flash_available(dev, kv_dtype)
-        self.dec = DecodeModel(model, compile=compile, flash=flash)
+        can_pack = dev.type == "cpu" and model.dtype == torch.bfloat16 and bf16_packing_available()
+        if packed and not can_pack:
+            raise ValueError("Sampler(packed=True) needs bf16 weights on a CPU whose PyTorch packs bf16 for oneDNN")
+        packed = can_pack and bool(getattr(model, "decode_packed", False)) if packed is None else packed
+        self.dec = DecodeModel(model, compile=compile, flash=flash, packed=packed)
         self.graphed = GraphedDecode(self.dec, self.cache, self.rows) if cuda_graphs else None
         self.static_shapes = static_shapes or cuda_graphs
         self._next_id = 0
