@@ -30,7 +30,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   stamp "gpu tests"
   per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # a hung test fails alone
   timeout -k 10 "${T_TESTS:-200}" $PY -m pytest -q -m gpu -p no:cacheprovider $per_test ${TEST_K:+-k "$TEST_K"} \
-    tests/test_gpu.py tests/test_weights.py tests/test_prefix.py > "$OUT/tests.log" 2>&1
+    tests/test_gpu.py tests/test_weights.py tests/test_prefix.py tests/test_overlap.py > "$OUT/tests.log" 2>&1
   echo "tests rc=$?"; grep -E "passed|failed|skipped|error|Error|assert" "$OUT/tests.log" | tail -25
 fi
 
