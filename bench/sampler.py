@@ -6,12 +6,14 @@ JSON line) and, with `--vs-fp32`, also in fp32 (the previous default). transform
 (its default, as a user runs it) and in bf16; `speedup_tok_s` is against the faster of the two.
 Workload: `--prompts` GSM8K test questions in the chat template, `--n` samples each,
 temperature 0.7, up to `--max-new` tokens, stop at EOS; transformers runs the same prompts in
-batches of `--hf-batch` sequences with its default cache, no top-k/top-p (same distribution).
+batches of `--hf-batch` sequences with its default cache, no top-k/top-p (same distribution);
+a comma list of batch sizes runs each, and the fastest setting (dtype and batch) is the baseline.
 Also: decode tokens/s at batch 1 against the memory-bandwidth limit (weight bytes / measured
 bandwidth). Prints one JSON line.
 
     python bench/sampler.py --vs-fp32  # full benchmark (~20 min on 2 CPU cores)
     python bench/sampler.py --skip-hf-fp32 --pairs 3  # against transformers in bf16, three alternating pairs
+    python bench/sampler.py --skip-hf-fp32 --hf-batch 16,32,64  # transformers' batch swept, its best the baseline
     python bench/sampler.py --quick    # smoke check (< 1 min)
     python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
     python bench/sampler.py --compile-ab --skip-hf  # the decode step's layer body eager vs compiled
@@ -217,7 +219,8 @@ def main():
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=128, help="our sampler's slots (128 beat 64 here: 137 vs 119 tok/s)")
-    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-batch", default="16",
+                    help="transformers' batch (sequences per generate call); a comma list runs each, the best counts")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 2 samples x 32 tokens")
     ap.add_argument("--threads", type=int, default=1)
@@ -239,6 +242,12 @@ def main():
     a = ap.parse_args()
     if a.skip_hf_fp32 and a.skip_hf_bf16:
         ap.error("--skip-hf-fp32 with --skip-hf-bf16 leaves no transformers run (use --skip-hf)")
+    try:
+        hf_batches = [int(b) for b in a.hf_batch.split(",")]
+    except ValueError:
+        ap.error(f"--hf-batch {a.hf_batch!r}: give a batch size or a comma list of them")
+    if min(hf_batches) < 1:
+        ap.error("--hf-batch: batch sizes are >= 1")
     if a.quick:
         a.prompts, a.n, a.max_new = 4, 2, 32
     if a.arch:
@@ -289,21 +298,26 @@ def main():
         from common.engine.hf_io import resolve_checkpoint
         hf = transformers.AutoModelForCausalLM.from_pretrained(  # same weights, transformers' model
             str(resolve_checkpoint(a.model)), dtype=torch.float32).eval()
-        runs = {} if a.skip_hf_fp32 else {"hf_generate": run_hf(hf, prompts, params, a.hf_batch, tok.pad_token_id or eos, eos)}
-        if not a.skip_hf_bf16:
-            runs["hf_generate_bf16"] = run_hf(hf.to(torch.bfloat16), prompts, params, a.hf_batch,
-                                              tok.pad_token_id or eos, eos)
+        pad = tok.pad_token_id or eos
+        settings = [(dt, b) for dt in (["fp32"] if not a.skip_hf_fp32 else []) + (["bf16"] if not a.skip_hf_bf16 else [])
+                    for b in hf_batches]
+        runs = {}
+        for dt, b in settings:  # fp32 first: `hf` is cast in place once, to bf16
+            name = "hf_generate" + ("_bf16" if dt == "bf16" else "") + (f"_b{b}" if len(hf_batches) > 1 else "")
+            runs[name] = run_hf(hf.to(torch.bfloat16 if dt == "bf16" else torch.float32), prompts, params, b, pad, eos)
+            runs[name]["dtype"] = dt
         res.update(runs)
         best = max(runs, key=lambda k: runs[k]["tok_s"])
         res["hf_best"] = best
         res["speedup_tok_s"] = res["ours"]["tok_s"] / runs[best]["tok_s"]
         res["speedup_wall"] = runs[best]["seconds"] / res["ours"]["seconds"]
         if a.pairs > 1:  # ours and transformers' best again, alternating: the host's drift hits both alike
-            hf_best = hf if best == "hf_generate_bf16" or a.skip_hf_bf16 else hf.float()
+            # (fp32 after a bf16 run: weights rounded to bf16 and back, the same speed)
+            hf_best = hf.to(torch.bfloat16 if runs[best]["dtype"] == "bf16" else torch.float32)
             ratios = [res["speedup_tok_s"]]
             for _ in range(a.pairs - 1):
                 o = run_ours(model, prompts, params, a.max_batch)["tok_s"]
-                ratios.append(o / run_hf(hf_best, prompts, params, a.hf_batch, tok.pad_token_id or eos, eos)["tok_s"])
+                ratios.append(o / run_hf(hf_best, prompts, params, runs[best]["batch"], pad, eos)["tok_s"])
             res["speedup_tok_s_pairs"] = ratios
             res["speedup_tok_s"] = statistics.median(ratios)
         if a.ablate_onednn:
