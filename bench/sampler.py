@@ -6,14 +6,15 @@ JSON line) and, with `--vs-fp32`, also in fp32 (the previous default). transform
 (its default, as a user runs it) and in bf16; `speedup_tok_s` is against the faster of the two.
 Workload: `--prompts` GSM8K test questions in the chat template, `--n` samples each,
 temperature 0.7, up to `--max-new` tokens, stop at EOS; transformers runs the same prompts in
-batches of `--hf-batch` sequences with its default cache, no top-k/top-p (same distribution);
-a comma list of batch sizes runs each, and the fastest setting (dtype and batch) is the baseline.
+batches of `--hf-batch` sequences with its default cache, no top-k/top-p (same distribution),
+each batch size of the list in each dtype; the fastest setting (dtype and batch) is the baseline:
+transformers' best on this machine (which batch wins differs between machines).
 Also: decode tokens/s at batch 1 against the memory-bandwidth limit (weight bytes / measured
 bandwidth). Prints one JSON line.
 
-    python bench/sampler.py --vs-fp32  # full benchmark (~20 min on 2 CPU cores)
+    python bench/sampler.py --vs-fp32  # full benchmark (~40 min on 2 CPU cores: transformers at 4 batches x 2 dtypes)
     python bench/sampler.py --skip-hf-fp32 --pairs 3  # against transformers in bf16, three alternating pairs
-    python bench/sampler.py --skip-hf-fp32 --hf-batch 16,32,64  # transformers' batch swept, its best the baseline
+    python bench/sampler.py --skip-hf-fp32 --hf-batch 128  # transformers in bf16 at one batch size
     python bench/sampler.py --quick    # smoke check (< 1 min)
     python bench/sampler.py --host-only  # host ms per decode step at 256 rows, tiny model (~10 s)
     python bench/sampler.py --compile-ab --skip-hf  # the decode step's layer body eager vs compiled
@@ -219,8 +220,8 @@ def main():
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--max-batch", type=int, default=128, help="our sampler's slots (128 beat 64 here: 137 vs 119 tok/s)")
-    ap.add_argument("--hf-batch", default="16",
-                    help="transformers' batch (sequences per generate call); a comma list runs each, the best counts")
+    ap.add_argument("--hf-batch", default="16,32,64,128",
+                    help="transformers' batches (sequences per generate call) to run; the fastest counts")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--quick", action="store_true", help="4 prompts x 2 samples x 32 tokens")
     ap.add_argument("--threads", type=int, default=1)
@@ -299,6 +300,9 @@ def main():
         hf = transformers.AutoModelForCausalLM.from_pretrained(  # same weights, transformers' model
             str(resolve_checkpoint(a.model)), dtype=torch.float32).eval()
         pad = tok.pad_token_id or eos
+        # batch sizes that put the same prompts in each generate call run once (prompts per call: batch // n)
+        distinct = {min(len(prompts), max(1, b // a.n)): b for b in sorted(hf_batches, reverse=True)}
+        hf_batches = sorted(distinct.values())
         settings = [(dt, b) for dt in (["fp32"] if not a.skip_hf_fp32 else []) + (["bf16"] if not a.skip_hf_bf16 else [])
                     for b in hf_batches]
         runs = {}
