@@ -91,14 +91,8 @@ def workload_split() -> dict:
     name = "HuggingFaceTB/SmolLM2-135M-Instruct"
     bs.keep_freed_memory()
     model, tok = bs.resolve(bs.PrecisionConfig()).apply().load(name)
-    tok = tok or bs.prompt_tokenizer(name)
-    data = bs.load_split(str(bs.default_data_dir()), "test", limit=32)
-    prompts = [tok(bs.format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
-    params = bs.SamplingParams(max_new_tokens=256, temperature=0.7, n=4, stop_token_ids=(tok.eos_token_id,), seed=0)
-    P = max(len(p) for p in prompts)
-    s = bs.Sampler(model, max_batch=128, max_seq_len=P + params.max_new_tokens, max_prompt_len=P)
-    for k in (1, 2):  # bench/sampler.py's warm-up (a compiled body compiles here)
-        s.generate(prompts[:k], bs.SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
+    prompts, params = bs.workload(tok or bs.prompt_tokenizer(name), 32, 4, 256)
+    s = bs.warm_sampler(model, prompts, params, max_batch=128)
     before = dict(s.stats)
     spent, calls, kernel = [0.0, 0.0], [0], da.attend_lse
 

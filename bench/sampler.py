@@ -98,12 +98,28 @@ def decode_tok_s_batch1(model, prompt, n_tokens=64) -> float:
     return n / (time.perf_counter() - t)
 
 
-def run_ours(model, prompts, params, max_batch) -> dict:
+def workload(tok, n_prompts: int, n: int, max_new: int) -> tuple[list[list[int]], SamplingParams]:
+    """The benchmark's prompts (the first GSM8K test questions in the chat template, token ids) and
+    sampling parameters (module docstring)."""
+    data = load_split(str(default_data_dir()), "test", limit=n_prompts)
+    prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
+    return prompts, SamplingParams(max_new_tokens=max_new, temperature=0.7, n=n, stop_token_ids=(tok.eos_token_id,),
+                                   seed=0)
+
+
+def warm_sampler(model, prompts, params, max_batch) -> Sampler:
+    """Our sampler sized for the workload, warmed up: one row, then several (a compiled layer body
+    compiles for both here)."""
     P = max(len(p) for p in prompts)
     s = Sampler(model, max_batch=max_batch, max_seq_len=P + params.max_new_tokens, max_prompt_len=P)
-    t = time.perf_counter()
-    for k in (1, 2):  # warm-up: one row, then several (a compiled layer body compiles for both here)
+    for k in (1, 2):
         s.generate(prompts[:k], SamplingParams(max_new_tokens=4, temperature=0.7, n=k))
+    return s
+
+
+def run_ours(model, prompts, params, max_batch) -> dict:
+    t = time.perf_counter()
+    s = warm_sampler(model, prompts, params, max_batch)
     warm = time.perf_counter() - t
     t = time.perf_counter()
     outs = s.generate(prompts, params, progress=True)
@@ -266,10 +282,8 @@ def main():
     print(f"[bench] precision: {prec.summary()}", file=sys.stderr)
     model, tok = prec.load(a.model)
     tok = tok or prompt_tokenizer(a.model)
-    data = load_split(str(default_data_dir()), "test", limit=a.prompts)
-    prompts = [tok(format_prompt(ex.question, tok, "chat"), add_special_tokens=False)["input_ids"] for ex in data]
+    prompts, params = workload(tok, a.prompts, a.n, a.max_new)
     eos = tok.eos_token_id
-    params = SamplingParams(max_new_tokens=a.max_new, temperature=0.7, n=a.n, stop_token_ids=(eos,), seed=0)
 
     res = {"bench": "sampler", "model": a.model, "arch": a.arch, "device": "cpu", "threads": a.threads, "prompts": a.prompts,
            "n": a.n, "max_new_tokens": a.max_new, "quick": a.quick, "cpu": prec.cpu.get("model"),
