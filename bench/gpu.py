@@ -30,7 +30,8 @@ bench/_gpu_train.py (trainer, ipc, async).
 
 `--out` is rewritten after every finished part of a section (a sampler setting, a decode variant),
 so a run cut short keeps what it measured (marked `partial`). A section
-that raises is recorded as {"error", "traceback"} and the others still run (`--strict`: stop).
+that raises is recorded as {"error", "traceback"} beside the parts it finished, and the others
+still run (`--strict`: stop).
 Only a CUDA machine exercises: torch.cuda synchronize / peak-memory counters, the profiler's CUDA
 kernel events, transformers' static cache under torch.compile (reduce-overhead: CUDA graphs),
 `Sampler(cuda_graphs=True)`, the weight store's CUDA IPC, and the async run on the device; the CPU
@@ -228,15 +229,19 @@ def main(argv=None) -> dict:
             print(f"[gpu] section {name} ...", file=sys.stderr)
             t = time.perf_counter()
 
+            parts: dict = {}
+
             def progress(part: str, done: dict, name=name, t=t) -> None:  # a finished part of the section
                 print(f"[gpu] {name}: {part} at {time.perf_counter() - t:.1f} s", file=sys.stderr)
+                parts.update(done)
                 if a.out:
                     write_json(a.out, {**res, name: {**done, "partial": True}, "complete": False})
             ctx.progress = progress
             try:
                 res[name] = SECTIONS[name](ctx)
             except Exception as e:  # noqa: BLE001 - one failing section must not lose the others' figures
-                res[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+                # the parts that finished before it raised are kept beside the error
+                res[name] = {**parts, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
                 print(f"[gpu] section {name} failed:\n{traceback.format_exc()}", file=sys.stderr)
                 if a.strict:
                     raise

@@ -57,3 +57,23 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert res["async"]["steps"] == 3
     assert set(res["targets"]) >= {"comparable", "decode_wall_over_gpu", "trainer_no_checkpointing", "ipc"}
     assert res["targets"]["comparable"] is False
+
+
+def test_a_section_that_raises_keeps_its_finished_parts(tmp_path):
+    """A section that fails after some parts finished (a decode variant measured, then the schedule
+    raised) keeps those parts beside the error: a short GPU lease loses only what failed."""
+    out = tmp_path / "gpu.json"
+    code = f"""
+import sys; sys.path.insert(0, {str(ROOT)!r})
+import bench.gpu as g
+def decode(ctx):
+    ctx.progress("ours_cuda_graphs", {{"ours_cuda_graphs": {{"wall_ms": 2.5}}}})
+    raise RuntimeError("the schedule failed")
+g.SECTIONS["decode"] = decode
+g.main(["--smoke", "--device", "cpu", "--only", "decode", "--out", {str(out)!r}])
+"""
+    env = {**os.environ, "ASYNCRL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    d = json.loads(out.read_text())["decode"]
+    assert d["ours_cuda_graphs"] == {"wall_ms": 2.5} and d["error"] == "RuntimeError: the schedule failed"

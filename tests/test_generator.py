@@ -10,7 +10,7 @@ from common.batch import PromptSet
 from common.engine.hf_io import load_model
 from common.engine.precision import Precision
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.generator import Control, GenConfig, decode_graphs, generator_main, prompt_order
+from common.runtime.generator import Control, GenConfig, decode_graphs, decode_overlap, generator_main, prompt_order
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 from tests.tiny import save_hf
@@ -77,3 +77,11 @@ def test_decode_graphs_default_on_cuda_only_and_an_explicit_choice_wins():
     assert not decode_graphs(GenConfig(), "cpu")
     assert not decode_graphs(GenConfig(cuda_graphs=False), "cuda")
     assert decode_graphs(GenConfig(cuda_graphs=True), "cpu")  # asked for: the trainer refuses it on CPU
+
+
+def test_decode_overlap_default_follows_the_cuda_graphs_and_an_explicit_choice_wins():
+    assert GenConfig().overlap is None
+    assert decode_overlap(GenConfig(), "cuda") and not decode_overlap(GenConfig(), "cpu")
+    assert not decode_overlap(GenConfig(cuda_graphs=False), "cuda")  # nothing captured: nothing launched ahead
+    assert not decode_overlap(GenConfig(overlap=False), "cuda")
+    assert decode_overlap(GenConfig(overlap=True), "cpu")  # the CPU path runs it too (its tests do)

@@ -209,3 +209,31 @@ def test_fused_decode_logp_equals_trainer_bf16(tmp_path):
         with torch.no_grad():
             full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
         torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)
+
+
+def test_compiled_live_decode_down_to_a_single_row(tmp_path):
+    """The compiled layer body on live shapes (nothing captured), bf16 + flash, over a schedule that
+    ends with one row: the single-row recompile (sizes 0 and 1 are specialised) compiles, which it did
+    not with size-oblivious tracing on torch 2.11 (inductor's CantSplit), and every recorded
+    log-prob equals the trainer's."""
+    save_hf("llama_tied", tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
+    s = Sampler(model, max_batch=8, max_seq_len=64, cuda_graphs=False)
+    assert s.dec.compile and s.dec.flash and s.graphed is None
+    rows, real = [], s.dec.step
+
+    def spy(cache, tok, *a, **kw):
+        rows.append(tok.shape[0])
+        return real(cache, tok, *a, **kw)
+    s.dec.step = spy
+    s.submit([9] * 12, SamplingParams(max_new_tokens=20, temperature=0.7, seed=0))  # slot 0: the last one left
+    s.submit([5, 6, 7], SamplingParams(max_new_tokens=5, temperature=0.7, n=4, seed=0))
+    outs = []
+    while s.has_work():
+        outs += s.step()
+    assert rows[0] == 5 and rows[-1] == 1, rows
+    for c in outs:
+        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
+        with torch.no_grad():
+            full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
+        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)

@@ -12,8 +12,8 @@ step (one new token per slot row b; d = the previous layer's MLP output, 0 befor
     tail       logits = rms_norm(x + d) Wlm^T;  the fp32 sampling tail (`sampling.py`)
 Compiled, each piece is a handful of fused kernels around its GEMMs (add + norm, the q/k/v
 split with RoPE and the cache write, the merge, SiLU x up); one compiled graph serves every
-layer (weights are arguments) and every batch size (the row dims are marked dynamic), so a run
-compiles each piece once, and the first, eager-run step of every CUDA-graph bucket warms it up
+layer (weights are arguments) and every batch of two rows or more (the row dims are marked
+dynamic), so a run compiles each piece at most twice (once more for a single row), and the first, eager-run step of every CUDA-graph bucket warms it up
 before its capture (`decode.GraphedDecode`).
 
 The other families change the body through `Body` (constants of the compiled graph) and the
@@ -170,14 +170,15 @@ def _compiled(fn):
     `GraphedDecode`'s), one graph for the whole piece. Shared by every sampler of the process.
     The caller marks the row dims dynamic (`_dynamic`); shapes are traced without duck sizing (rows
     that happen to equal another size, the cache's slot count at a full batch, stay a symbol of
-    their own) and without specialising sizes 0 and 1 (size-oblivious), so the first compile
-    serves every batch size."""
+    their own), so one compile serves every batch of two rows or more, and one more a single row
+    (sizes 0 and 1 are specialised). Not size-oblivious: with `backed_size_oblivious`, inductor's
+    Triton codegen fails on the single-row recompile (torch 2.11, CantSplit on an H100)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(fn, fullgraph=True)
 
     @functools.wraps(fn)
     def run(*args):
-        with shape_config.patch(use_duck_shape=False, backed_size_oblivious=True):
+        with shape_config.patch(use_duck_shape=False):
             return compiled(*args)
     return run
 

@@ -50,7 +50,7 @@ class GenConfig:
     ref_logp: bool = True           # compute reference sequence log-probs here (TBA's KL term)
     queue_depth: int = 2            # prompts queued beyond what fits the free slots
     cuda_graphs: Optional[bool] = None  # decode through CUDA graphs captured per batch bucket; None = on CUDA, off on CPU
-    overlap: bool = False           # launch decode step t+1 before recording step t (a GPU's host work hides behind it; same samples)
+    overlap: Optional[bool] = None  # launch decode step t+1 before recording step t (same samples); None = with CUDA graphs
     prefill_tokens: int = 8192      # padded prompt tokens per prefill forward (several prompts per forward)
     memory_fraction: float = 0.0    # CUDA: cap on each generator's share of its GPU (shared with the trainer); 0 = no cap
     no_stop_reward: Optional[float] = None  # reward of a sample cut at max_new_tokens without a stop token (TL;DR paper: -1); None = score it
@@ -62,6 +62,13 @@ def decode_graphs(cfg: GenConfig, device) -> bool:
     where it is None, on CUDA (a replay is one launch instead of one per kernel: the eager decode
     step is launch-bound on a GPU, BENCHMARKS.md)."""
     return torch.device(device).type == "cuda" if cfg.cuda_graphs is None else cfg.cuda_graphs
+
+
+def decode_overlap(cfg: GenConfig, device) -> bool:
+    """Whether a sampler on `device` launches each decode step before recording the last:
+    `cfg.overlap`, or where it is None, where it decodes through CUDA graphs (the host's work per
+    step then hides behind the device's: BENCHMARKS.md; on CPU a step is synchronous, nothing to hide)."""
+    return decode_graphs(cfg, device) if cfg.overlap is None else cfg.overlap
 
 
 class Control:
@@ -164,7 +171,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
                       max_prompt_len=max(len(p) for p in prompts.tokens),
                       version=store.load_into(model), seed=seed * 1000 + rank, prefill_tokens=cfg.prefill_tokens,
-                      cuda_graphs=decode_graphs(cfg, dev), overlap=cfg.overlap)
+                      cuda_graphs=decode_graphs(cfg, dev), overlap=decode_overlap(cfg, dev))
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=cfg.n, stop_token_ids=tuple(stop_token_ids))
     row = control.stats[rank]

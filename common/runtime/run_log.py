@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from common.batch import Batch
 from common.config import save_config
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.generator import Control, decode_graphs
+from common.runtime.generator import Control, decode_graphs, decode_overlap
 
 
 def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
@@ -24,7 +24,7 @@ def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, st
     t = time.perf_counter()
     group.model.eval()
     m = prec.inference_copy(group.full_model())
-    m.decode_graphs, m.decode_overlap = decode_graphs(cfg.gen, m.device), cfg.gen.overlap
+    m.decode_graphs, m.decode_overlap = decode_graphs(cfg.gen, m.device), decode_overlap(cfg.gen, m.device)
     out = evaluate(m, tok)
     group.model.train()
     out = {**out, "eval_s": time.perf_counter() - t}
