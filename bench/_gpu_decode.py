@@ -106,7 +106,7 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            "gpu_ms_source": "union of CUDA kernel/memcpy intervals (torch profiler)" if ctx.cuda else
            "CPU: summed self time of aten ops (torch profiler)", "device_events_per_step": n_ev / a.decode_profile,
            "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
-           # a timed step whose cache columns crossed into a new bucket captured a graph (~10x a replay)
+           # a timed step whose cache columns crossed into a new bucket captured a graph (~20x a replay)
            "captures_in_timed_steps": None if caps0 is None else caps1 - caps0,
            "captures_in_back_to_back_steps": None if caps1 is None else _captures(s) - caps1,
            **(kernel_counts(prof, a.decode_profile, ctx.shape["num_hidden_layers"]) if ctx.cuda else {}), **kw}

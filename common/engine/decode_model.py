@@ -13,8 +13,9 @@ step (one new token per slot row b; d = the previous layer's MLP output, 0 befor
 Compiled, each piece is a handful of fused kernels around its GEMMs (add + norm, the q/k/v
 split with RoPE and the cache write, the merge, SiLU x up); one compiled graph serves every
 layer (weights are arguments) and every batch of two rows or more (the row dims are marked
-dynamic), so a run compiles each piece at most twice (once more for a single row), and the first, eager-run step of every CUDA-graph bucket warms it up
-before its capture (`decode.GraphedDecode`).
+dynamic), so a run compiles each piece at most twice (once more for a single row), and the
+first, eager-run step of every CUDA-graph bucket warms it up before its capture
+(`decode.GraphedDecode`).
 
 The other families change the body through `Body` (constants of the compiled graph) and the
 weights present: LayerNorm with bias where a norm has one (GPT-NeoX, GPT-2), the MLP ungated
