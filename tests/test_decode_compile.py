@@ -6,6 +6,7 @@ rows dynamic from the first compile, once more for a single row: never once per 
 import pytest
 import torch
 
+from common.engine.decode_model import EAGER_SHAPES
 from common.engine.hf_io import load_model
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
@@ -40,6 +41,7 @@ def test_compiled_decode_equals_eager(arch, tmp_path):
     _, eager = _run(model, compile=False)
     s, compiled = _run(model, compile=True)
     assert s.dec.compile and s.stats["decode_steps"] > 10 and len(compiled) == 2 * 7 + 3 * 3
+    assert not any(EAGER_SHAPES.values()), EAGER_SHAPES  # every compile succeeded: no piece fell back to eager
     assert [c.tokens for c in compiled] == [c.tokens for c in eager], arch
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a.logp_tensor(), b.logp_tensor(), atol=1e-4, rtol=0)
@@ -67,3 +69,51 @@ def test_compiles_per_piece_not_per_batch_size(tmp_path):
     # attn_in, attn_out, the tail: each once for every batch size of 2 rows or more, and at most once
     # more for a single row (sizes 0 and 1 are specialised)
     assert _graphs() - before <= 6
+
+
+def _single_row_schedule(model, **kw):
+    """A long sample in slot 0 and four short ones after it: the live batch ends with one row."""
+    s = Sampler(model, max_batch=8, max_seq_len=48, **kw)
+    s.submit([9] * 12, SamplingParams(max_new_tokens=14, temperature=0.0))
+    s.submit([5, 6, 7], SamplingParams(max_new_tokens=4, temperature=0.9, n=4, seed=3))
+    out = []
+    while s.has_work():
+        out += s.step()
+    return s, sorted(out, key=lambda c: (c.request_id, c.sample_idx))
+
+
+def test_a_shape_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path, monkeypatch):
+    """A compile that fails at one shape (inductor's Triton codegen did so at a single row on torch
+    2.11) runs those shapes eagerly, warned once per shape, and the run goes on: the same samples."""
+    from torch._inductor.exc import InductorError
+
+    import common.engine.decode_model as dm
+    save_hf("llama_tied", tmp_path)
+    model = load_model(str(tmp_path), tokenizer=False)[0]
+    _, eager = _single_row_schedule(model, compile=False)
+    real = torch.compile
+
+    def failing_on_one_row(fn, **kw):
+        c = real(fn, **kw)
+
+        def run(*args):
+            if args[0].shape[0] == 1:
+                raise InductorError(RuntimeError("CantSplit (injected)"), None)
+            return c(*args)
+        return run
+    monkeypatch.setattr(torch, "compile", failing_on_one_row)
+    monkeypatch.setattr(dm, "EAGER_SHAPES", {})
+    dm._compiled.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="CantSplit") as caught:
+            s, compiled = _single_row_schedule(model, compile=True)
+    finally:
+        dm._compiled.cache_clear()  # later tests compile for real
+    assert s.dec.compile
+    assert {k for k, v in dm.EAGER_SHAPES.items() if v} == {"attn_in", "attn_out", "tail"}  # each piece at one row
+    assert all(k[0][0] == 1 for v in dm.EAGER_SHAPES.values() for k in v), dm.EAGER_SHAPES  # x: one row
+    assert len([w for w in caught if "CantSplit" in str(w.message)]) == 3  # once per piece and shape, not per step
+    assert [c.tokens for c in compiled] == [c.tokens for c in eager]
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a.logp_tensor(), b.logp_tensor(), atol=1e-4, rtol=0)
+

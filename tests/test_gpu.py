@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from common.engine.decode_model import EAGER_SHAPES
 from common.engine.hf_io import load_model
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
@@ -190,6 +191,7 @@ def test_fused_decode_equals_plain_fp32(tmp_path):
     s, plain, fused, compiles = _fused_vs_plain(tmp_path, torch.float32)
     assert not s.dec.flash and s.graphed.stats["captures"] >= 3
     assert compiles <= 6, compiles
+    assert not any(EAGER_SHAPES.values()), EAGER_SHAPES
     assert [c.tokens for c in fused] == [c.tokens for c in plain]
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a.logp_tensor(), b.logp_tensor(), atol=1e-4, rtol=0)
@@ -232,6 +234,7 @@ def test_compiled_live_decode_down_to_a_single_row(tmp_path):
     while s.has_work():
         outs += s.step()
     assert rows[0] == 5 and rows[-1] == 1, rows
+    assert not any(EAGER_SHAPES.values()), EAGER_SHAPES  # compiled at one row, not fallen back to eager
     for c in outs:
         seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
         with torch.no_grad():

@@ -37,11 +37,14 @@ Shapes: B rows, D hidden, H query heads, Hkv key/value heads, G = H / Hkv, hd he
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+from torch._inductor.exc import InductorError
 
 from common.engine import decode_attention
 from common.engine.attention import merge
@@ -165,6 +168,19 @@ def tail(x, d, norm_w, norm_b, eps: float, head_w, temp, greedy, top_k, top_p, k
     return sample(scale_logits(logits, temp), greedy, top_k, top_p, u, any_filtered, any_greedy)
 
 
+# A shape inductor fails to compile (a torch bug: a single-row recompile failed so on torch 2.11's
+# Triton codegen) runs that piece eagerly, the same math, with a warning, instead of ending the run;
+# piece name -> those shapes. Tests assert it stays empty.
+EAGER_SHAPES: dict[str, set] = {}
+_COMPILE_ERRORS = (BackendCompilerFailed, InductorError)
+
+
+def _shapes(args) -> tuple:
+    """What a compiled piece's graph depends on: tensor shapes and plain values (weights by type)."""
+    return tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else a if isinstance(a, (bool, int, float, str))
+                 else type(a).__name__ for a in args)
+
+
 @functools.cache
 def _compiled(fn):
     """`fn` through torch.compile: default mode (no CUDA graphs of its own: the capture is
@@ -173,14 +189,24 @@ def _compiled(fn):
     that happen to equal another size, the cache's slot count at a full batch, stay a symbol of
     their own), so one compile serves every batch of two rows or more, and one more a single row
     (sizes 0 and 1 are specialised). Not size-oblivious: with `backed_size_oblivious`, inductor's
-    Triton codegen fails on the single-row recompile (torch 2.11, CantSplit on an H100)."""
+    Triton codegen fails on the single-row recompile (torch 2.11, CantSplit on an H100). A compile
+    that fails anyway falls back to eager for its shapes (`EAGER_SHAPES`)."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     compiled = torch.compile(fn, fullgraph=True)
+    failed = EAGER_SHAPES.setdefault(fn.__name__, set())
 
     @functools.wraps(fn)
     def run(*args):
-        with shape_config.patch(use_duck_shape=False):
-            return compiled(*args)
+        key = _shapes(args)
+        if key not in failed:
+            try:
+                with shape_config.patch(use_duck_shape=False):
+                    return compiled(*args)
+            except _COMPILE_ERRORS as e:  # raised while compiling, before the graph ran: nothing written yet
+                failed.add(key)
+                warnings.warn(f"decode: torch.compile failed on {fn.__name__} at shapes {key} "
+                              f"({type(e).__name__}: {str(e)[:300]}); these shapes run eagerly", RuntimeWarning)
+        return fn(*args)
     return run
 
 
