@@ -22,8 +22,8 @@ import time
 
 from torch.profiler import ProfilerActivity, profile
 
-from bench._gpu_gen import (LAUNCH_BOUND, PADDING, Workload, has_cuda_graphs, new_sampler, sample_params, variants,
-                            workloads)
+from bench._gpu_gen import (LAUNCH_BOUND, PADDING, Workload, eager_fallbacks, has_cuda_graphs, new_sampler,
+                            sample_params, variants, workloads)
 from bench._gpu_util import Ctx, device_ms, free_memory, kernel_counts, median, sync, top_kernels
 from common.engine.decode import COL_GRAIN, bucket_grain
 from common.engine.sampler import Sampler
@@ -109,6 +109,7 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            # a timed step whose cache columns crossed into a new bucket captured a graph (~20x a replay)
            "captures_in_timed_steps": None if caps0 is None else caps1 - caps0,
            "captures_in_back_to_back_steps": None if caps1 is None else _captures(s) - caps1,
+           "eager_fallbacks": eager_fallbacks(),  # compiled pieces run eagerly at some shape (empty: none)
            **(kernel_counts(prof, a.decode_profile, ctx.shape["num_hidden_layers"]) if ctx.cuda else {}), **kw}
     # where a step's device time goes (CUDA; empty on CPU): a few µs per kernel add up at thousands per step
     res["top_kernels_ms_launches"] = top_kernels(prof, 12, a.decode_profile)

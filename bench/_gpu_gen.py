@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 from bench._gpu_util import FIRST_ID, Ctx, free_memory, random_prompts, sync
+from common.engine import decode_model
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 
@@ -111,6 +112,12 @@ PADDING = ("decode_rows", "decode_tokens", "run_prompt_rows", "live_prompt_rows"
            "run_prompt_cols", "live_prompt_cols")
 
 
+def eager_fallbacks() -> dict:
+    """Compiled decode pieces that fell back to eager, with how many shapes (empty: none; a figure
+    measured with a fallback is not the compiled step's)."""
+    return {k: len(v) for k, v in getattr(decode_model, "EAGER_SHAPES", {}).items() if v}
+
+
 def run_ours(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
     s = new_sampler(ctx, model, kw, wl)
     t = time.perf_counter()
@@ -127,8 +134,8 @@ def run_ours(ctx: Ctx, model, kw: dict, wl: Workload) -> dict:
     st = {k: s.stats[k] - before[k] for k in ("prefill_tokens", "decode_steps", *PADDING)}
     graphs = dict(s.graphed.stats, graphs=len(s.graphed.graphs)) if s.graphed is not None else None
     dec = getattr(s, "dec", None)
-    fused = {"compiled": dec.compile, "flash": dec.flash, "packed_weights": len(dec.packed)} \
-        if dec is not None else None
+    fused = {"compiled": dec.compile, "flash": dec.flash, "packed_weights": len(dec.packed),
+             "eager_fallbacks": eager_fallbacks()} if dec is not None else None
     return {"tok_s": ntok / dt, "seconds": dt, "tokens": ntok, "sequences": len(outs), "warmup_s": warm, "fused": fused,
             "all_full_length": all(len(c.tokens) == wl.max_new for c in outs), "lengths": _lengths([len(c.tokens) for c in outs]),
             "max_batch": ctx.args.max_batch, "dtype": str(model.dtype).replace("torch.", ""),

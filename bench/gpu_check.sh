@@ -92,6 +92,8 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
         if isinstance(x, dict) and "gpu_ms" in x:
             ks = ("wall_ms", "wall_ms_back_to_back", "replay_wall_ms", "gpu_ms", "kernels_per_layer")
             print(f"  decode {v}: " + " ".join(f"{k}={x[k]:.4g}" for k in ks if isinstance(x.get(k), (int, float))))
+            if x.get("eager_fallbacks"):  # a compiled piece ran eagerly at some shape: not the compiled step's figure
+                print(f"  decode {v}: EAGER FALLBACKS {x['eager_fallbacks']}")
     if not r.get("complete"):  # cut short: the figures of the parts that finished
         keys = ("tok_s", "step_s", "wall_ms", "gpu_ms", "peak_gib", "device_ms", "_over_", "captures")
         def leaves(d, path=""):
