@@ -197,12 +197,12 @@ def _compiled(fn):
 
     @functools.wraps(fn)
     def run(*args):
-        key = _shapes(args)
-        if key not in failed:
+        if not failed or _shapes(args) not in failed:  # the key only once a shape has failed: not per call
             try:
                 with shape_config.patch(use_duck_shape=False):
                     return compiled(*args)
             except _COMPILE_ERRORS as e:  # raised while compiling, before the graph ran: nothing written yet
+                key = _shapes(args)
                 failed.add(key)
                 warnings.warn(f"decode: torch.compile failed on {fn.__name__} at shapes {key} "
                               f"({type(e).__name__}: {str(e)[:300]}); these shapes run eagerly", RuntimeWarning)
