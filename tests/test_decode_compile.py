@@ -116,4 +116,3 @@ def test_a_shape_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path, m
     assert [c.tokens for c in compiled] == [c.tokens for c in eager]
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a.logp_tensor(), b.logp_tensor(), atol=1e-4, rtol=0)
-

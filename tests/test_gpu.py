@@ -12,17 +12,23 @@ from tests.tiny import save_hf
 pytestmark = pytest.mark.gpu
 
 
+def _assert_logp_equals_trainer(model, outs, temperature: float = 0.7) -> None:
+    """Every recorded log-prob equals the trainer's `token_logp` of the sampled sequence (bf16
+    tolerance: the kernels differ)."""
+    for c in outs:
+        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
+        with torch.no_grad():
+            full = token_logp(model, seq, temperature)[0, len(c.prompt_tokens):].float().cpu()
+        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)
+
+
 def test_bf16_sampler_logp_matches_trainer(tmp_path):
     save_hf("qwen3_qknorm", tmp_path)
     model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
     assert model.dtype == torch.bfloat16  # the CUDA default
     s = Sampler(model, max_batch=8, max_seq_len=64)
     outs = s.generate([[5, 6, 7], [9] * 10], SamplingParams(max_new_tokens=12, temperature=0.7, n=3, seed=0))
-    for c in outs:
-        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
-        with torch.no_grad():
-            full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
-        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)  # bf16 kernels differ
+    _assert_logp_equals_trainer(model, outs)
 
 
 @pytest.mark.parametrize("dtype,graphs", [("fp32", False), ("auto", True)])
@@ -206,11 +212,7 @@ def test_fused_decode_logp_equals_trainer_bf16(tmp_path):
     assert s.dec.flash and s.dec.compile
     prompts = [list(range(5, 5 + L)) for L in (3, 17, 8, 30, 12, 5)]
     outs = s.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.7, n=4, stop_token_ids=(3, 4), seed=0))
-    for c in outs:
-        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
-        with torch.no_grad():
-            full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
-        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)
+    _assert_logp_equals_trainer(model, outs)
 
 
 def test_compiled_live_decode_down_to_a_single_row(tmp_path):
@@ -235,8 +237,4 @@ def test_compiled_live_decode_down_to_a_single_row(tmp_path):
         outs += s.step()
     assert rows[0] == 5 and rows[-1] == 1, rows
     assert not any(EAGER_SHAPES.values()), EAGER_SHAPES  # compiled at one row, not fallen back to eager
-    for c in outs:
-        seq = torch.tensor([c.prompt_tokens + c.tokens], device="cuda")
-        with torch.no_grad():
-            full = token_logp(model, seq, 0.7)[0, len(c.prompt_tokens):].float().cpu()
-        torch.testing.assert_close(c.logp_tensor(), full, atol=5e-2, rtol=0)
+    _assert_logp_equals_trainer(model, outs)
