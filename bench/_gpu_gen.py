@@ -275,7 +275,8 @@ def sampler_section(ctx: Ctx) -> dict:
         if "tok_s" in out.get(name, {}):
             eng[f"ours_no_sharing_over_{name}"] = eng["ours_no_sharing"]["tok_s"] / out[name]["tok_s"]
     out["engine"] = eng
-    gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in a.hf_settings]))
+    chosen = [h.strip() for h in a.hf_settings.split(",")]  # a list: "hf_static" is a substring of the other
+    gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in chosen]))
     _ratios(gsm)
     out["gsm8k"] = gsm
     out["ratios"] = {"ours_over_hf_*": "system (prompt sharing and slot refill included)",

@@ -201,6 +201,16 @@ def targets(res: dict) -> dict:
     return t
 
 
+
+def merge(into: dict, new: dict) -> dict:
+    """`new` merged into `into` in place, nested dicts key by key (a later leaf wins)."""
+    for k, v in new.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            merge(into[k], v)
+        else:
+            into[k] = v
+    return into
+
 def main(argv=None) -> dict:
     a = parse_args(argv)
     # stdout carries the JSON line only: everything else (ours, tqdm, transformers, spawned workers) -> stderr
@@ -233,9 +243,9 @@ def main(argv=None) -> dict:
 
             def progress(part: str, done: dict, name=name, t=t) -> None:  # a finished part of the section
                 print(f"[gpu] {name}: {part} at {time.perf_counter() - t:.1f} s", file=sys.stderr)
-                parts.update(done)
+                merge(parts, done)  # a part may report one branch only ({"gsm8k": {...}}): merged, not replaced
                 if a.out:
-                    write_json(a.out, {**res, name: {**done, "partial": True}, "complete": False})
+                    write_json(a.out, {**res, name: {**parts, "partial": True}, "complete": False})
             ctx.progress = progress
             try:
                 res[name] = SECTIONS[name](ctx)

@@ -59,21 +59,44 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert res["targets"]["comparable"] is False
 
 
-def test_a_section_that_raises_keeps_its_finished_parts(tmp_path):
-    """A section that fails after some parts finished (a decode variant measured, then the schedule
-    raised) keeps those parts beside the error: a short GPU lease loses only what failed."""
+def _run_gpu_main(tmp_path, section_body: str) -> dict:
+    """bench/gpu.py's main at smoke size on CPU with its decode section replaced by `section_body`
+    (the body of `decode(ctx)`); returns the record it left in --out."""
     out = tmp_path / "gpu.json"
     code = f"""
-import sys; sys.path.insert(0, {str(ROOT)!r})
+import os, sys; sys.path.insert(0, {str(ROOT)!r})
 import bench.gpu as g
 def decode(ctx):
-    ctx.progress("ours_cuda_graphs", {{"ours_cuda_graphs": {{"wall_ms": 2.5}}}})
-    raise RuntimeError("the schedule failed")
+{section_body}
 g.SECTIONS["decode"] = decode
 g.main(["--smoke", "--device", "cpu", "--only", "decode", "--out", {str(out)!r}])
 """
     env = {**os.environ, "ASYNCRL_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-3000:]
-    d = json.loads(out.read_text())["decode"]
-    assert d["ours_cuda_graphs"] == {"wall_ms": 2.5} and d["error"] == "RuntimeError: the schedule failed"
+    assert p.returncode in (0, 9), p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+# parts reported the way the sampler section reports them: one workload's branch at a time
+PARTS = """    ctx.progress("default ours", {"default": {"ours_cuda_graphs": {"tok_s": 5.0}}})
+    ctx.progress("gsm8k ours", {"gsm8k": {"ours_cuda_graphs": {"tok_s": 3.0}}})
+    ctx.progress("default hf", {"default": {"hf_static": {"tok_s": 1.0}}})
+"""
+KEPT = {"default": {"ours_cuda_graphs": {"tok_s": 5.0}, "hf_static": {"tok_s": 1.0}},
+        "gsm8k": {"ours_cuda_graphs": {"tok_s": 3.0}}}
+
+
+def test_a_section_that_raises_keeps_its_finished_parts(tmp_path):
+    """A section that fails after some parts finished keeps every one of them beside the error,
+    branches reported apart merged: a short GPU lease loses only what failed."""
+    d = _run_gpu_main(tmp_path, PARTS + '    raise RuntimeError("the schedule failed")')["decode"]
+    assert d.pop("error") == "RuntimeError: the schedule failed" and d.pop("traceback")
+    assert d == KEPT
+
+
+def test_a_section_killed_midway_leaves_its_finished_parts_on_disk(tmp_path):
+    """A section killed by the lease's time limit (here: the process ends at once) leaves in --out
+    every part it had finished, marked partial, not only the last one reported."""
+    r = _run_gpu_main(tmp_path, PARTS + "    os._exit(9)")
+    assert r["complete"] is False and r["decode"].pop("partial") is True
+    assert r["decode"] == KEPT

@@ -2,6 +2,10 @@
 (common/engine/inflight.py). On the CPU the lag is all there is to see (a CPU step runs when it is
 launched), so these tests check what the lag must not change: the same samples, token for token,
 through refills, compaction, stop tokens, both length limits, weight updates and aborts."""
+import traceback
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,8 +124,9 @@ def test_overlap_over_cuda_graphs_draws_the_same_samples(tmp_path):
 def test_overlap_steps_never_make_the_host_wait_implicitly(tmp_path, monkeypatch):
     """Every step of a schedule (admissions with their prefill and first tokens, rows ending,
     compaction, plan rewrites, replays) queues its copies without a hidden sync: under
-    set_sync_debug_mode("error") the only waits are the explicit ones on the copies' events
-    (`HostRing.wait`: reading sampled tokens, reusing a buffer; let through here)."""
+    set_sync_debug_mode("warn") the only waits are the explicit ones on the copies' events
+    (`HostRing.wait`: reading sampled tokens, reusing a buffer; let through here). Every line
+    that synchronised is reported at once, not only the first."""
     from common.engine.inflight import HostRing
     save_hf("qwen3_qknorm", tmp_path)
     model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
@@ -145,12 +150,22 @@ def test_overlap_steps_never_make_the_host_wait_implicitly(tmp_path, monkeypatch
         try:
             real_wait(self, i)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode("warn")
     monkeypatch.setattr(HostRing, "wait", explicit_wait)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        out = round_()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    syncs = set()  # where each hidden sync was called from: the stack's frames outside torch
+
+    def record(message, *_a, **_kw):
+        if "called a synchronizing" in str(message):  # not the mode's own notice ("... synchronizing operations")
+            syncs.add(" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(traceback.extract_stack())
+                                  if "site-packages" not in f.filename)[:300])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = round_()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not syncs, f"hidden syncs at {sorted(syncs)}"
     assert len({len(c.tokens) for c in out}) > 2  # samples ended at different steps: frees, refills, compaction
     assert [c.tokens for c in out] == [c.tokens for c in first]

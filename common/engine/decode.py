@@ -91,7 +91,7 @@ class Rows:
         self.top_k[rows] = to_device([p.top_k for p in params], dev)
         self.top_p[rows] = to_device([p.top_p for p in params], dev, self.top_p.dtype)
         self.key[rows] = keys
-        self.active[rows] = True
+        self.active.index_fill_(0, rows, True)  # a Scalar: `active[rows] = True` copies a host tensor (a sync)
         return rows
 
     def write_plan(self, entry_of_row: list[int], prompt_len: list[int], n: int) -> None:

@@ -120,7 +120,7 @@ class LiveBatch:
             si, di = (to_device(x, self.rows.tok.device) for x in (src, dst))
             for t in self.rows.per_slot():
                 t[di] = t[si]
-            self.rows.active[si] = False
+            self.rows.active.index_fill_(0, si, False)  # not `[si] = False`: its host value is a sync on CUDA
             self.log.move(src, dst)
             for s, d in zip(src, dst):
                 self.slots[d], self.slots[s] = self.slots[s], None
@@ -175,7 +175,7 @@ class LiveBatch:
             seq.req.live -= 1
             self._release(seq.req)
         if done:
-            self.rows.active[to_device(done, self.rows.active.device)] = False
+            self.rows.active.index_fill_(0, to_device(done, self.rows.active.device), False)
             self._changed()
         return finished
 
