@@ -201,7 +201,6 @@ def targets(res: dict) -> dict:
     return t
 
 
-
 def merge(into: dict, new: dict) -> dict:
     """`new` merged into `into` in place, nested dicts key by key (a later leaf wins)."""
     for k, v in new.items():
@@ -210,6 +209,7 @@ def merge(into: dict, new: dict) -> dict:
         else:
             into[k] = v
     return into
+
 
 def main(argv=None) -> dict:
     a = parse_args(argv)

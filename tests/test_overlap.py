@@ -51,6 +51,27 @@ def test_overlap_draws_the_same_samples(tmp_path, arch, static, top_k):
     assert ls._inflight is None or all(ls.slots[q.slot] is not q for q in ls._inflight.seqs)  # nothing live left
 
 
+
+def test_no_scalar_assignment_through_an_index_in_the_sampler(pair, monkeypatch):
+    """The CPU's guard for a hidden sync a GPU run found: a sampler schedule (admissions, rows
+    ending, compaction, under overlap) assigns no Python scalar through an index tensor. On CUDA
+    `t[rows] = True` sends the scalar to the device as a host tensor with the host waiting (a sync
+    that set_sync_debug_mode catches only on a GPU); `index_fill_` takes the scalar itself."""
+    model, _ = pair
+    sites, setitem = set(), torch.Tensor.__setitem__
+
+    def checked(self, index, value):
+        by_tensor = isinstance(index, torch.Tensor) or (
+            isinstance(index, tuple) and any(isinstance(i, torch.Tensor) for i in index))
+        if by_tensor and isinstance(value, (bool, int, float)):
+            f = traceback.extract_stack()[-2]
+            sites.add(f"{Path(f.filename).name}:{f.lineno}")
+        return setitem(self, index, value)
+    monkeypatch.setattr(torch.Tensor, "__setitem__", checked)
+    outs, _ = _run(model, overlap=True)
+    assert len(outs) == 27
+    assert not sites, f"t[index] = scalar at {sorted(sites)}: use index_fill_"
+
 def test_a_step_stays_in_flight_and_finished_samples_arrive_one_step_later(pair):
     model, _ = pair
     got = {}
