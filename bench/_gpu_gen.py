@@ -269,14 +269,13 @@ def sampler_section(ctx: Ctx) -> dict:
                         "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)}
     del model
     free_memory(ctx.device)
-    out.update(_hf_runs(ctx, d, [h.strip() for h in a.hf_settings.split(",") if h.strip()]))
+    out.update(_hf_runs(ctx, d, a.hf_settings))
     _ratios(out)
     for name in HF_SETTINGS:
         if "tok_s" in out.get(name, {}):
             eng[f"ours_no_sharing_over_{name}"] = eng["ours_no_sharing"]["tok_s"] / out[name]["tok_s"]
     out["engine"] = eng
-    chosen = [h.strip() for h in a.hf_settings.split(",")]  # a list: "hf_static" is a substring of the other
-    gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in chosen]))
+    gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in a.hf_settings]))
     _ratios(gsm)
     out["gsm8k"] = gsm
     out["ratios"] = {"ours_over_hf_*": "system (prompt sharing and slot refill included)",

@@ -137,7 +137,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.ours = [v.strip() for v in a.ours.split(",") if v.strip()]
     if not a.ours or any(v not in VARIANTS for v in a.ours):
         ap.error(f"--ours: choose from {list(VARIANTS)}")
-    bad = [h for h in a.hf_settings.split(",") if h.strip() and h.strip() not in HF_SETTINGS]
+    a.hf_settings = [h.strip() for h in a.hf_settings.split(",") if h.strip()]
+    bad = [h for h in a.hf_settings if h not in HF_SETTINGS]
     if bad:
         ap.error(f"--hf-settings: unknown {bad}; choose from {list(HF_SETTINGS)}")
     if a.train_group < 1 or a.train_rows % a.train_group:

@@ -51,7 +51,6 @@ def test_overlap_draws_the_same_samples(tmp_path, arch, static, top_k):
     assert ls._inflight is None or all(ls.slots[q.slot] is not q for q in ls._inflight.seqs)  # nothing live left
 
 
-
 def test_no_scalar_assignment_through_an_index_in_the_sampler(pair, monkeypatch):
     """The CPU's guard for a hidden sync a GPU run found: a sampler schedule (admissions, rows
     ending, compaction, under overlap) assigns no Python scalar through an index tensor. On CUDA
@@ -71,6 +70,7 @@ def test_no_scalar_assignment_through_an_index_in_the_sampler(pair, monkeypatch)
     outs, _ = _run(model, overlap=True)
     assert len(outs) == 27
     assert not sites, f"t[index] = scalar at {sorted(sites)}: use index_fill_"
+
 
 def test_a_step_stays_in_flight_and_finished_samples_arrive_one_step_later(pair):
     model, _ = pair
