@@ -26,11 +26,13 @@ import typing
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from common.errors import UserError
+
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _NONES = ("none", "null")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad override or config file: unknown key, bad value, or malformed argument."""
 
 

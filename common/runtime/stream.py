@@ -41,6 +41,7 @@ from safetensors.torch import save as st_save
 
 from common.batch import FINISH_REASONS, Batch
 from common.config import to_dict
+from common.errors import UserError
 
 FORMAT = "asyncrl.stream/v1"
 _PREFIX, _SUFFIX = "step_", ".safetensors"
@@ -49,7 +50,7 @@ _FIELDS = ("tokens", "loss_mask", "behav_logp", "versions", "reward", "group_id"
 _I32 = torch.iinfo(torch.int32)
 
 
-class StreamError(ValueError):
+class StreamError(UserError, ValueError):
     """A stream that is missing, corrupt, has a gap, or does not fit the model or run."""
 
 
