@@ -23,8 +23,11 @@ Crash-safety rules:
 - Everything is written into `checkpoints/.tmp_step_XXXXXX`, fsynced, and only then renamed to
   `step_XXXXXX` (rename is atomic on POSIX). A crash mid-write leaves at most a `.tmp_*` dir,
   which `latest_checkpoint` ignores and the next save deletes; the last good checkpoint is never
-  touched before the new one is complete. A write that fails with an OSError (disk full, quota)
-  removes its partial copy and raises `CheckpointError` naming the intact previous checkpoint.
+  touched before the new one is complete. A write that fails for any reason (disk full, quota,
+  DCP's CheckpointException, a serializer's RuntimeError) removes its partial copy and raises
+  `CheckpointError`: the cause, the path, the free space, the intact previous checkpoint (a
+  Ctrl-C removes it too and goes on); a warning comes first when the last checkpoint's size
+  is not free. Reading is `state.py`'s allow-listed unpickling, torch.load(weights_only=True), JSON.
 - A checkpoint counts only if its meta.json parses; `load_checkpoint` additionally checks every
   listed file exists with its recorded size (catches truncation) and validates everything
   (architecture, tensor names/shapes, optimizer groups) BEFORE mutating the model or optimizer.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,21 +49,16 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from common.config import save_config
+from common.errors import free_bytes, human_bytes, write_failed
 from common.engine.hf_save import save_pretrained
 from common.engine.model_config import ModelConfig
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.state import read_state, rng_state, set_rng_state, write_state
+from common.runtime.state import CheckpointError, check_state, one_line, read_state, rng_state, set_rng_state, write_state
 
 FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
 _PREFIX, _TMP = "step_", ".tmp_"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, corrupt, truncated or incompatible with the running model."""
 
 
 @dataclass
@@ -124,25 +123,6 @@ def latest_checkpoint(run_dir) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
-# ---------------------------------------------------------------- model + optimizer state
-def _check_state(d: Path, model, stepped: bool) -> None:
-    """The saved tensor names and shapes against the model's, before anything is loaded."""
-    try:
-        saved = dcp.FileSystemReader(str(d)).read_metadata().state_dict_metadata
-    except Exception as e:  # missing or corrupt .metadata
-        raise CheckpointError(f"{d}: unreadable model/optimizer state ({type(e).__name__}: {e})") from None
-    want = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes
-    have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
-    bad = ([f"missing {k[6:]}" for k in want if k not in have] + [f"unexpected {k[6:]}" for k in have if k not in want]
-           + [f"{k[6:]}: saved {have[k]}, model {s}" for k, s in want.items() if k in have and have[k] != s])
-    if stepped:
-        # keyed by parameter, not state-dict entry: a tied head has no state of its own
-        bad += [f"no optimizer state for {n}" for n, _ in model.named_parameters()
-                if f"optimizer.state.{n}.exp_avg" not in saved]
-    if bad:
-        raise CheckpointError(f"incompatible checkpoint {d.parent}: " + "; ".join(bad[:5]))
-
-
 # ---------------------------------------------------------------- save
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -189,6 +169,32 @@ def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer
             _fsync(f)
 
 
+def _warn_if_low(run_dir, root: Path, step: int) -> None:
+    """One line on stderr when the free space is below the last checkpoint's size (+10%): the
+    write ahead will likely fail (it is made before the oldest is pruned)."""
+    prev = latest_checkpoint(run_dir)
+    free = free_bytes(root)
+    if prev is None or free is None:
+        return
+    need = sum(_read_meta(prev)["files"].values())
+    if free < need * 1.1:
+        print(f"[asyncrl] warning: checkpoint step {step} needs about {human_bytes(need)} (the last one's size) "
+              f"and {human_bytes(free)} is free in {root}: it will likely fail; free some space or lower "
+              f"train.keep_checkpoints", file=sys.stderr)
+
+
+def _write_error(run_dir, step: int, tmp: Path, final: Path, e: BaseException) -> CheckpointError:
+    """A failed write as one line: what failed, where, the free space left once the partial copy
+    is removed (which frees what it took), and the checkpoint that is still intact."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    removed = "its partial copy was removed" if not tmp.exists() else f"its partial copy {tmp} could not be removed"
+    prev = latest_checkpoint(run_dir)
+    kept = (f"the previous checkpoint {prev} is intact (--resume continues from it)" if prev is not None
+            else "there is no earlier checkpoint")
+    return CheckpointError(f"{write_failed(f'checkpoint step {step} to', final, one_line(e))}; {removed}; "
+                           f"nothing was replaced: {kept}")
+
+
 def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, counters: dict | None = None,
                     config=None, buffer: ReplayBuffer | None = None, tokenizer=None,
                     generation: dict | None = None, keep_last: int | None = 2,
@@ -212,15 +218,14 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
     name = f"{_PREFIX}{step:06d}"
     tmp, final = root / (_TMP + name), root / name
 
+    _warn_if_low(run_dir, root, step)
     try:
         _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step, write)
-    except OSError as e:  # disk full, quota, I/O error: drop the partial copy (frees the space it took)
+    except (KeyboardInterrupt, SystemExit):  # stopping: no partial copy left behind, the stop goes on
         shutil.rmtree(tmp, ignore_errors=True)
-        prev = latest_checkpoint(run_dir)
-        kept = (f"the previous checkpoint {prev} is intact (--resume continues from it)" if prev is not None
-                else "there is no earlier checkpoint")
-        raise CheckpointError(f"could not write checkpoint step {step} in {root} ({type(e).__name__}: {e}); "
-                              f"nothing was replaced: {kept}") from e
+        raise
+    except BaseException as e:  # disk full, quota, I/O error; DCP's CheckpointException is a BaseException
+        raise _write_error(run_dir, step, tmp, final, e) from e
 
     if final.exists():  # re-saving a step (e.g. after a resume): swap, old one goes last
         old = root / (_TMP + "replaced_" + name)
@@ -272,7 +277,7 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
     if scheduler is not None and state.get("scheduler") is None:
         raise CheckpointError(f"{path}: a scheduler was given but the checkpoint saved none")
     stepped = bool(state.get("optimizer_stepped", True))
-    _check_state(path / "state", model, stepped)
+    check_state(path / "state", model, stepped)
 
     # Everything validated: now mutate (every rank at once when sharded).
     try:

@@ -13,11 +13,13 @@ import queue
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
 from common.algorithm import Algorithm
 from common.engine.precision import Precision
 from common.micro import set_ranks
 from common.runtime.process import set_process_defaults
+from common.runtime.state import one_line
 from common.runtime.ranks.fsdp import full_model, init_group, rank_device, read_shards, shard, write_shards
 from common.runtime.ranks.publish import publish_shards
 from common.runtime.ranks.share import Share
@@ -91,8 +93,9 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
                     g["lr"] = lr
                 try:
                     write_shards(args[0], model, opt)
-                except Exception as e:  # DCP raises a failed write on every rank; rank 0 reports it
-                    print(f"[trainer{rank}] checkpoint shards not written: {type(e).__name__}: {e}", flush=True)
+                except (Exception, CheckpointException) as e:  # DCP raises a failed write on every rank
+                    # (a CheckpointException is a BaseException): rank 0 reports it, this rank lives on
+                    print(f"[trainer{rank}] checkpoint shards not written: {one_line(e)}", flush=True)
             elif kind == "load":
                 read_shards(args[0], model, opt, args[1])
     finally:
