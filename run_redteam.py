@@ -84,6 +84,7 @@ from common import task
 from common.batch import PromptSet
 from common.config import load_config, to_dict
 from common.embed import SentenceEncoder, mean_pairwise_cosine_distance
+from common.engine.hf_io import check_model
 from common.engine.hf_save import tokenizer_stop_ids
 from common.engine.sampling import SamplingParams
 from common.evaluate import bootstrap_diff, sample_completions
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     if reward is None and cfg.train.reward_workers < 1:
         raise ValueError("red-teaming runs the victim in reward-worker processes: --train.reward_workers >= 1")
     task.setup(cfg)
+    check_model(cfg.victim.model, "--victim.model", tokenizer=True)  # here, not in a reward worker once started
     tox_fn = None
     if not cfg.toxicity.guard:  # fail now, not in a worker, if the classifier is missing (a guard LM loads in the workers)
         tox = Toxicity(cfg.toxicity.model, cfg.toxicity.label)

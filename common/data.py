@@ -23,13 +23,23 @@ from pathlib import Path
 from urllib.parse import urlparse
 from typing import Callable, Iterator, TypeVar
 
+from common.errors import UserError
+
 T = TypeVar("T")
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"  # the repository's copy (data/README.md)
 _PROBE_S = 3.0  # how long the hub's host may take to accept a connection before we call it unreachable
 
 
-class DataSourceError(RuntimeError):
+class DataSourceError(UserError, RuntimeError):
     """The data source could not be read; the message says what was tried and the fix."""
+
+
+class DataFileMissing(DataSourceError, FileNotFoundError):
+    """A data file that does not exist (the message names it)."""
+
+
+class DataFileError(DataSourceError, ValueError):
+    """A data file that is empty or holds a malformed row (the message names file:line)."""
 
 
 def default_data_dir(task: str) -> Path:
@@ -120,10 +130,10 @@ def iter_rows(source: str, split: str, hub_config: str | None = None) -> Iterato
 def read_jsonl(path: str | os.PathLike, make: Callable[[dict, str], T], limit: int | None = None,
                hint: str = "") -> list[T]:
     """`make(row, where)` for each non-empty line of a JSONL file (where = "file:line", for
-    the errors `make` raises); a missing file or malformed line is an error naming it."""
+    the errors `make` raises); a missing or empty file, or a malformed line, is an error naming it."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file not found: {path}" + (f" ({hint})" if hint else ""))
+        raise DataFileMissing(f"data file not found: {path}" + (f" ({hint})" if hint else ""))
     out: list[T] = []
     with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")) as f:
         for lineno, line in enumerate(f, start=1):
@@ -134,9 +144,23 @@ def read_jsonl(path: str | os.PathLike, make: Callable[[dict, str], T], limit: i
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: malformed JSON ({e.msg})") from None
-            out.append(make(row, f"{path}:{lineno}"))
+                raise DataFileError(f"{path}:{lineno}: malformed JSON ({e.msg}): one JSON object per line") from None
+            out.append(_made(make, row, f"{path}:{lineno}"))
+    if not out and limit != 0:
+        raise DataFileError(f"{path} holds no rows (an empty file): one JSON object per line, or point "
+                            f"--data.source at another folder")
     return out
+
+
+def _made(make: Callable[[dict, str], T], row, where: str) -> T:
+    """make(row, where), its ValueError (a row the task cannot use, named by `where`) a DataFileError."""
+    try:
+        return make(row, where)
+    except UserError:
+        raise
+    except (ValueError, KeyError) as e:
+        msg = str(e) if where in str(e) else f"{where}: {e}"
+        raise DataFileError(msg) from e
 
 
 def load_examples(source: str, split: str, make: Callable[[dict, str], T], limit: int | None = None,
@@ -150,5 +174,7 @@ def load_examples(source: str, split: str, make: Callable[[dict, str], T], limit
     for i, row in enumerate(iter_rows(source, split, hub_config)):
         if limit is not None and len(out) >= limit:
             break
-        out.append(make(dict(row), f"{source} [{split}] row {i}"))
+        out.append(_made(make, dict(row), f"{source} [{split}] row {i}"))
+    if not out and limit != 0:
+        raise DataFileError(f"split {split!r} of {source} holds no rows: give a source with data")
     return out

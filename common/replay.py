@@ -41,17 +41,19 @@ from typing import Callable, Optional, Union
 import torch
 
 from common.algorithm import Algorithm
-from common.config import ConfigError, format_help, load_config, parse_overrides, to_dict
+from common.config import format_help, load_config, parse_overrides, to_dict
 from common.engine.precision import Precision, resolve
 from common.log import MetricsLogger
 from common.plots import plot_metrics, plot_runs
 from common.progress import Progress
 from common.runtime.process import trainer_process
+from common.errors import UserError
+from common.runtime.run_dir import RunNameError, check_name, run_dir_of
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
 from common.runtime.step import trainer_model
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
 from common.runtime.train_config import check_config, lr_lambda
-from common.task import RunConfig, make_algo, setup
+from common.task import RunConfig, make_algo, setup, user_error
 from common.train import trainer_ranks
 
 
@@ -76,6 +78,7 @@ def replay_config(stream, argv=(), name: Optional[str] = None) -> RunConfig:
         cfg.name = name
     elif not any(a.startswith("--name") for a in args):
         cfg.name = f"{meta['run']}_replay_{cfg.algo}"
+    check_name(cfg.name)
     cfg.train.steps = min(cfg.train.steps, len(stream_steps(stream)))
     return cfg
 
@@ -109,10 +112,11 @@ def replay(stream, algo: Union[None, str, Algorithm, Callable[[RunConfig], Algor
     if precision is None:  # asked for another precision: resolve it here
         precision = resolve(cfg.precision, cfg.train.device)
     last = replay_stream(cfg, algo, stream, precision=precision, evaluate=evaluate, steps=cfg.train.steps)
-    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir = run_dir_of(cfg)
     plot_metrics(run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"{cfg.name}: replay of {meta['run']}")
-    if plot_replays(replays_of(stream, cfg.run_root), stream.parent / "replays.png",
-                    title=f"replays of {meta['run']}'s stream") is not None:
+    recorded = stream.parent  # the recording's run folder: replays.png goes there, next to its curves
+    if (recorded / "metrics.jsonl").is_file() and plot_replays(replays_of(stream, cfg.run_root), recorded / "replays.png",
+                                                               title=f"replays of {meta['run']}'s stream") is not None:
         print(f"[asyncrl] replays side by side: {stream.parent / 'replays.png'}")
     return last
 
@@ -145,9 +149,9 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     if n == 0:
         raise StreamError(f"{stream}: no recorded steps yet")
     tc = check_config(cfg.train)
-    run_dir = Path(cfg.run_root) / cfg.name
+    run_dir = run_dir_of(cfg)  # the name checked: one folder under run_root
     if run_dir.resolve() == stream.resolve().parent:  # checked first: overwrite must never delete the recording
-        raise ValueError(f"replay into {run_dir} would mix with the recorded run: choose another name")
+        raise RunNameError(f"replay into {run_dir} would mix with the recorded run: choose another name")
     run_dir = prepare_run_dir(cfg, resume=False)
     (run_dir / "replay_of.json").write_text(json.dumps({"stream": str(stream.resolve()), "steps": n}) + "\n")
     prec = precision or Precision.from_dict(meta["precision"])  # applied in `trainer_process`, restored after
@@ -236,11 +240,10 @@ def main(argv=None) -> int:
             print(format_help(replay_config(stream), __doc__))
             return 0
         cfg = replay_config(stream, argv[1:])
-    except (StreamError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    setup(cfg)
-    replay(stream, cfg=cfg)
+        setup(cfg)
+        replay(stream, cfg=cfg)
+    except UserError as e:  # StreamError, ConfigError, a run name, a run folder, ...: one line
+        return user_error(e)
     return 0
 
 

@@ -29,6 +29,7 @@ import importlib
 import inspect
 import json
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Optional, Union
@@ -39,12 +40,13 @@ from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
 from common.batch import PromptSet
 from common.config import cli, to_dict
-from common.data import DataSourceError
-from common.engine.hf_io import load_tokenizer, resolve_checkpoint
+from common.engine.hf_io import check_model, load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
+from common.errors import UserError, debug
 from common.plots import plot_metrics
 from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
+from common.runtime.run_dir import check_name
 from common.runtime.train_config import DistConfig, LogConfig, TrainConfig, check_config
 from common.train import logs_here, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
@@ -135,6 +137,7 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     cfg = cli(cfg, argv, description=description)
     if finish is not None:
         cfg = finish(cfg)
+    check_name(cfg.name)  # before anything loads: a run name is one folder under run_root
     if dry:
         print(json.dumps(to_dict(cfg), indent=2))
         sys.exit(0)
@@ -142,9 +145,11 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
 
 
 def script(main: Callable[[], object]) -> None:
-    """A task script's `if __name__ == "__main__":` body: `main()`, with a data source that cannot
-    be read (a hub id offline, a folder that does not exist) reported in one line with what to do
-    instead, exit status 2, rather than as a traceback.
+    """A task script's `if __name__ == "__main__":` body: `main()`, with a user's mistake (a
+    `UserError`: a bad setting, a model or data path that does not exist or lacks files, a run
+    name, an existing run) printed as one line, `error: <what, where, the fix>`, exit status 2;
+    and Ctrl-C ending with the runtime's own line (the checkpoint it saved), exit status 130. The
+    traceback is printed too only with `ASYNCRL_DEBUG=1` (common/errors.py).
 
     `main` runs from the script imported under its own name (`python run_x.py` runs what
     `run_x.main()` does): what the run sends to workers (a reward worker's factory, the task's
@@ -156,9 +161,24 @@ def script(main: Callable[[], object]) -> None:
         main = getattr(importlib.import_module(Path(file).stem), main.__name__)
     try:
         main()
-    except DataSourceError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except UserError as e:
+        sys.exit(user_error(e))
+    except KeyboardInterrupt as e:
+        if debug():
+            traceback.print_exc()
+        if not getattr(e, "reported", False):  # the trainer says where it stopped and what it saved
+            print("\ninterrupted (Ctrl-C): nothing half-written is kept; --resume continues from the latest "
+                  "complete checkpoint, if any", file=sys.stderr)
+        sys.exit(130)
+
+
+def user_error(e: UserError) -> int:
+    """Print a user's mistake as `error: <message>` on one line of stderr (its traceback first
+    with ASYNCRL_DEBUG=1); returns the exit status, 2."""
+    if debug():
+        traceback.print_exception(e)
+    print("error: " + " ".join(str(e).split()), file=sys.stderr)  # one line, whatever the message held
+    return 2
 
 
 def setup(cfg: RunConfig) -> None:
@@ -168,7 +188,11 @@ def setup(cfg: RunConfig) -> None:
 
 
 def tokenizer_of(cfg: RunConfig):
-    """The policy's tokenizer (the offline default model is converted on first use)."""
+    """The policy's tokenizer (the offline default model is converted on first use). Local model
+    paths are checked first (`--model`, `--ref_model`): a missing folder or file is named then,
+    not in a worker once the run has started."""
+    check_model(cfg.model, "--model", tokenizer=True)
+    check_model(cfg.ref_model, "--ref_model")
     return load_tokenizer(resolve_checkpoint(cfg.model))
 
 

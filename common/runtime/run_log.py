@@ -5,7 +5,6 @@ and by replays (common/replay.py), so a replayed run logs as a trained one does.
 """
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -14,6 +13,7 @@ from common.batch import Batch
 from common.config import save_config
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control, decode_graphs, decode_overlap
+from common.runtime.run_dir import open_run_dir
 
 
 def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
@@ -35,14 +35,9 @@ def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, st
 
 def prepare_run_dir(cfg, resume: bool) -> Path:
     """runs/<name>/ with the resolved config saved in it. An earlier run there is continued
-    (resume), replaced (cfg.overwrite) or refused, never mixed into."""
-    run_dir = Path(cfg.run_root) / cfg.name
-    if not resume and (run_dir / "metrics.jsonl").exists() and getattr(cfg, "overwrite", False):
-        shutil.rmtree(run_dir)  # overwrite=True: replace the earlier run (e.g. re-running a notebook cell)
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise FileExistsError(f"{run_dir} already holds a run: continue it (--resume, resume=True), replace it "
-                              f"(--overwrite, overwrite=True) or choose another name")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    (resume), replaced (cfg.overwrite) or refused, never mixed into; a name that leaves run_root,
+    or a folder this project did not make, is refused (common/runtime/run_dir.py)."""
+    run_dir = open_run_dir(cfg, resume)
     save_config(cfg, run_dir / "config.json")
     return run_dir
 

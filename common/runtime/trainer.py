@@ -195,13 +195,14 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
             print(f"\n[asyncrl] stopped at step {step}: a worker {what}; checkpoint {checkpoint()}; "
                   f"fix the cause, then continue with --resume", file=sys.stderr)
             raise
-        except KeyboardInterrupt:  # nothing lost: save the last completed step, then stop
+        except KeyboardInterrupt as e:  # nothing lost: save the last completed step, then stop
             # (a Ctrl-C inside opt.step(), ~1% of a CPU step, saves a half-applied update: still
             # a valid model, one partial step off)
             bar.close()
             _reward_errors_note(control, cfg.gen.error_reward)
             ck = checkpoint()
             print(f"\n[asyncrl] interrupted (Ctrl-C or SIGTERM) at step {step}: checkpoint {ck}; continue with --resume")
+            e.reported = True  # that line ends the run: task scripts print no traceback after it
             raise
         bar.close()
         workers.shutdown()  # generators stop; the trainer ranks stay for the last evaluation and checkpoint
