@@ -4,8 +4,11 @@ Run by the trainer process (the single writer of `<run_dir>/metrics.jsonl`); `re
 anywhere (notebooks, bench scripts, after the run; the plots of common/plots.py read with it).
 
 Crash-safety rules:
-- One metrics record = one JSON line, written with a single `write` and flushed at once, so a
-  crash loses at most the line being written.
+- One metrics record = one JSON line, written with a single unbuffered `write`, so a crash loses
+  at most the line being written.
+- A write that fails (disk full, quota) raises `WriteError` naming the file and the free space,
+  and the run stops there: a run that cannot log is losing its record (its last checkpoint stays;
+  a partial line is cut back when the log is reopened on --resume).
 - A crash can leave a partial last line. On open, `MetricsLogger` cuts the file back to its last
   newline (else the next record would be glued onto the fragment); `read_metrics` skips such a
   fragment too, so runs can be plotted while still being written.
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from common.errors import WriteError, write_failed
 
 _RESERVED = ("step", "time")
 
@@ -101,7 +106,7 @@ class MetricsLogger:
             times = [r["time"] for r in read_metrics(self.path) if isinstance(r.get("time"), (int, float))]
             self._t_offset = max(times, default=0.0)
         self._t0 = time.monotonic()  # monotonic: immune to wall-clock jumps (NTP) mid-run
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to flush later
         self._tb = self._wandb = None
         if use_tensorboard:
             try:
@@ -140,8 +145,13 @@ class MetricsLogger:
             raise ValueError(f"MetricsLogger.log: {bad} are reserved keys")
         rec = {"step": int(step), "time": round(self.elapsed(), 3)}
         rec.update({k: _jsonable(v, k) for k, v in metrics.items()})
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        line = memoryview((json.dumps(rec) + "\n").encode())
+        try:
+            while line:  # one write; a short one (the disk filled mid-line) goes on, and then raises
+                line = line[self._f.write(line):]
+        except OSError as e:
+            raise WriteError(f"{write_failed('metrics', self.path, e)}; the run stops: a run that cannot log "
+                             f"loses its record; free some space, then --resume") from e
         scalars = dict(_scalars({k: v for k, v in rec.items() if k not in _RESERVED}))
         if self._tb is not None:
             for k, v in scalars.items():

@@ -21,6 +21,7 @@ import contextlib
 import io
 import pickle
 import random
+import re
 import warnings
 from pathlib import Path
 
@@ -107,8 +108,19 @@ class SafeReader(dcp.FileSystemReader):
 class _SafePlanner(DefaultLoadPlanner):
     """DCP's default planner, its non-tensor entries loaded with weights_only=True (plain data only)."""
 
+    def __init__(self, d: Path):
+        super().__init__()
+        self.dir = d  # named in the error
+
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        obj = torch.load(value, map_location="cpu", weights_only=True)  # refuses anything but plain data
+        try:
+            obj = torch.load(value, map_location="cpu", weights_only=True)  # refuses anything but plain data
+        except pickle.UnpicklingError as e:
+            glob = re.search(r"GLOBAL ([\w.]+)", str(e))  # torch names the global it refused
+            why = f"references the disallowed global {glob[1]}" if glob else f"is not plain data ({one_line(e)})"
+            raise CheckpointError(f"{self.dir}: not a checkpoint this project wrote: its entry "
+                                  f"{read_item.dest_index.fqn} {why}, so it was not read: unpickling it could run "
+                                  f"code; restore the checkpoint from a trusted copy") from None
         # handed on re-serialised: the parent's torch.load(weights_only=False) now reads only plain data,
         # and where it puts the value (flattened keys) stays torch's
         buf = io.BytesIO()
@@ -123,7 +135,8 @@ def one_line(e: BaseException) -> str:
     if isinstance(e, CheckpointException) and e.failures:
         rank, (exc, _) = min(e.failures.items(), key=lambda kv: kv[0])
         return f"{one_line(exc)} on trainer rank {rank}"
-    return f"{type(e).__name__}: {e}"
+    first = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {first[0] if first else ''}"
 
 
 def dcp_cause(e: BaseException) -> BaseException:
@@ -187,7 +200,7 @@ def read_state(d: Path, model, optimizer, stepped: bool, group: dist.ProcessGrou
     state = {"model": msd, "optimizer": osd}
     try:
         with _one_process_ok():
-            dcp.load(state, storage_reader=SafeReader(str(d)), planner=_SafePlanner(), **_dcp_ranks(group))
+            dcp.load(state, storage_reader=SafeReader(str(d)), planner=_SafePlanner(d), **_dcp_ranks(group))
     except CheckpointException as e:  # a BaseException: said as the error behind it
         if isinstance(dcp_cause(e), CheckpointError):
             raise dcp_cause(e) from None

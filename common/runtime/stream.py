@@ -20,7 +20,9 @@ reading); its safetensors metadata holds the step (1-based: the step this batch 
 version the weights had, the learning rate, and the stats the algorithm returned.
 
 Crash safety: a step file is written to a temporary name and renamed (atomic), so a reader
-sees whole steps only, and a crash leaves the stream whole up to the last completed step.
+sees whole steps only, and a crash leaves the stream whole up to the last completed step. A write
+that fails (disk full) removes its temporary file and stops the run with a `WriteError` naming the
+file and the free space; the stream stays whole up to the step before.
 Before every checkpoint the files written since the last one are fsynced, so a checkpoint
 never claims steps its stream lacks. `--resume` from checkpoint S moves steps > S to
 `discarded/` and continues at S + 1.
@@ -41,7 +43,7 @@ from safetensors.torch import save as st_save
 
 from common.batch import FINISH_REASONS, Batch
 from common.config import to_dict
-from common.errors import UserError
+from common.errors import UserError, WriteError, write_failed
 
 FORMAT = "asyncrl.stream/v1"
 _PREFIX, _SUFFIX = "step_", ".safetensors"
@@ -138,6 +140,19 @@ def _header(data: bytes) -> dict:
     return json.loads(data[8:8 + n])
 
 
+def _write_file(final: Path, data: bytes, what: str, then: str) -> None:
+    """`data` into `final` through a temporary name and a rename: a failure removes the temporary
+    file (nothing half-written is left as if valid) and raises `WriteError`, its line ending in `then`."""
+    tmp = final.parent / f".tmp_{final.name}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, final)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise WriteError(f"{write_failed(what, final, e)}; its partial file was removed; {then}") from e
+
+
 class StreamWriter:
     """The recording side (trainer rank 0): `open`, then `capture` before and `write` after every
     step, `sync` before every checkpoint."""
@@ -187,9 +202,8 @@ class StreamWriter:
         # the trainer's CPU threads: a replay reproduces the bits only with the same count (recorded_threads)
         meta["segments"].append({"start_step": start, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                  "threads": torch.get_num_threads()})
-        tmp = w.dir / ".tmp_stream.json"
-        tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        os.replace(tmp, meta_path)
+        _write_file(meta_path, (json.dumps(meta, indent=2, default=str) + "\n").encode(), "record stream file",
+                    "the run did not start: free some space, or turn train.record off")
         w.steps = start
         return w
 
@@ -204,10 +218,8 @@ class StreamWriter:
                 "stats": {k: float(v) for k, v in stats.items()}}
         data = st_save(tensors, metadata={"asyncrl": json.dumps(meta)})
         final = step_file(self.dir, step)
-        tmp = self.dir / f".tmp_{final.name}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, final)
+        _write_file(final, data, "record stream file", f"the stream holds steps 1..{self.steps}; the run stops: "
+                    f"free some space, then --resume from the last checkpoint")
         self._unsynced.append(final)
         self.steps, self.bytes, self.written = step, self.bytes + len(data), self.written + 1
         return {"record_bytes": len(data), "record_s": self._capture_s + time.perf_counter() - t}
@@ -216,19 +228,19 @@ class StreamWriter:
         return self.bytes / max(1, self.written)
 
     def sync(self) -> None:
-        """fsync the step files written since the last call, and the directory."""
-        for p in self._unsynced:
-            fd = os.open(p, os.O_RDONLY)
+        """fsync the step files written since the last call, and the directory (a failure: a
+        `WriteError`, before the checkpoint that would claim those steps)."""
+        for p in [*self._unsynced, self.dir]:
             try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+                fd = os.open(p, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise WriteError(f"{write_failed('the record stream (fsync)', p, e)}; no checkpoint was written "
+                                 f"for these steps; the run stops: free some space, then --resume") from e
         self._unsynced.clear()
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def recorded_threads(meta: dict) -> int | None:
