@@ -1,20 +1,32 @@
-"""Checkpoint round trip, atomicity under a simulated crash, pruning and error reporting."""
+"""Checkpoint round trip, atomicity under a simulated crash, any failed write (disk full, DCP's and
+torch's serializer errors) as one CheckpointError, the low-space warning, pruning and error reporting."""
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as fs
+from torch.distributed.checkpoint import CheckpointException
 
 from common.batch import Trajectory
 from common.engine.hf_io import load_model
 from common.runtime.buffer import ReplayBuffer
 import common.runtime.checkpoint as ck
 from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from common.errors import UserError
 from tests.tiny import save_hf, tokenizer
+
+# every write error a run can end with (checkpoint, record stream, metrics): what, where, cause, free space
+WRITE_ERROR = (r"could not write (checkpoint step \d+ to|record stream file|the record stream \(fsync\)|metrics) "
+               r"(?P<path>\S+) \((?P<cause>.+?)\); (?P<free>[\d.]+ [kMGT]?B) free on that filesystem; .*")
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +104,8 @@ def test_failed_write_keeps_previous(tiny_dirs, tmp_path, monkeypatch):
     def crash(*a, **k):
         raise OSError("disk full (simulated)")
     monkeypatch.setattr(ck, "_write_meta", crash)
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 20 .*disk full \(simulated\).*"
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 20 .*disk full \(simulated\)\); "
+                                              r"[\d.]+ [kMGT]?B free on that filesystem; .*"
                                               r"previous checkpoint .*step_000010 is intact") as e:
         save_checkpoint(tmp_path, 20, model, opt, counters={"version": 2})
     assert isinstance(e.value.__cause__, OSError)
@@ -105,6 +118,76 @@ def test_failed_write_keeps_previous(tiny_dirs, tmp_path, monkeypatch):
 
     save_checkpoint(tmp_path, 30, model, opt, counters={"version": 3})
     assert sorted(p.name for p in root.iterdir()) == ["step_000010", "step_000030"]
+
+
+def _enospc(*a, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _bad_pos(*a, **k):  # what torch's serializer raises when the disk fills under it
+    raise RuntimeError("unexpected pos 704 vs 598")
+
+
+_torch_save = torch.save
+
+
+def _bad_trainer_state(obj, f, *a, **k):  # trainer_state.pt only (DCP saves with torch.save too)
+    if str(f).endswith("trainer_state.pt"):
+        _bad_pos()
+    return _torch_save(obj, f, *a, **k)
+
+
+def _dcp_failed(*a, **k):  # DCP gathers every rank's error into one (a BaseException)
+    raise CheckpointException("save", {0: (RuntimeError("unexpected pos 704 vs 598"), None)})
+
+
+# (where the write fails, the cause the message must give): DCP's shard writer (its OSError reaches
+# us wrapped in a CheckpointException), torch.save (trainer_state.pt), DCP itself
+FAILURES = [(fs, "_write_item", _enospc, r"OSError: \[Errno 28\] No space left on device on trainer rank 0"),
+            (torch, "save", _bad_trainer_state, r"RuntimeError: unexpected pos 704 vs 598"),
+            (dcp, "save", _dcp_failed, r"RuntimeError: unexpected pos 704 vs 598 on trainer rank 0")]
+
+
+@pytest.mark.parametrize("where,name,fail,cause", FAILURES, ids=["dcp-enospc", "torch-save", "dcp-exception"])
+def test_any_failed_write_is_one_checkpoint_error(tiny_dirs, tmp_path, monkeypatch, where, name, fail, cause):
+    model, opt, _ = _setup(tiny_dirs)
+    good = save_checkpoint(tmp_path, 1, model, opt, counters={"version": 1})
+    monkeypatch.setattr(where, name, fail)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(tmp_path, 2, model, opt, counters={"version": 2})
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert re.fullmatch(WRITE_ERROR, msg), msg
+    assert re.search(f"could not write checkpoint step 2 to {re.escape(str(root / 'step_000002'))} \\({cause}\\); "
+                     r"[\d.]+ [kMGT]?B free on that filesystem; its partial copy was removed; nothing was replaced: "
+                     f"the previous checkpoint {re.escape(str(good))} is intact", msg), msg
+    assert isinstance(e.value, UserError) and "\n" not in msg
+    assert sorted(p.name for p in root.iterdir()) == ["step_000001"]  # no .tmp_step_* left
+    assert load_checkpoint(good, model, opt).step == 1
+
+
+def test_ctrl_c_while_writing_cleans_up_and_goes_on(tiny_dirs, tmp_path, monkeypatch):
+    model, opt, _ = _setup(tiny_dirs)
+    save_checkpoint(tmp_path, 1, model, opt)
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(ck, "save_pretrained", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path, 2, model, opt)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_low_space_warns_before_the_write(tiny_dirs, tmp_path, monkeypatch, capsys):
+    model, opt, _ = _setup(tiny_dirs)
+    save_checkpoint(tmp_path, 1, model, opt)
+    assert "warning" not in capsys.readouterr().err
+    monkeypatch.setattr(ck, "free_bytes", lambda p: 1000)  # less than the last checkpoint took
+    save_checkpoint(tmp_path, 2, model, opt)
+    err = capsys.readouterr().err
+    assert re.search(r"warning: checkpoint step 2 needs about [\d.]+ kB \(the last one's size\) and 1 kB is free in "
+                     r".*checkpoints: it will likely fail", err), err
 
 
 def test_keep_last_prunes_and_resave_same_step(tiny_dirs, tmp_path):
