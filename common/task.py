@@ -46,7 +46,7 @@ from common.errors import UserError, debug
 from common.plots import plot_metrics
 from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
-from common.runtime.run_dir import check_name
+from common.runtime.run_dir import check_name, check_run_dir
 from common.runtime.train_config import DistConfig, LogConfig, TrainConfig, check_config
 from common.train import logs_here, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
@@ -122,7 +122,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     defaults; a preset the task has not is refused), then the algorithm's defaults, then every
     other `--section.field=value`, then `finish` (values derived from others). `--print-config`
     prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
-    overrides)."""
+    overrides). The run name, and the run folder (an earlier run, a folder this project did not
+    make: common/runtime/run_dir.py), are checked here, before anything loads."""
     argv = sys.argv[1:] if argv is None else list(argv)
     dry = "--print-config" in argv
     argv = [a for a in argv if a != "--print-config"]
@@ -141,6 +142,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     if dry:
         print(json.dumps(to_dict(cfg), indent=2))
         sys.exit(0)
+    if logs_here(cfg):  # the process that writes the run folder: an existing run or a folder not ours, refused now
+        check_run_dir(cfg, cfg.resume)
     return cfg
 
 

@@ -9,9 +9,9 @@ existing folder without it is taken as ours only when every entry in it is one a
 `--overwrite` removes only the entries a run writes, and refuses, removing nothing, while the
 folder holds anything else (a user's file, a symlink).
 
-Runs in the trainer (rank 0) through `common/runtime/run_log.py`'s `prepare_run_dir`; the name
-is also checked by `common/task.py` before anything loads, and multi-node processes find their
-own files with `run_dir_of`.
+Runs in the trainer (rank 0) through `common/runtime/run_log.py`'s `prepare_run_dir`; task
+scripts check the name and the folder (`check_run_dir`, which writes nothing) before anything
+loads (common/task.py: make_config).
 """
 from __future__ import annotations
 
@@ -101,11 +101,13 @@ def _remove(d: Path, entries: list[Path]) -> None:
     print(f"[asyncrl] --overwrite: removed the earlier run in {d} ({shown})")
 
 
-def open_run_dir(cfg, resume: bool) -> Path:
-    """The run folder of `cfg`, created and marked as ours, with an earlier run in it continued
-    (resume), replaced (cfg.overwrite: only the entries a run writes, and only in a folder that is
-    ours) or refused; never mixed into. Errors change nothing on disk."""
+def check_run_dir(cfg, resume: bool) -> tuple[Path, list[Path], bool]:
+    """What `open_run_dir` would do, changing nothing: (folder, the entries --overwrite removes
+    (none: keep all), whether the folder holds our marker); a RunDirError where it would refuse.
+    Task scripts call it before anything loads (common/task.py: make_config)."""
     d = run_dir_of(cfg)
+    if resume and getattr(cfg, "overwrite", False):
+        raise RunDirError(f"--resume and --overwrite both set for {d}: continue the run, or replace it, not both")
     if d.exists() and not d.is_dir():
         raise RunDirError(f"run folder {d} is a file, not a folder: choose another --name (nothing was changed)")
     entries = sorted(d.iterdir()) if d.is_dir() else []
@@ -117,14 +119,24 @@ def open_run_dir(cfg, resume: bool) -> Path:
     if entries and not marked and not legacy:
         raise RunDirError(f"{d} exists and was not made by this project (it holds {_listing(foreign or entries)}): "
                           f"choose another --name, or move that folder away (nothing was changed)")
-    if (d / "metrics.jsonl").exists() and not resume:
-        if not getattr(cfg, "overwrite", False):
-            raise RunDirError(f"{d} already holds a run: continue it (--resume, resume=True), replace it "
-                              f"(--overwrite, overwrite=True) or choose another name")
-        if foreign:
-            raise RunDirError(f"--overwrite: {d} holds files a run does not write ({_listing(foreign)}): move them "
-                              f"out of it, or choose another --name (nothing was removed)")
-        _remove(d, entries)
+    if not (d / "metrics.jsonl").exists() or resume:
+        return d, [], marked
+    if not getattr(cfg, "overwrite", False):
+        raise RunDirError(f"{d} already holds a run: continue it (--resume, resume=True), replace it "
+                          f"(--overwrite, overwrite=True) or choose another name")
+    if foreign:
+        raise RunDirError(f"--overwrite: {d} holds files a run does not write ({_listing(foreign)}): move them "
+                          f"out of it, or choose another --name (nothing was removed)")
+    return d, entries, marked
+
+
+def open_run_dir(cfg, resume: bool) -> Path:
+    """The run folder of `cfg`, created and marked as ours, with an earlier run in it continued
+    (resume), replaced (cfg.overwrite: only the entries a run writes, and only in a folder that is
+    ours) or refused; never mixed into. Errors change nothing on disk."""
+    d, remove, marked = check_run_dir(cfg, resume)
+    if remove:
+        _remove(d, remove)
         marked = False
     d.mkdir(parents=True, exist_ok=True)
     if not marked:

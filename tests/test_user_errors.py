@@ -1,0 +1,123 @@
+"""A user's mistake ends a task script with one line on stderr, `error: <what, where, the fix>`,
+exit status 2 and no traceback (the traceback too only with ASYNCRL_DEBUG=1); Ctrl-C ends with
+the runtime's own line, exit status 130 (common/task.py: `script`). The scripts run as the user
+runs them, in subprocesses started together (each imports torch: a few seconds)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.errors import UserError
+from common.task import script
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{case: (exit status, stderr)} of run_gsm8k.py on each mistake, all started at once."""
+    tmp = tmp_path_factory.mktemp("user_errors")
+    (tmp / "no_config").mkdir()
+    (tmp / "no_config" / "tokenizer.json").write_text("{}")
+    (tmp / "empty_data").mkdir()
+    for split in ("train", "test"):
+        (tmp / "empty_data" / f"{split}.jsonl").write_text("")
+    foreign = tmp / "runs" / "foreign"
+    foreign.mkdir(parents=True)
+    (foreign / "metrics.jsonl").write_text("{}\n")
+    (foreign / "notes.txt").write_text("mine")
+    root = f"--run_root={tmp / 'runs'}"
+    cases = {
+        "missing_model": (["--model=/nonexistent/model", "--name=x", root], {}),
+        "missing_model_debug": (["--model=/nonexistent/model", "--name=x", root], {"ASYNCRL_DEBUG": "1"}),
+        "name_outside": (["--name=../../x", root], {}),
+        "model_without_config": ([f"--model={tmp / 'no_config'}", "--name=x", root], {}),
+        "empty_data": ([f"--data.source={tmp / 'empty_data'}", "--name=x", root], {}),
+        "foreign_overwrite": (["--model=tiny", "--name=foreign", "--overwrite", root], {}),
+    }
+    env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_DEBUG"}
+    procs = {name: subprocess.Popen([sys.executable, "run_gsm8k.py", *argv], cwd=ROOT, env={**env, **extra},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (argv, extra) in cases.items()}
+    out = {}
+    for name, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        out[name] = (p.returncode, err)
+    out["foreign_left"] = (foreign / "notes.txt").read_text()
+    return out
+
+
+def _one_line(result) -> str:
+    code, err = result
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def test_a_missing_model_path_is_one_line(runs):
+    line = _one_line(runs["missing_model"])
+    assert "--model=/nonexistent/model" in line and "does not exist" in line and "hub id" in line
+
+
+def test_debug_shows_the_traceback(runs):
+    code, err = runs["missing_model_debug"]
+    assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_a_run_name_outside_run_root_is_one_line(runs):
+    assert "run name '../../x' holds a path separator" in _one_line(runs["name_outside"])
+
+
+def test_a_model_folder_without_config_names_the_missing_file(runs):
+    line = _one_line(runs["model_without_config"])
+    assert "lacks config.json" in line and "sentencepiece" not in line
+
+
+def test_an_empty_data_file_is_named(runs):
+    line = _one_line(runs["empty_data"])
+    assert "empty_data/train.jsonl holds no rows" in line
+
+
+def test_overwrite_on_a_folder_not_ours_is_refused_and_the_file_kept(runs):
+    line = _one_line(runs["foreign_overwrite"])
+    assert "was not made by this project (it holds notes.txt)" in line
+    assert runs["foreign_left"] == "mine"
+
+
+# ---- script() itself, in this process ----------------------------------------------------------
+def test_ctrl_c_after_the_trainers_line_exits_130_without_a_traceback(capsys, monkeypatch):
+    monkeypatch.delenv("ASYNCRL_DEBUG", raising=False)
+
+    def interrupted(reported):
+        e = KeyboardInterrupt()
+        if reported:
+            e.reported = True  # the trainer printed "interrupted ... at step N: checkpoint ..."
+        raise e
+
+    with pytest.raises(SystemExit) as e:
+        script(lambda: interrupted(True))
+    assert e.value.code == 130 and capsys.readouterr().err == ""
+    with pytest.raises(SystemExit) as e:  # e.g. inside a checkpoint, or before training began
+        script(lambda: interrupted(False))
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and err.strip().startswith("interrupted (Ctrl-C)") and "Traceback" not in err
+
+
+def test_a_user_error_is_one_line_even_when_its_message_is_not(capsys, monkeypatch):
+    monkeypatch.delenv("ASYNCRL_DEBUG", raising=False)
+
+    def fails():
+        raise UserError("a bad thing\nover two lines")
+
+    with pytest.raises(SystemExit) as e:
+        script(fails)
+    assert e.value.code == 2 and capsys.readouterr().err == "error: a bad thing over two lines\n"
+    monkeypatch.setenv("ASYNCRL_DEBUG", "1")
+    with pytest.raises(SystemExit):
+        script(fails)
+    assert "Traceback" in capsys.readouterr().err
