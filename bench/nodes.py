@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import secrets
 import socket
 import statistics
 import subprocess
@@ -229,7 +230,9 @@ def _agents(argv: list[str], env: dict) -> list[str]:
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{port}", "--local-addr=127.0.0.1", *argv]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"), **env}
+    # both agents on this machine: one per-run secret for their store values (common/runtime/wire.py)
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+           "ASYNCRL_RUN_SECRET": os.environ.get("ASYNCRL_RUN_SECRET") or secrets.token_hex(32), **env}
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         outs = [p.communicate(timeout=900)[0] for p in procs]

@@ -29,8 +29,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SECRET = "tests-" + "0123456789abcdef" * 2  # the run's secret every node of a test run shares (wire.run_secret)
+
+
 def env(**extra) -> dict:
-    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    return {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+            "ASYNCRL_RUN_SECRET": SECRET, **extra}
 
 
 def alive(pid: int) -> bool:

@@ -22,6 +22,8 @@ from common.runtime.nodes.trajectories import RemoteControl, pack, unpack
 from common.runtime.nodes.world import check, is_generator_node, join
 from common.runtime.train_config import DistConfig
 from common.runtime.train_config import TrainConfig
+from common.errors import UserError
+from common.runtime.wire import BoundStore, SecretError, seal
 from common.task import RunConfig
 from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights
 from tests.tiny import save_hf
@@ -185,15 +187,17 @@ def test_rows_travel_packed_and_land_as_added():
 
 def test_claims_on_the_store_are_atomic_and_bounded():
     """Four claimers race for a quota of 40 prompts: each index once, never past the quota."""
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
-    rc = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30))
+    secret = b"s" * 32
+    bound = BoundStore("127.0.0.1")
+    server = bound.store
+    rc = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), secret)
     assert rc.claim() is None  # no quota published yet
-    server.set("started", "0 trainer")
-    server.set("quota", "40")
+    server.set("started", seal(secret, "started", b"0 trainer"))
+    server.set("quota", seal(secret, "quota", b"40"))
     got, lock = [], threading.Lock()
 
     def claimer():
-        c = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30))
+        c = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), secret)
         while (i := c.claim()) is not None:
             with lock:
                 got.append(i)
@@ -204,7 +208,7 @@ def test_claims_on_the_store_are_atomic_and_bounded():
     for t in ts:
         t.join(60)
     assert sorted(got) == list(range(40))
-    server.set("quota", "42")
+    server.set("quota", seal(secret, "quota", b"42"))
     assert [rc.claim(), rc.claim(), rc.claim()] == [40, 41, None]
     assert rc.stats.shape == (2, len(Control.STAT_FIELDS))
 
@@ -218,7 +222,13 @@ def test_config_checks_and_single_node_path(monkeypatch):
                                   (DistConfig(timeout=0), 2, {}, "timeout")]:
         with pytest.raises(ValueError, match=msg):
             check(dc, TrainConfig(**tc_kw), world)
+    monkeypatch.delenv("ASYNCRL_RUN_SECRET", raising=False)
+    with pytest.raises(SecretError, match="several nodes need a per-run secret"):  # before any connection
+        check(DistConfig(), tc, 2)
+    monkeypatch.setenv("ASYNCRL_RUN_SECRET", "x" * 32)
     check(DistConfig(), tc, 2)
+    with pytest.raises(UserError, match="every interface"):
+        check(DistConfig(bind="0.0.0.0"), tc, 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="nproc-per-node=1"):
         check(DistConfig(), tc, 2)

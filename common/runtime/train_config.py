@@ -11,13 +11,16 @@ from typing import Callable, Literal, Optional
 
 import torch
 
+from common.config import ConfigError
+from common.config_check import above, at_least, between, check, processes, relation
+
 
 @dataclass
 class TrainConfig:
     steps: int = 100                  # trainer steps (one batch each; an optimizer update per minibatch)
     lr: float = 1e-5                  # peak learning rate (AdamW)
-    warmup_steps: int = 5             # linear warm-up steps
-    decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps
+    warmup_steps: int = 5             # linear warm-up steps; 0 = none
+    decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps; 0 = none
     weight_decay: float = 0.0         # AdamW weight decay
     grad_clip: float = 1.0            # max global grad norm; 0 = off
     micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
@@ -33,7 +36,7 @@ class TrainConfig:
     trainer_devices: int = 1          # N trainer ranks, FSDP2-sharded (rank r on cuda:r; CPU: N processes, gloo); 1 = no process group
     reshard: Literal["auto", "pass", "update"] = "auto"  # N > 1: free gathered weights after every pass (least memory) or once per update (least traffic); auto: update on CPU (gloo), pass on GPUs
     reward_workers: int = 0           # processes hosting an expensive reward (needs train(reward_factory=...))
-    min_buffer: int = 64              # async: trajectories in the buffer before the first step
+    min_buffer: int = 64              # async: trajectories in the buffer before the first step (0: at once, the algorithm waits for its batch)
     buffer_capacity: int = 4096       # ring size in trajectories
     checkpoint_every: int = 0         # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int = 1         # newest checkpoints kept (0 = all); one is ~2.3 GB for a 135M model (docs/configuration.md)
@@ -43,6 +46,20 @@ class TrainConfig:
     stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
     record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/stream.py)
 
+    CHECKS = {  # ranges (common/config_check.py)
+        "steps": at_least(1), "lr": between(0, 1, open_lo=True), "warmup_steps": at_least(0), "decay_steps": at_least(0),
+        "weight_decay": (at_least(0), relation(lambda v, s: v * s.lr < 1, "< 1 / {p}lr={s.lr:g} (AdamW scales the "
+                                               "weights by 1 - lr x weight_decay per update)")),
+        "grad_clip": at_least(0), "micro_batch_tokens": at_least(1), "memory_fraction": between(0, 1),
+        "prompts_per_step": at_least(1), "sync_every": at_least(1), "max_staleness": at_least(0),
+        "n_generators": processes(0), "trainer_devices": processes(1), "reward_workers": processes(0),
+        "buffer_capacity": at_least(1),
+        "min_buffer": (at_least(0), relation(lambda v, s: s.mode == "sync" or v <= s.buffer_capacity,
+                                             "<= {p}buffer_capacity={s.buffer_capacity} (the ring holds no more: "
+                                             "the first step would wait for good)")),
+        "checkpoint_every": at_least(0), "keep_checkpoints": at_least(0), "eval_every": at_least(0),
+        "stall_timeout": at_least(0)}
+
 
 @dataclass
 class DistConfig:
@@ -51,6 +68,11 @@ class DistConfig:
     ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
     trainer_node_generators: int = 0  # generators the trainer node runs beside the trainer (claiming on the store like the others)
     store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
+
+    CHECKS = {"trainer_nodes": at_least(1), "timeout": above(0), "ship_every": above(0),
+              "trainer_node_generators": processes(0), "store_port": between(0, 65535)}  # ranges (common/config_check.py)
+    bind: str = ""                  # address the trainer's stores listen on; "" = MASTER_ADDR's (torchrun's rendezvous host)
+    secret_file: str = ""           # file holding the per-run secret that seals store values (mode 600); "" = $ASYNCRL_RUN_SECRET
 
 
 @dataclass
@@ -73,24 +95,19 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 
 def check_config(cfg: TrainConfig) -> TrainConfig:
-    """`cfg` checked (errors name the field) and completed: sync mode's eta = 0 and k = 1, the
-    generator count when 0; returns it."""
+    """`cfg` checked (its ranges, `TrainConfig.CHECKS`, and what this machine allows; errors name
+    the key) and completed: sync mode's eta = 0 and k = 1, the generator count when 0; returns it."""
+    check(cfg, "train.")
     if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
         cfg.max_staleness, cfg.sync_every = 0, 1
-    if cfg.sync_every < 1 or cfg.steps < 1 or cfg.prompts_per_step < 1 or cfg.trainer_devices < 1:
-        raise ValueError(f"train: sync_every, steps, prompts_per_step, trainer_devices must be >= 1, got {cfg}")
-    if cfg.n_generators < 0:
-        raise ValueError(f"train.n_generators={cfg.n_generators}: need >= 1, or 0 for one per GPU left")
     gpus = torch.cuda.device_count() if cfg.device.startswith("cuda") else 0
     if gpus and cfg.trainer_devices > gpus:
-        raise ValueError(f"train.trainer_devices={cfg.trainer_devices}: this machine has {gpus} GPUs")
+        raise ConfigError(f"--train.trainer_devices={cfg.trainer_devices}: this machine has {gpus} GPUs")
     if cfg.n_generators == 0:  # the GPUs the trainer leaves; with none left, one that shares
         cfg.n_generators = max(1, gpus - cfg.trainer_devices)
-    if cfg.max_staleness is not None and cfg.max_staleness < 0:
-        raise ValueError(f"train.max_staleness={cfg.max_staleness}: need >= 0 or none")
     if cfg.compile_blocks and cfg.trainer_devices > 1:
-        raise ValueError("train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
-                         "hooks are not traced here): use one of them")
+        raise ConfigError("--train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
+                          "hooks are not traced here): use one of them")
     return cfg
 
 

@@ -50,7 +50,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
         store = WeightStore(setup["shapes"], device="cpu")
         outbox = ReplayBuffer(tc.buffer_capacity, setup["max_seq_len"], setup["pad_id"])
         G = tc.n_generators
-        control = RemoteControl(node.host, node.table[0]["port"], G * len(node.gen_ranks), node.timeout)
+        control = RemoteControl(node.host, node.table[0]["port"], G * len(node.gen_ranks), node.timeout, node.secret)
         threads = [WeightReceiver(node, store), TrajSender(node, outbox, control.stats, node.cfg.ship_every)]
         for t in threads:
             t.start()
@@ -81,7 +81,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
         for t in reversed(threads):
             t.stop()
             t.check()
-        node.store.set(f"done/{node.rank}", "1")
+        node.put_text(f"done/{node.rank}", "1")
         print(f"[asyncrl] {node.name(node.rank)}: stopped; {threads[0].received} weight versions in, "
               f"{threads[1].rows} trajectories out", flush=True)
         return {}

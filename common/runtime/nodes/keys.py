@@ -5,11 +5,15 @@ common/runtime/train_config.py's).
 The store is a `TCPStore` the trainer process hosts (on torchrun's MASTER_ADDR) for the run's
 small keys: the published version and the acknowledgements, the staleness quota, trajectory
 headers, the commands for trainer ranks on other nodes, beats, failures, "stop" and "done".
-Every thread holds its own connection (a client sends one request at a time). Runs in every
-node's main process and in the threads and processes that talk to other nodes.
+Every thread holds its own connection (a client sends one request at a time). Every value is
+sealed with the run's secret (common/runtime/wire.py) and checked before it is parsed; the counters
+moved with `add` (beats) are the only unsealed keys. The store listens on the address the user gave
+(`dist.bind`, else MASTER_ADDR's), nowhere else. Runs in every node's main process and in the
+threads and processes that talk to other nodes.
 """
 from __future__ import annotations
 
+import json
 import pickle
 import sys
 import threading
@@ -21,6 +25,7 @@ import torch.distributed as dist
 
 from common.runtime.launch import WorkerError
 from common.runtime.train_config import DistConfig
+from common.runtime.wire import BoundStore, ForgedValue, run_secret, seal, unseal
 
 _BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
 
@@ -47,10 +52,11 @@ class RunKeys:
 
     def __init__(self, dc: DistConfig, rank: int, world: int, host: str, port: int | None):
         self.cfg, self.timeout = dc, timedelta(seconds=dc.timeout)
+        self.secret = run_secret(dc.secret_file)  # refused here, before any connection, when there is none
         self.rank, self.world, self.role = rank, world, role_of(rank, dc)
         self.gen_ranks = list(range(dc.trainer_nodes, world))
         self.index = rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
-        self.host, self.port, self.table = host, port, None
+        self.host, self.port, self.table = dc.bind or host, port, None  # where the store listens and is reached
         self._server, self._local = None, threading.local()
 
     @property
@@ -63,9 +69,10 @@ class RunKeys:
         return s
 
     def serve(self, port: int) -> None:
-        """Host the run's store here (the trainer's process: it outlives every transfer); `port` 0 = a free one."""
-        self._server = dist.TCPStore(self.host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
-        self._local.store, self.port = self._server, self._server.port
+        """Host the run's store here (the trainer's process: it outlives every transfer), listening on
+        `host` only (`dist.bind`, else MASTER_ADDR); `port` 0 = a free one."""
+        self._server = BoundStore(self.host, port, timeout=self.timeout)
+        self._local.store, self.port = self._server.store, self._server.port
 
     def name(self, rank: int) -> str:
         """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
@@ -73,22 +80,46 @@ class RunKeys:
         role = "trainer node" if rank < self.cfg.trainer_nodes else f"generator node {rank - self.cfg.trainer_nodes}"
         return f"{role} (rank {rank}, host {t['host']}, pid {t['pid']})"
 
-    # ---- small messages through the store ------------------------------------------------
-    def put(self, key: str, obj) -> None:
-        self.store.set(key, pickle.dumps(obj))
+    # ---- small messages through the store, each sealed with the run's secret ---------------
+    def put_bytes(self, key: str, value: bytes) -> None:
+        self.store.set(key, seal(self.secret, key, value))
 
-    def has(self, key: str) -> bool:
-        return self.store.check([key])
+    def get_bytes(self, key: str) -> bytes:
+        """The value under `key` (present), its seal checked: ForgedValue if it was not ours."""
+        return unseal(self.secret, key, self.store.get(key))
+
+    def put(self, key: str, obj) -> None:
+        """`obj` by value (a pickle: the algorithm, a step's batch), sealed; loaded only once its seal checked."""
+        self.put_bytes(key, pickle.dumps(obj))
 
     def get(self, key: str):
         """The object under `key`, waiting for it at most `dist.timeout`."""
         self.store.wait([key], self.timeout)
-        return pickle.loads(self.store.get(key))
+        return pickle.loads(self.get_bytes(key))  # after unseal: only what a node holding the secret wrote
+
+    def put_text(self, key: str, text: str) -> None:
+        self.put_bytes(key, text.encode())
+
+    def get_text(self, key: str) -> str:
+        return self.get_bytes(key).decode()
+
+    def put_json(self, key: str, obj) -> None:
+        self.put_bytes(key, json.dumps(obj).encode())
+
+    def get_json(self, key: str):
+        return json.loads(self.get_bytes(key))
+
+    def has(self, key: str) -> bool:
+        """Whether `key` holds a value this run wrote (a flag: "stop", done/<rank>, ...); ForgedValue if forged."""
+        if not self.store.check([key]):
+            return False
+        self.get_bytes(key)
+        return True
 
     def fail(self, message: str) -> None:
         """Tell every node this one failed (the trainer raises NodeFailed naming it); best effort."""
         try:
-            self.store.set(f"failed/{self.rank}", f"{self.name(self.rank)}: {message}")
+            self.put_text(f"failed/{self.rank}", f"{self.name(self.rank)}: {message}")
         except Exception:  # noqa: BLE001 - the store may be what failed
             pass
 
@@ -100,7 +131,9 @@ class RunKeys:
         while time.monotonic() < deadline:
             try:
                 if self.store.check([f"failed/{rank}"]):
-                    return NodeFailed(self.store.get(f"failed/{rank}").decode(), self.name(rank), rank)
+                    return NodeFailed(self.get_text(f"failed/{rank}"), self.name(rank), rank)
+            except ForgedValue as forged:
+                return forged
             except Exception:  # noqa: BLE001 - the store is the trainer's; from another node it may be gone
                 break
             time.sleep(0.1)
@@ -113,6 +146,8 @@ class RunKeys:
         try:
             self.store.add(f"beat/{self.rank}", 1)
             return self.has("stop")
+        except ForgedValue:
+            raise
         except Exception as e:  # noqa: BLE001 - any store error: the trainer's process is what holds it
             raise NodeFailed(f"lost {self.name(0)}: its store does not answer ({type(e).__name__}: {e})",
                              self.name(0), 0) from e
@@ -139,9 +174,11 @@ class RunKeys:
         """The first failure another node reported, or None."""
         for r in range(self.world):
             if r != self.rank and self.store.check([f"failed/{r}"]):
-                return NodeFailed(self.store.get(f"failed/{r}").decode(), self.name(r), r)
+                return NodeFailed(self.get_text(f"failed/{r}"), self.name(r), r)  # ForgedValue if not ours
         return None
 
     def close(self) -> None:
         """Drop the connections (and the store, where hosted here); idempotent."""
+        if self._server is not None:
+            self._server.close()
         self._server, self._local = None, threading.local()

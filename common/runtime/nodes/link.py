@@ -134,7 +134,7 @@ class TrainerLink(Peers):
     def generator_control(self, control: Control):
         """Beside the generator nodes, a `RemoteControl` that claims on the store (one counter for
         all) and writes its statistics straight into the trainer's table."""
-        return RemoteControl(self.keys.host, self.keys.port, 0, self.keys.timeout, stats=control.stats)
+        return RemoteControl(self.keys.host, self.keys.port, 0, self.keys.timeout, self.keys.secret, stats=control.stats)
 
     def control(self, ctx, buffer, prompts_per_version: int, max_staleness, n_generators: int) -> Control:
         """`n_generators`: per node (train.n_generators)."""
@@ -190,11 +190,11 @@ class TrainerLink(Peers):
         if self._stopped:
             return []
         self._stopped, keys = True, self.keys
-        keys.store.set("stop", "1")
+        keys.put_text("stop", "1")
         deadline = time.monotonic() + (keys.timeout.total_seconds() if timeout is None else timeout)
         left = [r for r in keys.gen_ranks if r != failed]
         while left and self._draining() and time.monotonic() < deadline:  # their last batches need the ingest
-            left = [r for r in left if not keys.store.check([f"done/{r}"])]
+            left = [r for r in left if not keys.has(f"done/{r}")]
             time.sleep(0.05)
         if self.workers is not None:
             self.workers.shutdown()  # the node-link process leaves the world

@@ -52,7 +52,8 @@ def trainer_node(cfg) -> dict:
             workers.watch(hb, tc.stall_timeout, tc.stall_action)
             for r, name in zip(ranks, names):
                 workers.start(name, rank_main, r, setup, algo_bytes, None,
-                              StoreCommands(keys.host, keys.port, keys.timeout.total_seconds()), hb.beat_for(name))
+                              StoreCommands(keys.host, keys.port, keys.timeout.total_seconds(), keys.secret),
+                              hb.beat_for(name))
             here.mkdir(parents=True, exist_ok=True)
             (here / "workers.json").write_text(json.dumps({"node": os.getpid(), **workers.pids()}) + "\n")
             print(f"[asyncrl] {keys.name(keys.rank)}: trainer ranks {names}", flush=True)
@@ -72,10 +73,10 @@ def trainer_node(cfg) -> dict:
                 keys.table = keys.table or (joined[0].table if joined else None)  # names hosts in reports
                 time.sleep(_POLL_S)
             workers.check()  # a rank that failed after the last look
-            if keys.store.check(["trainer/end"]) and keys.store.get("trainer/end") == b"failed":
+            if keys.has("trainer/end") and keys.get_text("trainer/end") == "failed":
                 raise RuntimeError("the trainer stopped on a failure (its own log names it): this node stops "
                                    "non-zero too, so that torchrun --max-restarts starts the job again")
-        keys.store.set(f"done/{keys.rank}", "1")
+        keys.put_text(f"done/{keys.rank}", "1")
         print(f"[asyncrl] {keys.name(keys.rank)}: stopped", flush=True)
         return {}
     except BaseException as e:

@@ -23,6 +23,9 @@ Who runs what:
   into `Control.t` (shared memory: the metrics read both as on one node). Watching the nodes (a
   failure one reported, a beat that stood still) is the trainer's main thread's job (`NodeWatch`,
   common/runtime/nodes/link.py), so a receive this thread is stuck in cannot hide a dead node.
+Every value on the store is sealed with the run's secret (common/runtime/wire.py), the claim
+counter too (a claimer checks the seal of what it read before it swaps in its own, sealed); a
+header is JSON, checked before anything of its batch is received.
 Concurrency: the ring buffer's lock serialises the ingest thread with the trainer's reads (two
 processes, one shared-memory buffer, as with local generators);
 each thread owns its process group (weights and trajectories never share sockets).
@@ -30,7 +33,6 @@ each thread owns its process group (weights and trajectories never share sockets
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 import time
 from datetime import timedelta
@@ -42,6 +44,7 @@ from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.nodes.world import Node, NodeThread
 from common.runtime.nodes.keys import RunKeys
+from common.runtime.wire import ForgedValue, seal, unseal
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 
@@ -58,23 +61,24 @@ class StoreControl(Control):
         super().set_version(v, started)
         if self._mirror:
             if started is not None:
-                self.node.store.set("started", f"{started} trainer")
-            self.node.store.set("quota", str(int(self.t[self.QUOTA])))  # last: it admits claims
+                self.node.put_text("started", f"{started} trainer")
+            self.node.put_text("quota", str(int(self.t[self.QUOTA])))  # last: it admits claims
 
 
 class RemoteControl:
     """A generator node's `Control` for its generator processes (module docstring); picklable,
     each process opens its own connection to the store. `stats`: the table its generators write
-    their rows of (a new shared one by default; the trainer's own for generators on the trainer node)."""
+    their rows of (a new shared one by default; the trainer's own for generators on the trainer node).
+    `secret`: the run's, which seals the counter (it reaches the generators through the spawn, a local pipe)."""
 
-    def __init__(self, host: str, port: int, n_generators: int, timeout, stats: torch.Tensor | None = None):
-        self.addr, self.timeout = (host, port), timeout
+    def __init__(self, host: str, port: int, n_generators: int, timeout, secret: bytes, stats: torch.Tensor | None = None):
+        self.addr, self.timeout, self.secret = (host, port), timeout, secret
         self.stats = stats if stats is not None else \
             torch.zeros(n_generators, len(Control.STAT_FIELDS), dtype=torch.float64).share_memory_()
         self._store, self._n = None, 0
 
     def __getstate__(self):
-        return {"addr": self.addr, "timeout": self.timeout, "stats": self.stats}
+        return {"addr": self.addr, "timeout": self.timeout, "secret": self.secret, "stats": self.stats}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _store=None, _n=0)
@@ -89,14 +93,22 @@ class RemoteControl:
             return None
         for _ in range(100):  # contention only: another claimer moved the counter meanwhile
             raw, quota = st.multi_get(["started", "quota"])
-            s = int(raw.split()[0])
-            if s >= int(quota):
+            s = counter(unseal(self.secret, "started", raw), "started")
+            if s >= counter(unseal(self.secret, "quota", quota), "quota"):
                 return None
             self._n += 1
-            want = f"{s + 1} {self._me}:{self._n}".encode()
+            want = seal(self.secret, "started", f"{s + 1} {self._me}:{self._n}".encode())
             if st.compare_set("started", raw, want) == want:
                 return s
         return None
+
+
+def counter(value: bytes, key: str) -> int:
+    """The count at the head of a (sealed, checked) counter value: "<count>[ <claimer>]"."""
+    head = value.split(b" ", 1)[0]
+    if not head.isdigit():
+        raise ForgedValue(f"the store's {key!r} holds {value[:40]!r}, not a count")
+    return int(head)
 
 
 def pack(cols: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
@@ -105,6 +117,22 @@ def pack(cols: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
     header = {"names": list(cols), "n": len(cols["reward"]), "T": cols["tokens"].shape[1],
               "nbytes": sum(p.numel() for p in parts)}
     return torch.cat(parts), header
+
+
+def check_header(h, like: ReplayBuffer, n_stats: int) -> dict:
+    """A trajectory header as `pack` and `TrajSender` write it, against the trainer's buffer layout;
+    anything else is refused before a byte of its batch is received."""
+    try:
+        ok = (set(h) == {"names", "n", "T", "nbytes", "stats"} and set(h["names"]) <= set(like.cols)
+              and all(type(h[k]) is int and h[k] > 0 for k in ("n", "T", "nbytes")) and h["T"] <= like.cols["tokens"].shape[1]
+              and h["nbytes"] == sum(h["n"] * (h["T"] if like.cols[k].dim() == 2 else 1) * like.cols[k].dtype.itemsize
+                                     for k in h["names"])
+              and all(isinstance(row, list) and len(row) == n_stats for row in h["stats"]))
+    except (TypeError, KeyError, AttributeError):
+        ok = False
+    if not ok:
+        raise ForgedValue(f"a trajectory header that does not fit this run's buffer: {str(h)[:200]}")
+    return h
 
 
 def unpack(buf: torch.Tensor, header: dict, like: ReplayBuffer) -> dict[str, torch.Tensor]:
@@ -136,8 +164,8 @@ class TrajSender(NodeThread):
                 if end > shipped:
                     seq += 1
                     buf, header = pack(cols)
-                    header["stats"] = self.stats.clone()
-                    node.put(f"traj/{node.rank}/{seq}", header)  # first the header ...
+                    header["stats"] = self.stats.tolist()
+                    node.put_json(f"traj/{node.rank}/{seq}", header)  # first the header (JSON) ...
                     dist.isend(buf, dst=0, group=node.traj, tag=seq).wait()  # ... then the rows
                     self.rows += end - shipped
                     shipped = end
@@ -170,7 +198,7 @@ class Ingest(NodeThread):
                     key = f"traj/{r}/{seq[r]}"
                     if not node.store.check([key]):
                         continue
-                    header = pickle.loads(node.store.get(key))
+                    header = check_header(node.get_json(key), self.buffer, self.stats.shape[1])  # sealed, then checked
                     buf = torch.empty(header["nbytes"], dtype=torch.uint8)
                     try:
                         dist.irecv(buf, src=r, group=node.traj, tag=seq[r]).wait(self.recv_timeout)
@@ -179,12 +207,12 @@ class Ingest(NodeThread):
                     self.buffer.add_rows(unpack(buf, header, self.buffer))
                     node.store.delete_key(key)
                     i = (r - node.gen_ranks[0]) * self.G
-                    self.stats[i:i + self.G] = header["stats"][i:i + self.G]
+                    self.stats[i:i + self.G] = torch.tensor(header["stats"], dtype=self.stats.dtype)[i:i + self.G]
                     seq[r] += 1
                     self.rows += header["n"]
                     got = True
                 if node.store.check(["started"]):
-                    self.t[Control.STARTED] = int(node.store.get("started").split()[0])
+                    self.t[Control.STARTED] = counter(node.get_bytes("started"), "started")
                 if not got:
                     time.sleep(_POLL_S)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer by the node-link process (link_main)

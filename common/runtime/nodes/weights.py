@@ -42,7 +42,7 @@ def send_weights(node: Node, store: WeightStore, version: int, check: Callable[[
     acknowledgements and calls `check` (the trainer's view of the other nodes: a node silent for
     train.stall_timeout raises there), so a hung node stops the run within the stall timeout,
     not dist.timeout."""
-    node.store.set("weights/version", str(version))
+    node.put_text("weights/version", str(version))
     buf = store.slot_bytes()
     sends = []
     for r in node.gen_ranks:
@@ -68,7 +68,7 @@ def send_weights(node: Node, store: WeightStore, version: int, check: Callable[[
             r, e = broke[0]
             raise node.blame(r, f"weights v{version} to", e) from e
         for r, k in list(keys.items()):
-            if node.store.check([k]):
+            if node.has(k):
                 node.store.delete_key(k)
                 del keys[r]
         if not keys and not waiter.is_alive():
@@ -96,14 +96,14 @@ class WeightReceiver(NodeThread):
                 if not node.store.check(["weights/version"]):
                     time.sleep(_POLL_S)
                     continue
-                v = int(node.store.get("weights/version"))
+                v = int(node.get_text("weights/version"))
                 if v <= store.version:
                     time.sleep(_POLL_S)
                     continue
                 slot = store.begin_write(v)  # odd: this node's generators keep reading the other slot
                 dist.irecv(store.slot_bytes(slot), src=0, group=node.weights, tag=_TAG).wait()
                 store.end_write(slot, v)
-                node.store.set(f"weights/ack/{node.rank}/{v}", "1")
+                node.put_text(f"weights/ack/{node.rank}/{v}", "1")
                 self.received += 1
         except BaseException as e:  # noqa: BLE001 - reported by the node's main loop (check)
             self.error = e

@@ -18,8 +18,8 @@ a world of one: `under_torchrun`) the entry never comes here.
 Roles come from the config after the rendezvous (c10d numbers nodes by arrival, not by
 `--node-rank`): world ranks 0..trainer_nodes-1 stand for the trainer, the others run generators
 (`common/runtime/nodes/generator_node.py`). Every node gathers every node's view (host, pid, role,
-a hash of its config) with `all_gather_object`, so all agree on one table and a node started
-with another command line is refused, naming it.
+a hash of its config, a tag of its secret) as JSON (`all_gather_json`, never a pickle), so all agree
+on one table and a node started with another command line or another secret is refused, naming it.
 
 Groups, created on every rank in this one order (a different order deadlocks), each gloo
 with `dist.timeout`: `control` (every node: the start barrier, the table), `weights` (the
@@ -48,6 +48,7 @@ import torch.distributed as dist
 from common.config import to_dict
 from common.runtime.nodes.keys import NodeFailed, RunKeys, role_of
 from common.runtime.train_config import DistConfig, torchrun_restarts, under_torchrun
+from common.runtime.wire import all_gather_json, check_bind, fingerprint, run_secret
 
 _STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
 
@@ -128,6 +129,8 @@ def check(dc: DistConfig, tc, world: int) -> None:
         raise ValueError(f"dist.trainer_node_generators must be >= 0, got {dc.trainer_node_generators}")
     if dc.timeout <= 0 or dc.ship_every <= 0:
         raise ValueError(f"dist.timeout and dist.ship_every must be > 0, got {dc}")
+    check_bind(dc.bind)
+    run_secret(dc.secret_file)  # several nodes: refused here, before any connection, without a secret
 
 
 def config_hash(cfg) -> str:
@@ -159,14 +162,16 @@ class Node(RunKeys):
             self.weights = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
             self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
             me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
-                  "config": config_hash(cfg), "port": self.port}
-            table: list = [None] * self.world
-            dist.all_gather_object(table, me, group=self.control)
+                  "config": config_hash(cfg), "port": self.port, "secret": fingerprint(self.secret)}
+            table = all_gather_json(me, self.control)
             self.table = table
             for t in table:
                 if t["config"] != table[0]["config"]:
                     raise ValueError(f"{self.name(t['rank'])} runs another config than {self.name(0)}: start every "
                                      "node with the same command line")
+                if t["secret"] != table[0]["secret"]:
+                    raise ValueError(f"{self.name(t['rank'])} was started with another run secret than {self.name(0)}: "
+                                     "give every node the same ASYNCRL_RUN_SECRET (or --dist.secret_file)")
             self.port = table[0]["port"]
             if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
                 print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)

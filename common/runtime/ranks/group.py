@@ -58,6 +58,7 @@ from common.runtime.ranks.share import Share
 from common.runtime.step import OneRank, RankFailed, update
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
+from common.runtime.wire import BoundStore
 
 _BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the rank that caused it
 _REMOTE_STOP_S = 30.0  # at the end, how long rank 0 waits for the other trainer nodes to see "stop"
@@ -101,8 +102,11 @@ class TrainerGroup(OneRank):
         # not as shared memory: each rank gets its own copy of any tensor inside
         check_sendable(algorithm=self.algo)
         algo_bytes = dumps(self.algo)
+        # the ranks' rendezvous store listens on loopback, or with other trainer nodes on the address
+        # the run's store has (dist.bind / MASTER_ADDR): never on every interface
         host = self.keys.host if self.world > self.local else "127.0.0.1"
-        self._tcp = dist.TCPStore(host, 0, self.world, is_master=True, wait_for_workers=False)
+        self._bound = BoundStore(host, 0, self.world)
+        self._tcp = self._bound.store
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         reshard = resolve_reshard(tc.reshard, tc.device)
         setup = RankSetup(self.world, self._tcp.port, host, self.local, tc.device, timeout, model_path, prec,
@@ -224,7 +228,7 @@ class TrainerGroup(OneRank):
         workers, self.workers = self.workers, None
         with contextlib.suppress(Exception):
             if self._remote is not None:
-                self.keys.store.set("trainer/end", "failed" if failed else "ok")
+                self.keys.put_text("trainer/end", "failed" if failed else "ok")
             self._send("stop")
         if dist.is_initialized():  # first: a rank still inside a collective gets an error, not a hang
             dist.destroy_process_group()
@@ -235,9 +239,9 @@ class TrainerGroup(OneRank):
             deadline = time.monotonic() + (_BLAME_WAIT_S if failed else _REMOTE_STOP_S)
             with contextlib.suppress(Exception):  # a node that failed said so instead: it waits for the run's "stop"
                 while time.monotonic() < deadline and not all(
-                        self.keys.store.check([f"done/{j}"]) or self.keys.store.check([f"failed/{j}"]) for j in nodes):
+                        self.keys.has(f"done/{j}") or self.keys.store.check([f"failed/{j}"]) for j in nodes):
                     time.sleep(0.05)
-        self._tcp = None  # rank 0's rendezvous server goes with it
+        self._tcp = self._bound = None  # rank 0's rendezvous server goes with it
 
 
 def _rank_failed(e: Exception) -> RankFailed:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from common.micro import Ranks
 from common.ops import token_logp
 from common.runtime.ranks.fsdp import group_of
+from common.runtime.wire import all_gather_json
 
 
 class Share(Ranks):
@@ -78,7 +79,6 @@ class Share(Ranks):
 
     def sum_stats(self, stats: dict) -> dict:
         self.pay()
-        every: list = [None] * self.world
-        dist.all_gather_object(every, {k: float(v) for k, v in stats.items()}, group=self.group)
+        every = all_gather_json({k: float(v) for k, v in stats.items()}, self.group, self._dummy.device)  # JSON, not pickles
         keys = list(dict.fromkeys(k for d in every for k in d))  # a rank with no micro-batch has no keys
         return {k: sum(d.get(k, 0.0) for d in every) for k in keys}
