@@ -96,7 +96,7 @@ NOTEBOOK = textwrap.dedent('''
             old = Path(cfg.run_root) / name
             old.mkdir(parents=True)
             (old / "metrics.jsonl").write_text("{}")
-            (old / "stale_marker").write_text("x")
+            (old / "curves.png").write_text("x")  # only what a run writes: overwrite may remove it
         last = run(cfg, prompts, None if reward_workers else reward, (), loss=algo,
                    reward_factory=make_reward if reward_workers else None)
         out[name] = {k: last[k] for k in ("ones", "kl_per_token", "subclass_rows", "version", "reward_mean")}
@@ -119,7 +119,8 @@ def test_notebook_reward_loss_and_algorithm_train_on_one_and_two_ranks_and_a_rew
         # the notebook loss ran on every micro-batch of every rank: its shares add up to one
         assert last["ones"] == pytest.approx(1.0), name
         assert last["subclass_rows"] == 16 and 0 <= last["reward_mean"] <= 1, name
-    assert not (tmp_path / "runs" / "one_rank" / "stale_marker").exists()  # overwrite replaced the old run
+    old = tmp_path / "runs" / "one_rank"  # overwrite replaced the old run: its files are the new run's
+    assert (old / "metrics.jsonl").read_text() != "{}" and (old / "curves.png").read_bytes() != b"x"
 
 
 # ---- refused before any process starts ---------------------------------------------------------

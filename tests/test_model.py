@@ -90,8 +90,11 @@ def test_missing_tensor_and_missing_files(tmp_path):
     save_file(sd, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
         load_model(str(tmp_path), tokenizer=False)
-    with pytest.raises(FileNotFoundError, match="cannot resolve model"):
+    with pytest.raises(FileNotFoundError, match=r"nope does not exist; give a local checkpoint folder"):
         load_model(str(tmp_path / "nope"), tokenizer=False)
+    (tmp_path / "model.safetensors").unlink()  # a folder without weights: named before anything is built
+    with pytest.raises(FileNotFoundError, match=r"lacks weights \(\*\.safetensors or pytorch_model\*\.bin\)"):
+        load_model(str(tmp_path), tokenizer=False)
 
 
 def test_gradients_flow(tmp_path):
