@@ -55,7 +55,8 @@ from common.errors import free_bytes, human_bytes, write_failed
 from common.engine.hf_save import save_pretrained
 from common.engine.model_config import ModelConfig
 from common.runtime.buffer import ReplayBuffer
-from common.runtime.state import CheckpointError, check_state, one_line, read_state, rng_state, set_rng_state, write_state
+from common.runtime.state import (CheckpointError, check_state, one_line, read_state, rng_state, set_rng_state,
+                                  write_state)
 
 FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
 _PREFIX, _TMP = "step_", ".tmp_"
@@ -189,8 +190,8 @@ def _write_error(run_dir, step: int, tmp: Path, final: Path, e: BaseException) -
     shutil.rmtree(tmp, ignore_errors=True)
     removed = "its partial copy was removed" if not tmp.exists() else f"its partial copy {tmp} could not be removed"
     prev = latest_checkpoint(run_dir)
-    kept = (f"the previous checkpoint {prev} is intact (--resume continues from it)" if prev is not None
-            else "there is no earlier checkpoint")
+    kept = (f"the previous checkpoint {prev} is intact (free some space, then --resume continues from it)"
+            if prev is not None else "there is no earlier checkpoint")
     return CheckpointError(f"{write_failed(f'checkpoint step {step} to', final, one_line(e))}; {removed}; "
                            f"nothing was replaced: {kept}")
 

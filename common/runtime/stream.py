@@ -218,8 +218,9 @@ class StreamWriter:
                 "stats": {k: float(v) for k, v in stats.items()}}
         data = st_save(tensors, metadata={"asyncrl": json.dumps(meta)})
         final = step_file(self.dir, step)
-        _write_file(final, data, "record stream file", f"the stream holds steps 1..{self.steps}; the run stops: "
-                    f"free some space, then --resume from the last checkpoint")
+        held = f"steps 1..{self.steps}" if self.steps else "no step"
+        _write_file(final, data, "record stream file", f"the stream holds {held}; the run stops: free some space, "
+                    f"then --resume from the last checkpoint")
         self._unsynced.append(final)
         self.steps, self.bytes, self.written = step, self.bytes + len(data), self.written + 1
         return {"record_bytes": len(data), "record_s": self._capture_s + time.perf_counter() - t}
