@@ -36,6 +36,7 @@ import torch
 from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss
 from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
+from common.config_check import above, at_least, between
 from common.micro import micro_batches, rank_sum, rank_sum_stats
 from common.ops import group_normalised_advantages, token_logp
 
@@ -50,6 +51,9 @@ class AReaLConfig:
     behav_imp_weight_cap: Optional[float] = 5.0  # tokens with pi_prox/pi_behav above this are masked; None = no cap
     n_minibatches: int = 4            # optimizer steps per trainer step (the batch split by tokens)
     adv_norm: Literal["group", "batch"] = "group"  # normalise rewards over a prompt's n samples, or over the batch (paper)
+
+    CHECKS = {"eps_clip": between(0, 1, open_lo=True, open_hi=True), "eps_clip_high": above(0),
+              "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1)}  # ranges (common/config_check.py)
 
 
 def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:

@@ -24,6 +24,7 @@ Every task therefore runs every algorithm: `--algo=tba` (trajectory balance, TBA
 """
 from __future__ import annotations
 
+import copy
 import functools
 import importlib
 import inspect
@@ -39,7 +40,8 @@ import torch
 from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
 from common.batch import PromptSet
-from common.config import cli, to_dict
+from common.config import ConfigError, cli, to_dict
+from common.config_check import at_least, check, relation
 from common.engine.hf_io import check_model, load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.errors import UserError, debug
@@ -74,6 +76,14 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # auto: bf16 / GEMM backend measured per machine
     dist: DistConfig = field(default_factory=DistConfig)  # several nodes under torchrun (ignored without it)
+
+    CHECKS = {  # ranges (common/config_check.py), and rules across sections
+        "seed": at_least(0),
+        "train.buffer_capacity": relation(lambda v, c: v >= c.train.prompts_per_step * c.gen.n,
+                                          ">= {p}train.prompts_per_step x {p}gen.n ({s.train.prompts_per_step} x "
+                                          "{s.gen.n}: one batch fits the ring)"),
+        "train.max_staleness": relation(lambda v, c: v is not None or c.algo != "areal" or c.train.mode == "sync",
+                                        "a bound with --algo=areal (decoupled PPO; paper: 4, 0 = sync)")}
 
 
 def areal_defaults(cfg: RunConfig) -> RunConfig:
@@ -120,7 +130,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
                 description: str | None = None, finish: Callable[[RunConfig], RunConfig] | None = None) -> RunConfig:
     """The task's defaults (`cfg`), then `--preset` (the task's function for it; "cpu" = the
     defaults; a preset the task has not is refused), then the algorithm's defaults, then every
-    other `--section.field=value`, then `finish` (values derived from others). `--print-config`
+    other `--section.field=value`, then `finish` (values derived from others), then every value's
+    range (`validate`: a ConfigError naming the key, the value and the range). `--print-config`
     prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
     overrides). The run name, and the run folder (an earlier run, a folder this project did not
     make: common/runtime/run_dir.py), are checked here, before anything loads."""
@@ -138,12 +149,22 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     cfg = cli(cfg, argv, description=description)
     if finish is not None:
         cfg = finish(cfg)
+    validate(cfg)
     check_name(cfg.name)  # before anything loads: a run name is one folder under run_root
     if dry:
         print(json.dumps(to_dict(cfg), indent=2))
         sys.exit(0)
     if logs_here(cfg):  # the process that writes the run folder: an existing run or a folder not ours, refused now
         check_run_dir(cfg, cfg.resume)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """`cfg` with every setting in range (common/config_check.py: each section's `CHECKS`) and
+    what this machine allows (`check_config`, on a copy: the run settles its own); returns it,
+    else raises ConfigError naming the key, its value and the range."""
+    check(cfg)
+    check_config(copy.deepcopy(cfg.train))
     return cfg
 
 
@@ -245,6 +266,7 @@ def run(cfg: RunConfig, prompts: PromptSet, reward_fn, stop_token_ids: tuple, ev
     """Train (`common.train.train`) with `make_algo(cfg, loss)`, then plot the metrics
     against wall-clock into runs/<name>/curves.png; returns the last logged metrics. With
     `train.reward_workers` > 0 and no `reward_factory`, `reward_fn` runs in the reward workers."""
+    validate(cfg)  # a config built in Python never went through make_config
     if cfg.resume and cfg.overwrite:
         raise ValueError("resume and overwrite both set: continue the run, or replace it, not both")
     if cfg.train.reward_workers > 0 and reward_factory is None and reward_fn is not None:

@@ -28,6 +28,7 @@ import torch
 
 from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
+from common.config_check import above, at_least, between
 from common.micro import micro_batches, rank_sum_stats
 from common.ops import group_mean, group_normalised_advantages, seq_logp, token_logp
 from tba.loss import grpo_loss, linear_beta, tb_loss
@@ -37,18 +38,24 @@ from tba.loss import grpo_loss, linear_beta, tb_loss
 class TBAConfig:
     beta_init: float = 0.012          # beta at step 0 (target pi_ref * exp(r / beta))
     beta_final: float = 0.004         # beta after the anneal
-    beta_anneal_steps: int = 500      # linear anneal length in trainer steps
+    beta_anneal_steps: int = 500      # linear anneal length in trainer steps; 0 = beta_final from the start
     beta_cut_step: int = 0            # from this step beta = beta_final at once (0: never; TBA's TL;DR: 32 of a 128-step anneal)
     m: float = 0.95                   # probability a slot takes a prompt from the latest sync round
     sampling: Literal["uniform", "reward"] = "uniform"  # how other slots pick responses
-    inv_temp: float = 1.0             # reward prioritisation: softmax(inv_temp * reward)
+    inv_temp: float = 1.0             # reward prioritisation: softmax(inv_temp * reward); 0 = uniform
     max_per_group: int = 100          # newest distinct responses kept per prompt
+
+    CHECKS = {"beta_init": above(0), "beta_final": above(0), "beta_anneal_steps": at_least(0),
+              "beta_cut_step": at_least(0), "m": between(0, 1), "inv_temp": at_least(0),
+              "max_per_group": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass
 class GRPOConfig:
     kl_coef: float = 0.004            # weight of the centred sequence KL to the reference in the advantage
     eps_clip: float = 0.2             # PPO clip range
+
+    CHECKS = {"kl_coef": at_least(0), "eps_clip": between(0, 1, open_lo=True, open_hi=True)}  # ranges (common/config_check.py)
 
 
 class _Base(Algorithm):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from common.batch import PromptSet, Trajectory
+from common.config_check import any_finite, at_least, between
 from common.engine.precision import Precision
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
@@ -42,7 +43,7 @@ _UNBOUNDED = 2**62
 class GenConfig:
     max_batch: int = 32             # sampler slots per generator process
     max_new_tokens: int = 256       # generated tokens per sample at most
-    temperature: float = 0.7        # sampling temperature (log-probs recorded at it)
+    temperature: float = 0.7        # sampling temperature (log-probs recorded at it); 0 = greedy (log-probs at 1)
     top_p: float = 1.0              # nucleus mass; 1 = off
     top_k: int = 0                  # top-k; 0 = off
     n: int = 4                      # samples per prompt (the group size K)
@@ -55,6 +56,11 @@ class GenConfig:
     memory_fraction: float = 0.0    # CUDA: cap on each generator's share of its GPU (shared with the trainer); 0 = no cap
     no_stop_reward: Optional[float] = None  # reward of a sample cut at max_new_tokens without a stop token (TL;DR paper: -1); None = score it
     error_reward: float = 0.0       # reward of a sample whose reward fn raised or was not finite (counted in reward_errors)
+
+    CHECKS = {"max_batch": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0),
+              "top_p": between(0, 1, open_lo=True), "top_k": at_least(0), "n": at_least(1), "queue_depth": at_least(0),
+              "prefill_tokens": at_least(1), "memory_fraction": between(0, 1), "no_stop_reward": any_finite(),
+              "error_reward": any_finite()}  # ranges (common/config_check.py)
 
 
 def decode_graphs(cfg: GenConfig, device) -> bool:
