@@ -68,11 +68,11 @@ class DistConfig:
     ship_every: float = 0.05        # s: how often a generator node sends the groups its generators finished
     trainer_node_generators: int = 0  # generators the trainer node runs beside the trainer (claiming on the store like the others)
     store_port: int = 0             # port of the trainer's key-value store (TCPStore); 0 = a free one, told to the others
+    bind: str = ""                  # address the trainer's stores listen on; "" = MASTER_ADDR's (torchrun's rendezvous host)
+    secret_file: str = ""           # file holding the per-run secret that seals store values (mode 600); "" = $ASYNCRL_RUN_SECRET
 
     CHECKS = {"trainer_nodes": at_least(1), "timeout": above(0), "ship_every": above(0),
               "trainer_node_generators": processes(0), "store_port": between(0, 65535)}  # ranges (common/config_check.py)
-    bind: str = ""                  # address the trainer's stores listen on; "" = MASTER_ADDR's (torchrun's rendezvous host)
-    secret_file: str = ""           # file holding the per-run secret that seals store values (mode 600); "" = $ASYNCRL_RUN_SECRET
 
 
 @dataclass
