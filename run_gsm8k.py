@@ -30,6 +30,7 @@ from typing import Literal, Optional
 
 from common import task
 from common.batch import PromptSet
+from common.config_check import at_least
 from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
 from common.engine.hf_save import tokenizer_stop_ids
@@ -216,9 +217,12 @@ class DataConfig:
     hub_config: Optional[str] = "main"  # dataset config when source is a hub id (openai/gsm8k: main | socratic)
     prompt_style: Literal["chat", "paper"] = "chat"  # model's chat template, or the paper's [MATH TASK] template
     train_limit: Optional[int] = None   # use only the first N training problems
-    eval_size: int = 128                # fixed test subset for greedy pass@1 (first N of test.jsonl)
+    eval_size: int = 128                # fixed test subset for greedy pass@1 (first N of test.jsonl); 0 = no evaluation
     eval_max_new_tokens: int = 256      # generation budget when evaluating
     eval_max_batch: int = 128           # sampler slots when evaluating (128 beat 32/64 on 2 CPU cores)
+
+    CHECKS = {"train_limit": at_least(1), "eval_size": at_least(0), "eval_max_new_tokens": at_least(1),
+              "eval_max_batch": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass

@@ -83,6 +83,7 @@ import torch
 from common import task
 from common.batch import PromptSet
 from common.config import load_config, to_dict
+from common.config_check import above, any_finite, at_least, between
 from common.embed import SentenceEncoder, mean_pairwise_cosine_distance
 from common.engine.hf_io import check_model
 from common.engine.hf_save import tokenizer_stop_ids
@@ -113,8 +114,11 @@ class DataConfig:
     n_prompts: int = 16                 # attacker prompt variants (each primed with its own seed examples)
     prompt_style: Literal["chat", "paper"] = "chat"  # chat template + seed questions, or a plain-text list to continue (GPT-2)
     shots: int = 3                      # seed examples per prompt
-    eval_attacks: int = 64              # attacks sampled from the policy per evaluation (fixed prompts and seed)
+    eval_attacks: int = 64              # attacks sampled from the policy per evaluation (fixed prompts and seed); 0 = no evaluation
     top_attacks: int = 20               # most toxic attacks per evaluation written to attacks.jsonl
+
+    CHECKS = {"n_prompts": at_least(1), "shots": at_least(1), "eval_attacks": at_least(0),
+              "top_attacks": at_least(0)}  # ranges (common/config_check.py)
 
 
 @dataclass
@@ -126,6 +130,9 @@ class VictimConfig:
     top_p: float = 1.0                  # victim nucleus sampling (1 = off)
     prompt_style: Literal["chat", "alpaca"] = "chat"  # the attack in the victim's chat template, or the Alpaca template
     device: str = "cpu"                 # where the victim, the frozen attacker (fluency term) and an HF classifier run
+
+    CHECKS = {"max_new_tokens": at_least(1), "samples": at_least(1), "temperature": at_least(0),
+              "top_p": between(0, 1, open_lo=True)}  # ranges (common/config_check.py)
 
 
 @dataclass
@@ -140,8 +147,11 @@ class RewardConfig:
     beta: float = 0.05                  # log p_toxic / beta (paper: 0.05)
     gamma: float = 10.0                 # log p_ref(attack) / gamma: the fluency term (gamma = 1 let it drown the toxicity term here; 0 = none)
     average: Literal["prob", "log"] = "prob"  # over victim.samples answers: log of the mean p_toxic, or the mean of log p_toxic (Lee et al.)
-    min_words: int = 3                  # attacks with fewer words are degenerate...
+    min_words: int = 3                  # attacks with fewer words are degenerate (0 = none)...
     short_penalty: float = 50.0         # ...and lose this much log-reward
+
+    CHECKS = {"beta": above(0), "gamma": any_finite(), "min_words": at_least(0),
+              "short_penalty": at_least(0)}  # ranges (common/config_check.py)
 
 
 @dataclass

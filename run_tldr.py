@@ -70,6 +70,7 @@ from typing import Literal, Optional
 
 from common import task
 from common.batch import PromptSet
+from common.config_check import at_least
 from common.data import default_data_dir, load_examples
 from common.engine.hf_io import load_model
 from common.engine.hf_save import tokenizer_stop_ids
@@ -146,9 +147,12 @@ class DataConfig:
     prompt_style: Literal["chat", "paper"] = "chat"  # chat template + instruction, or the papers' "<post>\nTL;DR:"
     max_post_tokens: int = 192          # posts truncated on a sentence boundary to this many policy tokens
     train_limit: Optional[int] = None   # use only the first N training posts
-    eval_size: int = 128                # fixed validation posts for win-rate / KL (first N; 64 gave a 95% CI of +-0.11)
+    eval_size: int = 128                # fixed validation posts for win-rate / KL (first N; 64 gave a 95% CI of +-0.11); 0 = no evaluation
     eval_max_new_tokens: int = 64       # summary budget when evaluating
     eval_max_batch: int = 64            # sampler slots when evaluating
+
+    CHECKS = {"max_post_tokens": at_least(1), "train_limit": at_least(1), "eval_size": at_least(0),
+              "eval_max_new_tokens": at_least(1), "eval_max_batch": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass
@@ -159,6 +163,8 @@ class RewardConfig:
     max_tokens: int = 128               # RM input tokens (the post is truncated first; 128 keeps the offline RM's training at minutes on a CPU)
     batch_size: int = 16                # RM batch when scoring
     device: str = "cpu"                 # where the reward models run (reward workers, evaluation's gold RM)
+
+    CHECKS = {"max_tokens": at_least(1), "batch_size": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass

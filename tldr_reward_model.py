@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from common.config_check import at_least, between
 from common.embed import minilm_dir
 from common.engine.hf_io import cache_root
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
@@ -31,6 +32,9 @@ class RMTrainConfig:
     batch_size: int = 16                # pairs per step
     freeze_layers: int = 3              # embeddings + the first N of MiniLM's 6 layers frozen (halves the backward)
     eval_posts: int = 100               # held-out validation posts (x 4 pairs) for pair accuracy (never trained on)
+
+    CHECKS = {"pairs_per_post": between(1, 4), "epochs": at_least(1), "lr": between(0, 1, open_lo=True),
+              "batch_size": at_least(1), "freeze_layers": between(0, 6), "eval_posts": at_least(1)}  # ranges (common/config_check.py)
 
 
 def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int, device: str = "cpu"):

@@ -122,8 +122,8 @@ def check(cfg: Any, prefix: str = "") -> Any:
         for r in rules if isinstance(rules, tuple) else (rules,):
             if (v is None and r.none_ok) or r.test(v, cfg):
                 continue
-            must = r.text.format(s=cfg, p=f"--{prefix}")
-            raise _refuse(prefix + key, v, must, _comments(type(owner)).get(name, ""))
+            must = r.text.format(s=cfg, p=f"--{prefix}")  # a relation says why itself: no field comment
+            raise _refuse(prefix + key, v, must, "" if not r.none_ok else _comments(type(owner)).get(name, ""))
     return cfg
 
 

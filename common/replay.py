@@ -53,7 +53,7 @@ from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
 from common.runtime.step import trainer_model
 from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
 from common.runtime.train_config import check_config, lr_lambda
-from common.task import RunConfig, make_algo, setup, user_error
+from common.task import RunConfig, make_algo, setup, user_error, validate
 from common.train import trainer_ranks
 
 
@@ -79,6 +79,7 @@ def replay_config(stream, argv=(), name: Optional[str] = None) -> RunConfig:
     elif not any(a.startswith("--name") for a in args):
         cfg.name = f"{meta['run']}_replay_{cfg.algo}"
     check_name(cfg.name)
+    validate(cfg)  # every setting in range before anything loads
     cfg.train.steps = min(cfg.train.steps, len(stream_steps(stream)))
     return cfg
 
@@ -148,6 +149,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     n = len(stream_steps(stream)) if steps is None else min(steps, len(stream_steps(stream)))
     if n == 0:
         raise StreamError(f"{stream}: no recorded steps yet")
+    validate(cfg)  # a config built in Python too
     tc = check_config(cfg.train)
     run_dir = run_dir_of(cfg)  # the name checked: one folder under run_root
     if run_dir.resolve() == stream.resolve().parent:  # checked first: overwrite must never delete the recording

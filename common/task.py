@@ -148,7 +148,7 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
         cfg = areal_defaults(cfg)
     cfg = cli(cfg, argv, description=description)
     if finish is not None:
-        cfg = finish(cfg)
+        cfg = finish(validate(cfg))  # the values it derives from are in range
     validate(cfg)
     check_name(cfg.name)  # before anything loads: a run name is one folder under run_root
     if dry:

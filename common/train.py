@@ -13,6 +13,7 @@ from typing import Callable, Optional
 
 from common.algorithm import Algorithm
 from common.batch import PromptSet
+from common.config_check import check
 from common.runtime.nodes.generator_node import generator_node
 from common.runtime.nodes.link import TrainerLink
 from common.runtime.nodes.trainer_node import trainer_node
@@ -36,6 +37,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
     evaluate(model, tokenizer) -> {metric: value} runs before, every train.eval_every steps and after.
     The trainer runs in the calling process with ASYNCRL_NUM_THREADS CPU threads (default 1, as
     every worker; the caller's count is restored after): `process.trainer_process`."""
+    check(cfg)  # every setting in range before anything starts (a config built in Python too)
     with trainer_process(cfg.train.device):
         tc = check_config(cfg.train)
         if tc.reward_workers > 0 and reward_factory is None:
