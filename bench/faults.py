@@ -10,7 +10,7 @@ tiny random Llama, a toy reward) run as a child process (this file with --child)
 its own, so the parent can signal and count its whole process group. The parent waits until the
 job has trained a few steps, injects the fault, times how long until the job reports it (its exit
 with the expected message, or the metrics counting it), then inspects what is left: processes
-of the group, new /dev/shm entries, every checkpoint (each one loaded), the replay-buffer rows in
+of the group, new /dev/shm entries of the job's (another program's are not counted), every checkpoint (each one loaded), the replay-buffer rows in
 the latest checkpoint (ring holes or duplicates), and, for faults that stop the run, whether a
 `--resume` run without the fault continues from the latest checkpoint's step and version and
 keeps every buffer row of it.
@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy task's model
+from tests.leaks import leaked, shm_entries  # noqa: E402 - the run's own /dev/shm entries only
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
 
 STEPS, INJECT_AT, STALL_S, PACE_S, LOW = 60, 3, 5.0, 0.1, 20  # 60 paced steps (~8 s) outlast a 5 s stall
@@ -149,6 +150,15 @@ def _metrics(d: Path) -> list[dict]:
     return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
 
 
+def _run_pids(d: Path, main: int) -> set[int] | None:
+    """The job's processes (its workers.json and its main process), or None where it listed none:
+    whose /dev/shm entries are the job's (tests/leaks.py)."""
+    try:
+        return {main, *json.loads((d / "runs" / "job" / "workers.json").read_text()).values()}
+    except (OSError, ValueError):
+        return None
+
+
 def _group(pgid: int) -> list[int]:
     """Live (non-zombie) processes of a process group."""
     out = []
@@ -223,7 +233,7 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
         (d / "data" / "train.jsonl").write_text(f"{good}\n{good}\n{good[:20]}\n{good}\n")
         (d / "data" / "test.jsonl").write_text(f"{good}\n")
     ck_fault = {"trainer_sigkill_in_checkpoint": "slow", "disk_full_in_checkpoint": "enospc"}.get(name, "")
-    shm_before = set(os.listdir("/dev/shm"))
+    shm_before = shm_entries()
     proc, log = _start(name, d, model, False, marker, ck_fault)
     t_start = time.monotonic()
     if name not in ("malformed_data_line", "disk_full_in_checkpoint"):  # those fire by themselves
@@ -269,7 +279,7 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
         proc.wait()
     time.sleep(1.0)  # let PDEATHSIG'd / shutting-down workers go before counting
     res.update(detected=detected, detect_s=round(t_det - t_inj, 2) if detected else None, exit_code=proc.returncode,
-               processes_left=len(_group(proc.pid)), shm_left=sorted(set(os.listdir("/dev/shm")) - shm_before))
+               processes_left=len(_group(proc.pid)), shm_left=sorted(leaked(shm_before, _run_pids(d, proc.pid))))
     if name == "malformed_data_line":
         res["message"] = log.read_text().strip().splitlines()[-1]  # the error the user sees
         return res

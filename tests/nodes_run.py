@@ -134,9 +134,14 @@ def wait_for(what, timeout: float, every: float = 0.1):
 
 
 def weights(run_root: Path) -> dict:
+    """The run's last checkpoint's weights."""
+    return weights_of(sorted((run_root / "toy" / "checkpoints").glob("step_*"))[-1] / "model")
+
+
+def weights_of(model_dir: Path) -> dict:
+    """The weights in a model folder's safetensors files (the run's starting model, a checkpoint's)."""
     from safetensors.torch import load_file  # only these tests read a checkpoint's files directly
-    ck = sorted((run_root / "toy" / "checkpoints").glob("step_*"))[-1] / "model"
-    return {k: v for f in sorted(ck.glob("*.safetensors")) for k, v in load_file(f).items()}
+    return {k: v for f in sorted(Path(model_dir).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def steps(run_root: Path) -> list[dict]:

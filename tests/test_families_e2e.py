@@ -12,6 +12,7 @@ from tests.test_areal_e2e import _algo as _areal
 from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
 from tests.test_ranks import _batch, _run
 from tests.test_ranks import _tba as _ranks_tba
+from tests.close import assert_update_close
 from tests.tiny import FAMILIES, save_hf
 
 
@@ -61,6 +62,8 @@ def test_two_ranks_equal_one_rank_on_gpt_neox(tmp_path):
     batch = _batch(d)
     one, one_pub, _ = _run(d, tmp_path / "one", _ranks_tba(60), [batch], world=1)
     two, two_pub, _ = _run(d, tmp_path / "two", _ranks_tba(60), [batch], world=2)
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], atol=1e-5, rtol=0, msg=k)
-        torch.testing.assert_close(two_pub[k], one_pub[k], atol=1e-5, rtol=0, msg=k)
+    init = load_model(d, tokenizer=False)[0].state_dict()
+    # sharded sums in another order: equal up to rounding, relative to the step's update (tests/close.py;
+    # a fixed 1e-5 failed on an AVX-512 EPYC: 1.3e-5 on one o_proj weight, AdamW near a zero gradient)
+    assert_update_close(init, two, one, msg="2 ranks vs 1")
+    assert_update_close(init, two_pub, one_pub, msg="published, 2 ranks vs 1")

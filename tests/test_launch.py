@@ -3,7 +3,6 @@ Worker functions are module-level so the spawn start method can pickle them by n
 import gc
 import json
 import multiprocessing
-import multiprocessing.synchronize
 import os
 import signal
 import subprocess
@@ -16,6 +15,7 @@ import torch
 
 from common.runtime import spawn
 from common.runtime.launch import WorkerError, Workers
+from tests.leaks import leaked, shm_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,26 +54,22 @@ def _write_shared(t, stop_event):
 
 # ---- helpers -----------------------------------------------------------------------------------
 def _shm():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    return shm_entries()
 
 
-def _our_shm_names(w):
-    """/dev/shm names this test could own: torch segments (named torch_<creator pid>_...) of
-    this process or its workers, and the named semaphores (sem.mp-*) of every live
-    multiprocessing lock here (Workers' Event/Queues). Other people's entries are ignored, so
-    concurrent test runs on the machine can't make this flaky."""
-    pids = {os.getpid()} | {p.pid for p in w.procs.values()}
-    sems = {"sem." + o._semlock.name.lstrip("/") for o in gc.get_objects()  # type(): no proxies
-            if issubclass(type(o), multiprocessing.synchronize.SemLock)
-            and o._semlock.name is not None}  # unpickled copies carry no name
-    return lambda n: n in sems or (n.startswith("torch_") and int(n.split("_")[1]) in pids)
+def _ours(w):
+    """The pids whose /dev/shm entries this test could own: this process and its workers. Others'
+    entries (another program's live semaphore, say) are ignored (tests/leaks.py), so concurrent
+    runs on the machine can't make this flaky."""
+    return {os.getpid()} | {p.pid for p in w.procs.values()}
 
 
 def _leaked(before, ours):
     """Our new /dev/shm entries once everything is released. Spawn-context semaphores are named
-    and unlinked when their owner is collected, hence the gc.collect()."""
+    and unlinked when their owner is collected, hence the gc.collect(); one this process still
+    holds counts (it is ours and should have been released)."""
     gc.collect()
-    return {n for n in _shm() - before if ours(n)}
+    return leaked(before, ours)
 
 
 def _assert_all_gone(w):
@@ -112,8 +108,8 @@ def test_child_exception_reraised_with_traceback():
     assert "Traceback" in msg
     _assert_all_gone(w)
     assert w.procs["idle"].exitcode == 0  # sibling saw stop_event and returned on its own
-    ours = _our_shm_names(w)
-    assert {n for n in _shm() - before if ours(n)}  # the filter does see our live semaphores
+    ours = _ours(w)
+    assert leaked(before, ours)  # the check does see our live semaphores (this process holds them)
     del w, ei, ready
     assert _leaked(before, ours) == set()
 
@@ -166,7 +162,7 @@ def test_shared_tensor_written_by_worker_without_shm_leak():
         w.start("writer", _write_shared, t)
         assert w.wait_event(lambda: bool((t == torch.arange(1.0, 5.0)).all()), timeout=15)
     _assert_all_gone(w)
-    ours = _our_shm_names(w)
+    ours = _ours(w)
     del t, w
     assert _leaked(before, ours) == set()
 

@@ -5,7 +5,7 @@ own restart (`--max-restarts`, on one node and across two) resuming the run by i
 Each test asserts what the runtime promises: the run stops within `train.stall_timeout` (plus a
 bounded slack for the checkpoint and the agents' exit), naming the node and its role; every
 process the run listed (trainer, its workers, each node's main process and generators) is gone;
-nothing new of ours is left in /dev/shm; the run continues from its last checkpoint.
+nothing new of the run's is left in /dev/shm (tests/leaks.py); the run continues from its last checkpoint.
 """
 import os
 import re
@@ -17,6 +17,7 @@ import pytest
 
 from tests.nodes_run import SCRIPT, agent, alive, finish, free_port, logs_dir, output, run_pids, start, steps, \
     two_nodes, wait_for
+from tests.leaks import leaked, shm_entries
 from tests.tiny import save_hf
 
 # train.stall_timeout in these runs. A node is silent until its main loop beats, so this must also
@@ -34,8 +35,9 @@ def model(tmp_path_factory):
 
 
 def _shm() -> set:
-    """Our kind of /dev/shm entries: torch's segments and multiprocessing's named semaphores."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith(("torch_", "sem.mp-"))} if os.path.isdir("/dev/shm") else set()
+    """Our kind of /dev/shm entries now (torch's segments, multiprocessing's named semaphores): the
+    `before` that `_all_gone` compares with (tests/leaks.py)."""
+    return shm_entries()
 
 
 def _args(tmp_path, model, *more) -> list[str]:
@@ -66,12 +68,14 @@ def _trainer_out(logs, nnodes: int = 2) -> str:
 
 
 def _all_gone(pids: dict, shm_before: set) -> None:
-    """Every process the run listed has ended, and no new entry of ours stays in /dev/shm."""
+    """Every process the run listed has ended, and no new entry of the run's stays in /dev/shm (one
+    that another program holds, or a torch segment another process made, is not the run's: tests/leaks.py)."""
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and ({n for n, p in pids.items() if alive(p)} or _shm() - shm_before):
+    while time.monotonic() < deadline and ({n for n, p in pids.items() if alive(p)} or leaked(shm_before, pids.values())):
         time.sleep(0.2)
     assert not {n: p for n, p in pids.items() if alive(p)}, "left running"
-    assert not _shm() - shm_before, "left in /dev/shm"
+    left = leaked(shm_before, pids.values())
+    assert not left, f"left in /dev/shm: {sorted(left)}"
 
 
 def test_a_killed_generator_node_stops_the_run_naming_it_and_the_run_resumes(model, tmp_path):

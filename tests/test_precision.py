@@ -202,9 +202,12 @@ def test_decode_measurement_is_real_and_read_by_resolve(tmp_path, monkeypatch):
                               vocab_size=97, rms_norm_eps=1e-6)
     saved = json.loads(machine._cache_file(P.cpu_info()).read_text())
     assert out["cache"] == str(machine._cache_file(P.cpu_info())) and "fp32_aten_train_ms" in saved  # merged
-    for k in ("compiled_over_eager_tok_s", "eager_tok_s", "compiled_tok_s", "compile_s"):
+    for k in ("compiled_over_eager_tok_s", "eager_tok_s", "compiled_tok_s"):
         v = saved[f"decode_fp32_{k}"]
         assert math.isfinite(v) and v > 0, (k, v)
+    # a cost, so >= 0; it may be ~0 (inductor's cache warm from the suite) and the bare difference of
+    # two warm-ups then goes negative under load (seen: -0.0038 s): machine_decode clamps it
+    assert math.isfinite(saved["decode_fp32_compile_s"]) and saved["decode_fp32_compile_s"] >= 0
     assert saved["decode_shape"]["hidden_size"] == 32 and len(saved["decode_fp32_ratios"]) == 2
     p = resolve(PrecisionConfig(dtype="fp32"))
     gain = saved["decode_fp32_compiled_over_eager_tok_s"]

@@ -25,10 +25,10 @@ from common.runtime.trainer import _gen_device
 from common.runtime.weights import WeightStore
 from common.train import trainer_ranks
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
+from tests.close import assert_update_close
 from tests.tiny import save_hf
 
 FP32 = Precision("fp32", "aten", "fp32")
-TOL = dict(atol=1e-5, rtol=0)  # the bound on |weights(2 ranks) - weights(1 rank)| (docs/ranks.md)
 
 
 @pytest.fixture(scope="module")
@@ -111,9 +111,10 @@ def test_two_ranks_equal_one_rank(model_dir, tmp_path, make, budget, reshard):
     init = FP32.load(model_dir, role="trainer", tokenizer=False)[0].state_dict()
     for k in one:
         assert not torch.equal(one[k], init[k]), k  # the step moved every parameter
-        torch.testing.assert_close(two[k], one[k], **TOL, msg=k)
-        torch.testing.assert_close(two_pub[k], one_pub[k], **TOL, msg=k)  # what generators pull
-        assert torch.equal(two_pub[k], two[k]), k  # the shards all landed, nothing else did
+        assert torch.equal(two_pub[k], two[k]), k  # the shards all landed, nothing else did (a copy: exact)
+    # sharded sums run in another order: equal up to rounding, relative to the step's update (tests/close.py)
+    assert_update_close(init, two, one, msg="2 ranks vs 1")
+    assert_update_close(init, two_pub, one_pub, msg="published (what generators pull), 2 ranks vs 1")
     assert s1.keys() == s2.keys()
     for k in s1:
         assert s2[k] == pytest.approx(s1[k], rel=1e-5, abs=1e-6), k  # loss, stats: the batch's, not rank 0's part
@@ -142,8 +143,10 @@ def test_resume_across_rank_counts(model_dir, tmp_path, first, then):
     path = ck / "checkpoints" / "step_000001"
     assert len(list((path / "state").glob("*.distcp"))) == first  # one shard file per rank
     got, _, _ = _run(model_dir, tmp_path / "then", _tba(60), [b], world=then, load=path)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], **TOL, msg=k)
+    # one of the two runs has 2 ranks: rounding as in test_two_ranks_equal_one_rank (the checkpoint
+    # itself is exact: a wrong moment or weight would move the tensors by their update)
+    init = FP32.load(model_dir, role="trainer", tokenizer=False)[0].state_dict()
+    assert_update_close(init, got, ref, msg=f"{first} -> {then} ranks vs no break")
 
 
 def test_a_loss_that_cannot_reach_the_ranks_is_refused_before_anything_starts(model_dir, tmp_path):

@@ -17,8 +17,9 @@ tokens, no stop token). `take` measures it in fp32, and also in the machine's `a
 KV dtype where `resolve` picks bf16, and merges the figures into the machine's cache file
 (`machine.record_decode`), where `resolve` reads them: per dtype
 `decode_<dtype>_compiled_over_eager_tok_s` (the ratio), `_eager_tok_s` / `_compiled_tok_s`
-(medians over the rounds), `_ratios` (each round's), `_compile_s` (the compiled warm-up less the
-eager one) and `_kv`, and `decode_shape`.
+(medians over the rounds), `_ratios` (each round's), `_compile_s` (what compiling costs: the compiled
+warm-up less the eager one, at least 0: with inductor's cache already holding the graphs it is ~0,
+and a shared host's noise could make the bare difference negative) and `_kv`, and `decode_shape`.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def measure_decode(dtype: str = "fp32", kv: str = "fp32", prompts: int = 8, prom
     ab = compile_ab(model, ids, params, prompts * n, rounds)
     out = {"compiled_over_eager_tok_s": ab["compiled_over_eager"], "eager_tok_s": statistics.median(ab["eager_tok_s"]),
            "compiled_tok_s": statistics.median(ab["compiled_tok_s"]), "ratios": ab["ratios"], "kv": kv,
-           "compile_s": ab["warmup_s"]["compiled"] - ab["warmup_s"]["eager"]}
+           "compile_s": max(0.0, ab["warmup_s"]["compiled"] - ab["warmup_s"]["eager"])}  # a cost: never < 0
     return {**{f"decode_{dtype}_{k}": v for k, v in out.items()},
             "decode_shape": {**shape, "prompts": prompts, "prompt_len": prompt_len, "n": n, "new_tokens": new_tokens,
                              "rounds": rounds}}
