@@ -41,10 +41,19 @@ def assert_update_close(before, a, b, rel: float = REL, floor: float = FLOOR, ms
     assert not bad, f"{msg + ': ' if msg else ''}{len(bad)} tensor(s) differ by more than rounding:\n" + "\n".join(bad)
 
 
-def assert_scaled_close(actual, expected, rel: float = 1e-5, msg: str = "") -> None:
-    """`actual` equals `expected` to within `rel` of the expected tensor's largest magnitude, element
-    by element: for values (log-probs, gradients, losses) that two reduction orders compute, where
-    an absolute bound would be too loose for small values and too tight for large ones."""
+def assert_scaled_close(actual, expected, rel: float = 1e-5, scale: float | None = None, rtol: float = 0.0,
+                        msg: str = "") -> None:
+    """`actual` equals `expected` to within `rel` of a scale, element by element (plus `rtol` of each
+    element): for values (log-probs, gradients) that two reduction orders compute, where a fixed
+    absolute bound is too loose for small values and too tight for large ones. `scale`: the
+    largest magnitude of `expected` unless given (a gradient's: the whole model's, since a tensor's
+    own sum may cancel down to less than the terms whose rounding it carries)."""
     actual, expected = torch.as_tensor(actual), torch.as_tensor(expected)
-    scale = expected.detach().abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual, expected, rtol=0, atol=rel * scale + 1e-30, msg=msg or None)
+    if scale is None:
+        scale = expected.detach().abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rel * scale + 1e-30, msg=msg or None)
+
+
+def grad_scale(grads: dict) -> float:
+    """The largest gradient magnitude over all of a model's tensors: the scale of its rounding."""
+    return max(g.detach().abs().max().item() for g in grads.values() if g.numel())

@@ -12,6 +12,7 @@ from common.engine.sampling import SamplingParams
 from common.ops import token_logp
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.step import update
+from tests.close import assert_scaled_close, grad_scale
 from tests.test_tba_algo import _batch
 from tests.tiny import save_hf
 
@@ -50,8 +51,10 @@ def test_micro_batching_does_not_change_the_gradient(model, loss_fn):
     mb = _prepared(model, _algo())
     g_one, s_one = _grads(model, _algo(10_000, loss_fn=loss_fn), mb)  # one micro-batch of 12 rows
     g_rows, s_rows = _grads(model, _algo(1, loss_fn=loss_fn), mb)     # every row alone
+    scale = grad_scale(g_one)
     for n in g_one:
-        torch.testing.assert_close(g_one[n], g_rows[n], atol=1e-6, rtol=1e-4)
+        # sums over rows in another order: within rounding of the model's gradient scale (tests/close.py)
+        assert_scaled_close(g_rows[n], g_one[n], rel=1e-5, scale=scale, rtol=1e-4, msg=n)
     assert s_one["loss"] == pytest.approx(s_rows["loss"], rel=1e-5)
     assert s_one["clip_frac"] == pytest.approx(s_rows["clip_frac"], rel=1e-5) and s_one["clip_frac"] > 0
     assert any(g.abs().sum() > 0 for g in g_one.values())
