@@ -71,7 +71,9 @@ class DistConfig:
     bind: str = ""                  # address the trainer's stores listen on; "" = MASTER_ADDR's (torchrun's rendezvous host)
     secret_file: str = ""           # file holding the per-run secret that seals store values (mode 600); "" = $ASYNCRL_RUN_SECRET
 
-    CHECKS = {"trainer_nodes": at_least(1), "timeout": above(0), "ship_every": above(0),
+    CHECKS = {"trainer_nodes": at_least(1), "timeout": between(0, 365 * 86400, open_lo=True),  # a year: timedelta's range
+              "ship_every": (above(0), relation(lambda v, s: v < s.timeout, "< {p}timeout={s.timeout:g} (a shipment "
+                                                "less often than the timeout would trip it)")),
               "trainer_node_generators": processes(0), "store_port": between(0, 65535)}  # ranges (common/config_check.py)
 
 
