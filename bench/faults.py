@@ -1,6 +1,9 @@
 """Fault injection: what the runtime does when a worker dies or hangs, a reward misbehaves, the
 trainer is killed mid-checkpoint, the user presses Ctrl-C, a data line is malformed, the disk
-fills up, or one of two trainer ranks (train.trainer_devices=2) dies, raises or hangs. Prints one JSON line per scenario and a summary line (stdout), and a table (stderr).
+fills up, or one of two trainer ranks (train.trainer_devices=2) dies, raises or hangs; then the
+attacks and mistakes (bench/faults_attacks.py: a forged store value, a planted checkpoint, a hostile
+run name, a really full disk, a zero-size setting). Prints one JSON line per scenario and a summary
+line (stdout), and a table (stderr).
 
     python bench/faults.py                                 # every scenario, ~3 min on 2 cores
     python bench/faults.py --only generator_sigkill ctrl_c
@@ -38,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy task's model
-from tests.leaks import leaked, shm_entries  # noqa: E402 - the run's own /dev/shm entries only
+from bench.leaks import leaked, shm_entries  # noqa: E402 - the run's own /dev/shm entries only
+from bench.faults_attacks import ATTACKS, run_attack  # noqa: E402
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
 
 STEPS, INJECT_AT, STALL_S, PACE_S, LOW = 60, 3, 5.0, 0.1, 20  # 60 paced steps (~8 s) outlast a 5 s stall
@@ -305,7 +309,8 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
 
 def table(rows: list[dict]) -> str:
     cols = ("scenario", "detected", "detect_s", "exit_s", "exit_code", "processes_left", "shm_left", "checkpoints_loadable",
-            "rows_lost", "rows_duplicated", "resume_same_counters", "resume_kept_rows")
+            "rows_lost", "rows_duplicated", "resume_same_counters", "resume_kept_rows", "payload_ran", "foreign_file_kept",
+            "tmp_dirs_left")
     cell = lambda r, c: ("-" if r.get(c) is None else str(len(r[c]) if isinstance(r[c], list) else r[c]))  # noqa: E731
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     lines += [" | ".join(cell(r, c) if c != "checkpoints_loadable" or "checkpoints" not in r
@@ -315,7 +320,7 @@ def table(rows: list[dict]) -> str:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these scenarios only")
+    ap.add_argument("--only", nargs="+", choices=[*SCENARIOS, *ATTACKS], help="run these scenarios only")
     ap.add_argument("--root", default=None, help="working directory (default: a temp dir)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
@@ -328,9 +333,10 @@ def main():
     root = Path(a.root or tempfile.mkdtemp(prefix="asyncrl_faults_"))
     build_tiny(root / "model", vocab_size=97, hidden_size=32, intermediate_size=64, head_dim=8)  # the toy task's ids
     rows = []
-    for name in a.only or SCENARIOS:
+    for name in a.only or [*SCENARIOS, *ATTACKS]:
         t = time.monotonic()
-        rows.append({**run_scenario(name, root, str(root / "model")), "scenario_s": round(time.monotonic() - t, 1)})
+        run = run_attack if name in ATTACKS else run_scenario  # the attacks and mistakes: bench/faults_attacks.py
+        rows.append({**run(name, root, str(root / "model")), "scenario_s": round(time.monotonic() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows), file=sys.stderr)
     print(json.dumps({"bench": "faults", "scenarios": len(rows), "detected": sum(bool(r.get("detected")) for r in rows),

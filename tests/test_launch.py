@@ -15,7 +15,7 @@ import torch
 
 from common.runtime import spawn
 from common.runtime.launch import WorkerError, Workers
-from tests.leaks import leaked, shm_entries
+from bench.leaks import leaked, shm_entries
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

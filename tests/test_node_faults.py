@@ -17,7 +17,7 @@ import pytest
 
 from tests.nodes_run import SCRIPT, agent, alive, finish, free_port, logs_dir, output, run_pids, start, steps, \
     two_nodes, wait_for
-from tests.leaks import leaked, shm_entries
+from bench.leaks import leaked, shm_entries
 from tests.tiny import save_hf
 
 # train.stall_timeout in these runs. A node is silent until its main loop beats, so this must also

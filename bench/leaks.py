@@ -1,4 +1,4 @@
-"""What a run left in /dev/shm, counting only the run's own entries (tests and bench/faults.py).
+"""What a run left in /dev/shm, counting only the run's own entries (bench/faults.py and the tests).
 
 /dev/shm is the machine's, shared with every other program: a test that flagged any new `sem.mp-*`
 there failed because another program (another test run, a notebook) had opened a semaphore
