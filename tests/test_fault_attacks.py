@@ -1,0 +1,45 @@
+"""The faults table's attack rows (bench/faults.py, bench/faults_attacks.py) run end to end: each ends
+in the promised one-line message within seconds, nothing of the attack achieved (no payload ran, no
+foreign file deleted, nothing written outside run_root), no process or /dev/shm entry left. The
+behaviours themselves are pinned closer to the code: tests/test_wire.py (a forged store value, also in
+a live two-node run), tests/test_checkpoint_trust.py (a planted checkpoint), tests/test_run_names.py
+and tests/test_user_errors.py (run names), tests/test_write_errors.py (a real full disk),
+tests/test_config_ranges.py (every setting)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "faults.py"
+
+
+def _rows(tmp_path, *names) -> dict:
+    out = subprocess.run([sys.executable, str(BENCH), "--only", *names, "--root", str(tmp_path / "f")],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["scenario"]: r for r in map(json.loads, out.stdout.splitlines()) if "scenario" in r}
+    for name, r in rows.items():
+        assert "error" not in r, r
+        assert r["detected"] and r["processes_left"] == 0 and r["shm_left"] == [], r
+        assert r["detect_s"] < 60, r
+    return rows
+
+
+def test_hostile_run_name_and_zero_size_setting_rows(tmp_path):
+    rows = _rows(tmp_path, "hostile_run_name", "zero_size_setting")
+    name = rows["hostile_run_name"]
+    assert name["exit_code"] == [2, 2] and name["message"].startswith("error: run name '../../x'")
+    assert name["foreign_file_kept"] and not name["outside_written"]
+    assert "was not made by this project" in name["overwrite_message"] and "nothing was changed" in name["overwrite_message"]
+    zero = rows["zero_size_setting"]
+    assert zero["exit_code"] == [2] and zero["message"].startswith("error: --gen.max_batch=0") and not zero["run_dir_made"]
+
+
+@pytest.mark.slow  # a minute and a half: each behaviour is in the default suite (module docstring)
+def test_planted_checkpoint_forged_store_value_and_full_disk_rows(tmp_path):
+    rows = _rows(tmp_path, "planted_checkpoint", "forged_store_value", "disk_full")
+    assert not rows["planted_checkpoint"]["payload_ran"] and rows["planted_checkpoint"]["exit_code"] != [0]
+    assert not rows["forged_store_value"]["payload_ran"] and rows["forged_store_value"]["checkpoint_after"]
+    assert rows["disk_full"]["tmp_dirs_left"] == 0 and rows["disk_full"]["latest_checkpoint"] is not None
