@@ -96,6 +96,14 @@ def _check_value(key: str, v: Any, tp: Any, comment: str) -> None:
         raise _refuse(key, v, "within int64", comment)
 
 
+def _table(cls: type) -> dict[str, Any]:
+    """`cls`'s CHECKS merged with its bases' (a task's config adds to RunConfig's, never drops them)."""
+    out: dict[str, Any] = {}
+    for klass in reversed(cls.__mro__):
+        out.update(vars(klass).get("CHECKS", {}))
+    return out
+
+
 def _owner(cfg: Any, key: str) -> tuple[Any, str]:
     *path, name = key.split(".")
     for part in path:
@@ -116,7 +124,7 @@ def check(cfg: Any, prefix: str = "") -> Any:
             check(v, f"{prefix}{f.name}.")
         else:
             _check_value(prefix + f.name, v, hints[f.name], comments.get(f.name, ""))
-    for key, rules in getattr(type(cfg), "CHECKS", {}).items():
+    for key, rules in _table(type(cfg)).items():
         owner, name = _owner(cfg, key)
         v = getattr(owner, name)
         for r in rules if isinstance(rules, tuple) else (rules,):
@@ -130,7 +138,7 @@ def check(cfg: Any, prefix: str = "") -> Any:
 def unchecked(cfg: Any, prefix: str = "") -> list[str]:
     """The dotted keys of numeric fields no section's table names (for the tests: every numeric
     setting has a range)."""
-    named = {prefix + k for k in getattr(type(cfg), "CHECKS", {})}
+    named = {prefix + k for k in _table(type(cfg))}
     out = []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
