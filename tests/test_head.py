@@ -10,6 +10,7 @@ from common.engine.head import head_logp
 from common.engine.hf_io import load_model
 from common.engine.linear import set_onednn
 from common.ops import token_logp
+from tests.close import assert_scaled_close
 from tests.tiny import save_hf
 
 
@@ -165,8 +166,10 @@ def test_compiled_blocks_same_loss_and_grads(tmp_path, onednn):
                 model.compile_blocks, model.checkpoint_layers = True, ckpt
                 got, gg = loss_and_grads(rows, cols)
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                # sums reordered by the fusion: within rounding of the model's gradient scale (tests/close.py)
+                scale = max(g.abs().max().item() for g in gw)
                 for a, b in zip(gg, gw):
-                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+                    assert_scaled_close(a, b, rel=1e-5, scale=scale, rtol=1e-4)
         assert counters["stats"]["unique_graphs"] >= 1  # it really ran compiled
         assert not counters["graph_break"], dict(counters["graph_break"])  # and the whole block is one graph
     finally:
