@@ -109,14 +109,16 @@ def test_trainer_on_two_nodes_sync_equals_one_node(model, one_areal, tmp_path):
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=1e-7)
 
 
-def test_reward_workers_on_the_generator_node(model, one_tba, tmp_path):
+def test_reward_workers_on_the_generator_node(model, tmp_path):
     """--train.reward_workers=1: the generator node scores in its own reward worker; the sync run
-    gives the same losses and weights as on one node, where the generator scores (the same reward
-    function: where it runs changes no score)."""
-    out = two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", f"--model={model}", *TBA_SYNC, "--train.reward_workers=1")
+    gives the same losses and weights as on one node, where the trainer's node hosts it (not the
+    run without a reward worker: its batches come together in another order)."""
+    args = [f"--model={model}", *TBA_SYNC, "--train.reward_workers=1"]
+    one_rw = _one_node(tmp_path / "one", args)
+    out = two_nodes(tmp_path, f"--run_root={tmp_path / 'two'}", *args)
     assert any("1 generator(s) ['generator0'], 1 reward worker(s)" in o for o in out), out
-    assert [r["loss"] for r in steps(tmp_path / "two")] == [r["loss"] for r in steps(one_tba)]
-    one, two = weights(one_tba), weights(tmp_path / "two")
+    assert [r["loss"] for r in steps(tmp_path / "two")] == [r["loss"] for r in steps(one_rw)]
+    one, two = weights(one_rw), weights(tmp_path / "two")
     # bit for bit: one trainer rank in both runs, the same scores (the losses above are equal)
     assert one.keys() == two.keys() and not [k for k in one if not torch.equal(one[k], two[k])]
 
