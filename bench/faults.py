@@ -156,7 +156,7 @@ def _metrics(d: Path) -> list[dict]:
 
 def _run_pids(d: Path, main: int) -> set[int] | None:
     """The job's processes (its workers.json and its main process), or None where it listed none:
-    whose /dev/shm entries are the job's (tests/leaks.py)."""
+    whose /dev/shm entries are the job's (bench/leaks.py)."""
     try:
         return {main, *json.loads((d / "runs" / "job" / "workers.json").read_text()).values()}
     except (OSError, ValueError):

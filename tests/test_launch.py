@@ -59,7 +59,7 @@ def _shm():
 
 def _ours(w):
     """The pids whose /dev/shm entries this test could own: this process and its workers. Others'
-    entries (another program's live semaphore, say) are ignored (tests/leaks.py), so concurrent
+    entries (another program's live semaphore, say) are ignored (bench/leaks.py), so concurrent
     runs on the machine can't make this flaky."""
     return {os.getpid()} | {p.pid for p in w.procs.values()}
 

@@ -5,7 +5,7 @@ own restart (`--max-restarts`, on one node and across two) resuming the run by i
 Each test asserts what the runtime promises: the run stops within `train.stall_timeout` (plus a
 bounded slack for the checkpoint and the agents' exit), naming the node and its role; every
 process the run listed (trainer, its workers, each node's main process and generators) is gone;
-nothing new of the run's is left in /dev/shm (tests/leaks.py); the run continues from its last checkpoint.
+nothing new of the run's is left in /dev/shm (bench/leaks.py); the run continues from its last checkpoint.
 """
 import os
 import re
@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 def _shm() -> set:
     """Our kind of /dev/shm entries now (torch's segments, multiprocessing's named semaphores): the
-    `before` that `_all_gone` compares with (tests/leaks.py)."""
+    `before` that `_all_gone` compares with (bench/leaks.py)."""
     return shm_entries()
 
 
@@ -69,7 +69,7 @@ def _trainer_out(logs, nnodes: int = 2) -> str:
 
 def _all_gone(pids: dict, shm_before: set) -> None:
     """Every process the run listed has ended, and no new entry of the run's stays in /dev/shm (one
-    that another program holds, or a torch segment another process made, is not the run's: tests/leaks.py)."""
+    that another program holds, or a torch segment another process made, is not the run's: bench/leaks.py)."""
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and ({n for n, p in pids.items() if alive(p)} or leaked(shm_before, pids.values())):
         time.sleep(0.2)
