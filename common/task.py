@@ -49,7 +49,7 @@ from common.plots import plot_metrics
 from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
 from common.runtime.run_dir import check_name, check_run_dir
-from common.runtime.train_config import DistConfig, LogConfig, TrainConfig, check_config
+from common.runtime.train_config import DistConfig, LogConfig, TrainConfig, check_config, torchrun_restarts, under_torchrun
 from common.train import logs_here, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 
@@ -154,7 +154,10 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     if dry:
         print(json.dumps(to_dict(cfg), indent=2))
         sys.exit(0)
-    if logs_here(cfg):  # the process that writes the run folder: an existing run or a folder not ours, refused now
+    # the process that writes the run folder: an existing run or a folder not ours, refused now. Not under
+    # torchrun, whose restart (--max-restarts) continues the run by itself (common/train.py): the folder
+    # is checked when the run opens it, knowing that
+    if logs_here(cfg) and not under_torchrun() and not torchrun_restarts():
         check_run_dir(cfg, cfg.resume)
     return cfg
 
