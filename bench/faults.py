@@ -54,7 +54,7 @@ SCENARIOS = {
     "reward_hangs": ("reward fn blocks forever", True, r"'generator0'.*phase 'scoring'"),
     "reward_worker_sigkill": ("SIGKILL reward0 (train.reward_workers=1)", True, r"worker 'reward0' died .*SIGKILL"),
     "trainer_sigkill_in_checkpoint": ("SIGKILL the trainer while it writes a checkpoint", True, None),
-    "ctrl_c": ("SIGINT to the process group", True, r"interrupted at step \d+: checkpoint"),
+    "ctrl_c": ("SIGINT to the process group", True, r"interrupted \(Ctrl-C or SIGTERM\) at step \d+: checkpoint"),
     "nan_reward": ("reward fn returns NaN from now on", False, None),
     "malformed_data_line": ("run_gsm8k.py on a train.jsonl whose line 3 is cut", True, r"train\.jsonl:3: malformed JSON"),
     "disk_full_in_checkpoint": ("OSError(ENOSPC) while writing the 2nd checkpoint", True,
@@ -62,7 +62,8 @@ SCENARIOS = {
     "trainer_rank_sigkill": ("SIGKILL trainer rank 1 of 2", True, r"worker 'trainer1' died .*SIGKILL"),
     "trainer_rank_raises": ("trainer rank 1 of 2 raises in backward", True, r"worker 'trainer1' failed:.*injected"),
     "trainer_rank_sigstop": ("SIGSTOP trainer rank 1 of 2 (a hang)", True, r"'trainer1'.*process is stopped"),
-    "trainer_rank_ctrl_c": ("SIGINT to the process group, 2 trainer ranks", True, r"interrupted at step \d+: checkpoint"),
+    "trainer_rank_ctrl_c": ("SIGINT to the process group, 2 trainer ranks", True,
+                            r"interrupted \(Ctrl-C or SIGTERM\) at step \d+: checkpoint"),
 }
 
 
@@ -311,7 +312,8 @@ def table(rows: list[dict]) -> str:
     cols = ("scenario", "detected", "detect_s", "exit_s", "exit_code", "processes_left", "shm_left", "checkpoints_loadable",
             "rows_lost", "rows_duplicated", "resume_same_counters", "resume_kept_rows", "payload_ran", "foreign_file_kept",
             "tmp_dirs_left")
-    cell = lambda r, c: ("-" if r.get(c) is None else str(len(r[c]) if isinstance(r[c], list) else r[c]))  # noqa: E731
+    cell = lambda r, c: ("-" if r.get(c) is None else "/".join(map(str, r[c])) if c == "exit_code" and isinstance(r[c], list)  # noqa: E731
+                         else str(len(r[c]) if isinstance(r[c], list) else r[c]))  # a list of codes: one per process
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     lines += [" | ".join(cell(r, c) if c != "checkpoints_loadable" or "checkpoints" not in r
                          else f"{r['checkpoints_loadable']}/{r['checkpoints']}" for c in cols) for r in rows]
