@@ -5,7 +5,7 @@ attacks and mistakes (bench/faults_attacks.py: a forged store value, a planted c
 run name, a really full disk, a zero-size setting). Prints one JSON line per scenario and a summary
 line (stdout), and a table (stderr).
 
-    python bench/faults.py                                 # every scenario, ~3 min on 2 cores
+    python bench/faults.py                                 # every scenario, ~6 min on 2 cores
     python bench/faults.py --only generator_sigkill ctrl_c
 
 Each scenario is a real training job (`common.train.train`, TBA, one generator process, a
