@@ -7,17 +7,20 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.nodes.keys import RunKeys
 from common.runtime.nodes.trajectories import RemoteControl, check_header
 from common.runtime.ranks.commands import StoreCommands
+from common.runtime.ranks.fsdp import init_group
 from common.runtime.train_config import DistConfig
 from common.runtime.wire import (BoundStore, ForgedValue, SECRET_ENV, SecretError, fingerprint, run_secret, seal,
                                  unseal)
@@ -214,3 +217,51 @@ def test_a_value_forged_into_a_live_run_stops_it_saying_so_and_runs_nothing(tmp_
     assert "a worker failed; checkpoint" in out  # nothing lost: the trainer's state is whole
     assert not marker.exists()
     _all_gone(pids, shm)
+
+
+def _gloo_rank(rank: int, port: int, q) -> None:
+    os.environ["GLOO_SOCKET_IFNAME"] = q[1]  # what a cluster's environment sets: the interface the nodes share
+    store = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=timedelta(seconds=30))
+    init_group(rank, 2, store, "cpu", 30, loopback=True)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            mine.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:
+            pass
+    q[0].put((rank, sorted(a for a, ino in _listeners() if ino in mine), os.environ["GLOO_SOCKET_IFNAME"]))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _listeners() -> list[tuple[str, int]]:
+    """(address, socket inode) of every listening TCP socket the kernel lists."""
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:] if os.path.exists(table) else []:
+            f = line.split()
+            if f[3] == "0A":
+                raw = bytes.fromhex(f[1].split(":")[0])
+                out.append((".".join(str(b) for b in raw[::-1]) if len(raw) == 4 else raw.hex(), int(f[9])))
+    return out
+
+
+def test_one_node_trainer_ranks_listen_on_loopback_whatever_the_interface_setting():
+    """Two trainer ranks on one machine: gloo's listeners are on 127.0.0.1 even with GLOO_SOCKET_IFNAME
+    naming a network interface (read back from the kernel's table; nothing connects to that address)."""
+    other = next((n for _, n in socket.if_nameindex() if not n.startswith("lo")), None)
+    if other is None:
+        pytest.skip("this machine has no network interface besides loopback to set GLOO_SOCKET_IFNAME to")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    b = BoundStore("127.0.0.1", world_size=2)
+    procs = [ctx.Process(target=_gloo_rank, args=(r, b.port, (q, other))) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    for rank, addrs, ifname in got:
+        assert addrs and set(addrs) == {"127.0.0.1"}, (rank, addrs)
+        assert ifname == other  # the user's setting is back once the group exists

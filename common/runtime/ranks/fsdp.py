@@ -31,6 +31,9 @@ gradient (tests/test_ranks.py, 1e-5).
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -51,16 +54,37 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if torch.device(device).type == "cuda" else "cpu"
 
 
-def init_group(rank: int, world: int, store: dist.Store, device: str, timeout_s: float) -> DeviceMesh:
+def init_group(rank: int, world: int, store: dist.Store, device: str, timeout_s: float,
+               loopback: bool = False) -> DeviceMesh:
     """Join the trainer's process group (gloo on CPU, NCCL on CUDA) through `store` (rank 0's
     TCPStore). Collectives raise after `timeout_s` (the stall timeout): a hung rank stops the
-    others instead of holding them forever."""
+    others instead of holding them forever. `loopback`: every rank is on this machine, so gloo
+    listens on the loopback interface only (by default it listens on GLOO_SOCKET_IFNAME's, else on
+    the address the host name resolves to: on a cluster node, one the network reaches)."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s) if timeout_s > 0 else _NO_TIMEOUT)
-    return init_device_mesh(dev.type, (world,))
+    with _gloo_on_loopback() if loopback and dev.type != "cuda" else contextlib.nullcontext():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s) if timeout_s > 0 else _NO_TIMEOUT)
+        return init_device_mesh(dev.type, (world,))
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback():
+    """GLOO_SOCKET_IFNAME set to the loopback interface while groups are made (gloo reads it when it
+    makes a group's device; pg_options are not passed to gloo), restored after."""
+    lo = next((n for _, n in socket.if_nameindex() if n.startswith("lo")), None)
+    old = os.environ.get("GLOO_SOCKET_IFNAME")
+    if lo is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = lo
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = old
 
 
 def group_of(model) -> dist.ProcessGroup:

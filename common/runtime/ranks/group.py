@@ -129,7 +129,8 @@ class TrainerGroup(OneRank):
                                     float("inf"))
         except (WorkerError, WorkerStalled) as e:
             raise _rank_failed(e) from e
-        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout), reshard)
+        shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout, loopback=self.world == self.local),
+              reshard)
         self.share = Share(self.model, 0, self.world, reshard=reshard)  # installed in common.micro during each command
 
     # ---- commands (each: tell ranks 1..N-1, then do rank 0's part) -------------------------

@@ -64,7 +64,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     model.checkpoint_layers, model.share_prompts = setup.activation_checkpointing, setup.share_prompts
     tcp = dist.TCPStore(setup.host, setup.port, setup.world, is_master=False)
     tcp.set(f"ready{rank}", "1")
-    mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s)
+    mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s, loopback=setup.world == setup.local)
     try:
         shard(model, mesh, setup.reshard)
         opt = make_optimizer(model, setup.lr, setup.weight_decay)
