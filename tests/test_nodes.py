@@ -23,7 +23,7 @@ from common.runtime.nodes.world import check, is_generator_node, join
 from common.runtime.train_config import DistConfig
 from common.runtime.train_config import TrainConfig
 from common.errors import UserError
-from common.runtime.wire import BoundStore, SecretError, seal
+from common.runtime.wire import SecretError, bound_store, seal
 from common.task import RunConfig
 from tests.close import assert_update_close
 from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights, weights_of
@@ -204,8 +204,7 @@ def test_rows_travel_packed_and_land_as_added():
 def test_claims_on_the_store_are_atomic_and_bounded():
     """Four claimers race for a quota of 40 prompts: each index once, never past the quota."""
     secret = b"s" * 32
-    bound = BoundStore("127.0.0.1")
-    server = bound.store
+    server, _ = bound_store("127.0.0.1")
     rc = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), secret)
     assert rc.claim() is None  # no quota published yet
     server.set("started", seal(secret, "started", b"0 trainer"))

@@ -22,7 +22,7 @@ from common.runtime.nodes.trajectories import RemoteControl, check_header
 from common.runtime.ranks.commands import StoreCommands
 from common.runtime.ranks.fsdp import init_group
 from common.runtime.train_config import DistConfig
-from common.runtime.wire import (BoundStore, ForgedValue, SECRET_ENV, SecretError, fingerprint, run_secret, seal,
+from common.runtime.wire import (ForgedValue, SECRET_ENV, SecretError, bound_store, fingerprint, run_secret, seal,
                                  unseal)
 from tests.nodes_run import agent, finish, free_port, logs_dir, output, run_pids, start, steps, wait_for
 from tests.test_node_faults import _all_gone, _shm
@@ -159,9 +159,9 @@ def _listening(port: int) -> set[str]:
 
 
 def test_stores_listen_only_on_the_address_given():
-    b = BoundStore("127.0.0.1")
-    assert b.address == "127.0.0.1" and _listening(b.port) == {"127.0.0.1"}
-    b.close()
+    store, address = bound_store("127.0.0.1")
+    assert address == "127.0.0.1" and _listening(store.port) == {"127.0.0.1"}
+    del store
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # what torch does by itself
     assert _listening(plain.port) != {"127.0.0.1"}  # every interface: why the project never uses it as a server
 
@@ -177,7 +177,7 @@ def _calls(name: str):
 
 def test_no_listener_on_every_interface_and_no_pickle_off_the_wire():
     servers = [c for c in _calls("TCPStore") if "is_master=True" in c[2]]
-    assert [f for f, _, _ in servers] == ["common/runtime/wire.py"], servers  # BoundStore only
+    assert [f for f, _, _ in servers] == ["common/runtime/wire.py"], servers  # bound_store only
     assert not [c for n in ("all_gather_object", "gather_object", "broadcast_object_list", "recv_object_list")
                 for c in _calls(n)]
     loads = {(f, c) for f, _, c in _calls("pickle.loads")}
@@ -254,8 +254,8 @@ def test_one_node_trainer_ranks_listen_on_loopback_whatever_the_interface_settin
         pytest.skip("this machine has no network interface besides loopback to set GLOO_SOCKET_IFNAME to")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    b = BoundStore("127.0.0.1", world_size=2)
-    procs = [ctx.Process(target=_gloo_rank, args=(r, b.port, (q, other))) for r in range(2)]
+    store, _ = bound_store("127.0.0.1", world_size=2)
+    procs = [ctx.Process(target=_gloo_rank, args=(r, store.port, (q, other))) for r in range(2)]
     for p in procs:
         p.start()
     got = sorted(q.get(timeout=120) for _ in procs)

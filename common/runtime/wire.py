@@ -137,24 +137,20 @@ def listen(host: str, port: int = 0) -> socket.socket:
     return s
 
 
-class BoundStore:
-    """A `TCPStore` server listening only on `host` (`listen`); `.store` is the server's own client,
-    `.port` its port, `.address` the address it is bound to."""
-
-    def __init__(self, host: str, port: int = 0, world_size: int | None = None, timeout: timedelta = timedelta(seconds=300)):
-        sock = listen(host, port)
-        self.address, port = sock.getsockname()[:2]
-        try:
-            self.store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                                       master_listen_fd=sock.fileno(), use_libuv=True)
-        except BaseException:
-            sock.close()
-            raise
-        sock.detach()  # the store's server owns the descriptor now and closes it when it goes
-        self.port = self.store.port
-
-    def close(self) -> None:
-        self.store = None
+def bound_store(host: str, port: int = 0, world_size: int | None = None,
+                timeout: timedelta = timedelta(seconds=300)) -> tuple[dist.TCPStore, str]:
+    """A `TCPStore` server listening only on `host` (`listen`; port 0: a free one, then `.port`), and
+    the address it is bound to."""
+    sock = listen(host, port)
+    address, port = sock.getsockname()[:2]
+    try:
+        store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno(), use_libuv=True)
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store's server owns the descriptor now and closes it when it goes
+    return store, address
 
 
 def all_gather_json(obj, group=None, device="cpu") -> list:

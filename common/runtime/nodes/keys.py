@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from common.runtime.launch import WorkerError
 from common.runtime.train_config import DistConfig
-from common.runtime.wire import BoundStore, ForgedValue, run_secret, seal, unseal
+from common.runtime.wire import ForgedValue, bound_store, run_secret, seal, unseal
 
 _BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
 
@@ -71,8 +71,8 @@ class RunKeys:
     def serve(self, port: int) -> None:
         """Host the run's store here (the trainer's process: it outlives every transfer), listening on
         `host` only (`dist.bind`, else MASTER_ADDR); `port` 0 = a free one."""
-        self._server = BoundStore(self.host, port, timeout=self.timeout)
-        self._local.store, self.port = self._server.store, self._server.port
+        self._server, _ = bound_store(self.host, port, timeout=self.timeout)
+        self._local.store, self.port = self._server, self._server.port
 
     def name(self, rank: int) -> str:
         """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
@@ -179,6 +179,4 @@ class RunKeys:
 
     def close(self) -> None:
         """Drop the connections (and the store, where hosted here); idempotent."""
-        if self._server is not None:
-            self._server.close()
         self._server, self._local = None, threading.local()

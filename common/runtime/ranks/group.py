@@ -58,7 +58,7 @@ from common.runtime.ranks.share import Share
 from common.runtime.step import OneRank, RankFailed, update
 from common.runtime.watchdog import Heartbeats, WorkerStalled
 from common.runtime.weights import WeightStore
-from common.runtime.wire import BoundStore
+from common.runtime.wire import bound_store
 
 _BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the rank that caused it
 _REMOTE_STOP_S = 30.0  # at the end, how long rank 0 waits for the other trainer nodes to see "stop"
@@ -105,8 +105,7 @@ class TrainerGroup(OneRank):
         # the ranks' rendezvous store listens on loopback, or with other trainer nodes on the address
         # the run's store has (dist.bind / MASTER_ADDR): never on every interface
         host = self.keys.host if self.world > self.local else "127.0.0.1"
-        self._bound = BoundStore(host, 0, self.world)
-        self._tcp = self._bound.store
+        self._tcp, _ = bound_store(host, 0, self.world)
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         reshard = resolve_reshard(tc.reshard, tc.device)
         setup = RankSetup(self.world, self._tcp.port, host, self.local, tc.device, timeout, model_path, prec,
@@ -242,7 +241,7 @@ class TrainerGroup(OneRank):
                 while time.monotonic() < deadline and not all(
                         self.keys.has(f"done/{j}") or self.keys.store.check([f"failed/{j}"]) for j in nodes):
                     time.sleep(0.05)
-        self._tcp = self._bound = None  # rank 0's rendezvous server goes with it
+        self._tcp = None  # rank 0's rendezvous server goes with it
 
 
 def _rank_failed(e: Exception) -> RankFailed:
