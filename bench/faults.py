@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
 from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy task's model
-from bench.leaks import leaked, shm_entries  # noqa: E402 - the run's own /dev/shm entries only
+from bench.leaks import group_alive, leaked, shm_entries, wait_until  # noqa: E402 - the run's own /dev/shm entries only
 from bench.faults_attacks import ATTACKS, run_attack  # noqa: E402
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
 
@@ -164,30 +164,6 @@ def _run_pids(d: Path, main: int) -> set[int] | None:
         return None
 
 
-def _group(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    out = []
-    for p in Path("/proc").iterdir():
-        try:
-            stat = (p / "stat").read_text()
-        except (OSError, ValueError):
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
-        if p.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(p.name))
-    return out
-
-
-def _wait(cond, timeout: float, step: float = 0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    return None
-
-
 def _start(name: str, d: Path, model: str, resume: bool, marker: Path, checkpoint_fault: str = ""):
     cmd = [sys.executable, os.path.abspath(__file__), "--child", name, "--dir", str(d), "--model", model]
     cmd += ["--resume"] * resume + ([f"--checkpoint-fault={checkpoint_fault}"] if checkpoint_fault else [])
@@ -244,7 +220,7 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
     if name not in ("malformed_data_line", "disk_full_in_checkpoint"):  # those fire by themselves
         ready = (lambda: (d / "in_checkpoint").exists()) if ck_fault == "slow" else \
             (lambda: len([r for r in _metrics(d) if "step_s" in r]) >= INJECT_AT)
-        if not _wait(lambda: ready() or proc.poll() is not None, 180) or proc.poll() is not None:
+        if not wait_until(lambda: ready() or proc.poll() is not None, 180) or proc.poll() is not None:
             proc.kill()
             return {**res, "error": f"job ended or stalled before the fault could be injected (see {log})"}
     pids = lambda: json.loads((d / "runs" / "job" / "workers.json").read_text())  # noqa: E731
@@ -266,15 +242,15 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
         marker.write_text({"reward_raises": "raise", "reward_hangs": "hang", "nan_reward": "nan",
                            "trainer_rank_raises": "rank_raise"}[name])
     if stops:  # detected = the expected report is in the job's output; then it must exit
-        said = _wait(lambda: expect is None or re.search(expect, log.read_text(), re.S) or proc.poll() is not None, 120)
+        said = wait_until(lambda: expect is None or re.search(expect, log.read_text(), re.S) or proc.poll() is not None, 120)
         t_det = time.monotonic()
-        _wait(lambda: proc.poll() is not None, 120)
+        wait_until(lambda: proc.poll() is not None, 120)
         res["exit_s"] = round(time.monotonic() - t_inj, 2)
         detected = bool(said) and (expect is None or re.search(expect, log.read_text(), re.S) is not None)
     else:
-        seen = _wait(lambda: any(r.get("reward_errors", 0) > errors_before for r in _metrics(d)), 120, 0.05)
+        seen = wait_until(lambda: any(r.get("reward_errors", 0) > errors_before for r in _metrics(d)), 120, 0.05)
         t_det = time.monotonic()
-        _wait(lambda: proc.poll() is not None, 180)
+        wait_until(lambda: proc.poll() is not None, 180)
         rows = [r for r in _metrics(d) if "step_s" in r]
         detected = bool(seen)
         res.update(finished_steps=rows[-1]["step"] if rows else 0, reward_errors=rows[-1]["reward_errors"] if rows else 0,
@@ -284,7 +260,7 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
         proc.wait()
     time.sleep(1.0)  # let PDEATHSIG'd / shutting-down workers go before counting
     res.update(detected=detected, detect_s=round(t_det - t_inj, 2) if detected else None, exit_code=proc.returncode,
-               processes_left=len(_group(proc.pid)), shm_left=sorted(leaked(shm_before, _run_pids(d, proc.pid))))
+               processes_left=len(group_alive(proc.pid)), shm_left=sorted(leaked(shm_before, _run_pids(d, proc.pid))))
     if name == "malformed_data_line":
         res["message"] = log.read_text().strip().splitlines()[-1]  # the error the user sees
         return res

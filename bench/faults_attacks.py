@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch.distributed as dist  # noqa: E402
-from bench.leaks import leaked, shm_entries  # noqa: E402 - the run's own /dev/shm entries only
+from bench.leaks import group_alive, leaked, shm_entries, wait_until  # noqa: E402 - the run's own /dev/shm entries only
 
 FAULTS = ROOT / "bench" / "faults.py"
 SECRET = "faults-bench-" + "5a" * 16
@@ -58,27 +58,6 @@ def _spawn(cmd: list[str], log: Path, **env) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), **env})
 
 
-def _left(pgid: int) -> int:
-    """Live (non-zombie) processes of a session's process group."""
-    n = 0
-    for p in Path("/proc").iterdir():
-        try:
-            f = (p / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, ValueError, IndexError):
-            continue
-        n += p.name.isdigit() and int(f[2]) == pgid and f[0] != "Z"
-    return n
-
-
-def _wait(cond, timeout: float, step: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if (v := cond()):
-            return v
-        time.sleep(step)
-    return None
-
-
 def _steps(run: Path) -> int:
     f = run / "metrics.jsonl"
     return sum('"step_s"' in x for x in f.read_text().splitlines()) if f.exists() else 0
@@ -86,10 +65,10 @@ def _steps(run: Path) -> int:
 
 def _finish(res: dict, procs: list, logs: list[Path], expect: str, t0: float, shm_before: set, pids=None) -> dict:
     """Wait for the processes (at most 120 s), then what the user saw and what is left."""
-    said = _wait(lambda: all(p.poll() is not None for p in procs) or
+    said = wait_until(lambda: all(p.poll() is not None for p in procs) or
                  any(re.search(expect, lg.read_text(), re.S) for lg in logs), 120)
     t_said = time.monotonic()
-    _wait(lambda: all(p.poll() is not None for p in procs), 120)
+    wait_until(lambda: all(p.poll() is not None for p in procs), 120)
     for p in procs:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
@@ -100,7 +79,7 @@ def _finish(res: dict, procs: list, logs: list[Path], expect: str, t0: float, sh
     lines = [x for x in out.splitlines() if re.search(expect, x)] or out.strip().splitlines()[-1:]
     return {**res, "detected": detected, "detect_s": round(t_said - t0, 2) if detected else None,
             "exit_s": round(time.monotonic() - 1.0 - t0, 2), "exit_code": [p.returncode for p in procs],
-            "processes_left": sum(_left(p.pid) for p in procs), "shm_left": sorted(leaked(shm_before, pids)),
+            "processes_left": sum(len(group_alive(p.pid)) for p in procs), "shm_left": sorted(leaked(shm_before, pids)),
             "message": lines[-1][:300] if lines else ""}
 
 
@@ -121,7 +100,7 @@ def forged_store_value(d: Path, model: str) -> dict:
     logs = [d / "node0.log", d / "node1.log"]
     env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "ASYNCRL_RUN_SECRET": SECRET, "NODES_TOY_STEP_S": "0.5"}
     procs = [_spawn(_agent(port, k, *args), logs[k], **env) for k in range(2)]
-    if not _wait(lambda: _steps(d / "toy") >= 2 or any(p.poll() is not None for p in procs), 300) \
+    if not wait_until(lambda: _steps(d / "toy") >= 2 or any(p.poll() is not None for p in procs), 300) \
             or any(p.poll() is not None for p in procs):
         return {"error": f"the two-node run ended or stalled before the attack (see {logs})"}
     agent_store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
@@ -143,7 +122,7 @@ def _job(d: Path, model: str, log: Path, resume: bool = False) -> subprocess.Pop
 def planted_checkpoint(d: Path, model: str) -> dict:
     marker, run, shm = d / "payload_ran", d / "runs" / "job", shm_entries()
     p = _job(d, model, d / "run.log")
-    if not _wait(lambda: _steps(run) >= 3 or p.poll() is not None, 180) or p.poll() is not None:
+    if not wait_until(lambda: _steps(run) >= 3 or p.poll() is not None, 180) or p.poll() is not None:
         return {"error": f"the job ended or stalled before the attack (see {d / 'run.log'})"}
     os.killpg(p.pid, signal.SIGINT)  # Ctrl-C: a checkpoint of the last step, then it exits
     p.wait(120)
@@ -183,7 +162,7 @@ def disk_full(d: Path, model: str) -> dict:
         return {"error": f"cannot mount a tmpfs here ({r.stderr.strip()[:120]}): the simulated disk_full_in_checkpoint row stands"}
     try:
         p = _job(d, model, d / "run.log")
-        if not _wait(lambda: _steps(mnt / "job") >= 3 or p.poll() is not None, 180) or p.poll() is not None:
+        if not wait_until(lambda: _steps(mnt / "job") >= 3 or p.poll() is not None, 180) or p.poll() is not None:
             return {"error": f"the job ended or stalled before the disk filled (see {d / 'run.log'})"}
         st = os.statvfs(mnt)
         filler = st.f_bavail * st.f_frsize - 8192  # all but the last 8 KiB

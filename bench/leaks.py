@@ -1,4 +1,5 @@
-"""What a run left in /dev/shm, counting only the run's own entries (bench/faults.py and the tests).
+"""What a run left in /dev/shm, counting only the run's own entries (bench/faults.py and the tests);
+and the processes of a session still alive (`group_alive`), waited for with `wait_until`.
 
 /dev/shm is the machine's, shared with every other program: a test that flagged any new `sem.mp-*`
 there failed because another program (another test run, a notebook) had opened a semaphore
@@ -16,6 +17,8 @@ Locks, Events and Queues). An entry new since `before` counts as the run's leak 
 from __future__ import annotations
 
 import os
+import time
+from pathlib import Path
 
 SHM = "/dev/shm"
 KINDS = ("torch_", "sem.mp-")
@@ -87,3 +90,28 @@ def leaked(before: set, pids=None) -> set:
         new.add(n)
     held = holders(new)
     return {n for n in new if not held[n] - run and os.path.exists(os.path.join(SHM, n))}
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            stat = (p / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, pgrp, ...
+        if p.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(p.name))
+    return out
+
+
+def wait_until(cond, timeout: float, step: float = 0.02):
+    """Poll `cond()` until it returns something true (returned) or `timeout` s pass (None)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(step)
+    return None
