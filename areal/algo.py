@@ -37,7 +37,7 @@ from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_p
 from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
 from common.config_check import above, at_least, between
-from common.micro import micro_batches, rank_sum, rank_sum_stats
+from common.micro import micro_batches, packs_rows, rank_sum, rank_sum_stats
 from common.ops import group_normalised_advantages, token_logp
 
 
@@ -93,7 +93,7 @@ class AReaL(Algorithm):
     def proximal_logp(self, model, batch: Batch) -> torch.Tensor:
         """(B, T) log-probs of the batch under the current weights (0 off the mask)."""
         prox = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=batch.tokens.device)
-        for rows in micro_batches(batch, self.micro_batch_tokens):
+        for rows in micro_batches(batch, self.micro_batch_tokens, packed=packs_rows(model)):
             mb = batch.select(rows)
             prox[rows.to(prox.device), :mb.tokens.shape[1]] = token_logp(model, mb.tokens, self.temperature,
                                                                          mb.loss_mask, prompt_lens=mb.prompt_lens)
@@ -117,7 +117,7 @@ class AReaL(Algorithm):
         n_tok = batch.loss_mask.sum().clamp(min=1)
         settings = {k: getattr(self.cfg, k) for k in _SETTINGS}
         totals: dict[str, float] = {}
-        for rows in micro_batches(batch, self.micro_batch_tokens):
+        for rows in micro_batches(batch, self.micro_batch_tokens, packed=packs_rows(model)):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
             loss, st = call_loss(self.loss_fn, mb, lp, mb.extra["prox_logp"], mb.behav_logp, mb.extra["advantages"],

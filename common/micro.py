@@ -1,11 +1,12 @@
-"""Dynamic micro-batching under a padded-token budget, and how micro-batches are shared among
-the trainer's ranks (trainer processes).
+"""Dynamic micro-batching under a token budget, and how micro-batches are shared among the
+trainer's ranks (trainer processes).
 
 First-fit-decreasing (AReaL): sort items by length, longest first; put each into the
 micro-batch with the fewest rows that still fits the budget, opening a new one when none
 fits. An item is a single row, or a whole group of rows (TBA's per-prompt log Z needs every
 response of its group in one micro-batch; see tba/algo.py). The cost of a micro-batch is
-what a right-padded tensor costs: rows x longest row.
+what the model runs: rows x longest row for right-padded rows, the sum of the rows' lengths when
+the model packs them end to end (`packs_rows`: `train.pack_rows`, common/engine/packing.py).
 
 Ranks (`--train.trainer_devices=N`): every rank runs the algorithm's code on the whole batch,
 so every weight an algorithm derives from the batch (a micro-batch's share of rows or tokens)
@@ -66,28 +67,40 @@ def rank_sum_stats(stats: dict) -> dict:
     return _ranks.sum_stats(stats)
 
 
-def pack_ffd(items: list[tuple[int, int]], token_budget: int) -> list[list[int]]:
-    """items[i] = (rows, max_len). Returns lists of item indices, one list per micro-batch.
-    An item larger than the budget on its own gets a micro-batch of its own."""
+def packs_rows(model) -> bool:
+    """Whether `model` runs a micro-batch's rows packed end to end (its `pack_rows`): the cost
+    `micro_batches(packed=)` counts."""
+    return bool(getattr(model, "pack_rows", False))
+
+
+def pack_ffd(items: list[tuple[int, ...]], token_budget: int, packed: bool = False) -> list[list[int]]:
+    """items[i] = (rows, max_len) or (rows, max_len, tokens). Returns lists of item indices, one
+    list per micro-batch, each costing at most `token_budget`: rows x longest row, or with
+    `packed` the sum of its items' tokens (item i's tokens: rows x max_len when not given). An
+    item larger than the budget on its own gets a micro-batch of its own."""
     order = sorted(range(len(items)), key=lambda i: -items[i][1])
-    bins: list[tuple[list[int], int, int]] = []  # (item ids, rows, max_len)
+    bins: list[tuple[list[int], int, int, int]] = []  # (item ids, rows, max_len, tokens)
     for i in order:
-        rows, length = items[i]
+        rows, length, *n = items[i]
+        n = n[0] if n else rows * length
         best = None
-        for b, (_, r, L) in enumerate(bins):
-            if (r + rows) * max(L, length) <= token_budget and (best is None or r < bins[best][1]):
+        for b, (_, r, L, N) in enumerate(bins):
+            cost = N + n if packed else (r + rows) * max(L, length)
+            if cost <= token_budget and (best is None or r < bins[best][1]):
                 best = b
         if best is None:
-            bins.append(([i], rows, length))
+            bins.append(([i], rows, length, n))
         else:
-            ids, r, L = bins[best]
-            bins[best] = (ids + [i], r + rows, max(L, length))
-    return [ids for ids, _, _ in bins]
+            ids, r, L, N = bins[best]
+            bins[best] = (ids + [i], r + rows, max(L, length), N + n)
+    return [ids for ids, _, _, _ in bins]
 
 
-def micro_batches(batch: Batch, token_budget: int, group_aligned: bool = False) -> list[torch.Tensor]:
+def micro_batches(batch: Batch, token_budget: int, group_aligned: bool = False,
+                  packed: bool = False) -> list[torch.Tensor]:
     """Row-index tensors partitioning `batch` into micro-batches, this rank's share of them (see
-    the module docstring)."""
+    the module docstring); `packed`: the model packs rows (`packs_rows`), a micro-batch costs its
+    real tokens."""
     lengths = (batch.prompt_lens + batch.comp_lens).tolist()
     if group_aligned:
         groups: dict[int, list[int]] = {}
@@ -96,6 +109,6 @@ def micro_batches(batch: Batch, token_budget: int, group_aligned: bool = False) 
         members = list(groups.values())
     else:
         members = [[r] for r in range(len(batch))]
-    items = [(len(m), max(lengths[r] for r in m)) for m in members]
-    parts = [torch.tensor(sorted(r for i in ids for r in members[i])) for ids in pack_ffd(items, token_budget)]
+    items = [(len(m), max(lengths[r] for r in m), sum(lengths[r] for r in m)) for m in members]
+    parts = [torch.tensor(sorted(r for i in ids for r in members[i])) for ids in pack_ffd(items, token_budget, packed)]
     return _ranks.share(parts)

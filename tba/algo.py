@@ -29,7 +29,7 @@ import torch
 from common.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.batch import Batch
 from common.config_check import above, at_least, between
-from common.micro import micro_batches, rank_sum_stats
+from common.micro import micro_batches, packs_rows, rank_sum_stats
 from common.ops import group_mean, group_normalised_advantages, seq_logp, token_logp
 from tba.loss import grpo_loss, linear_beta, tb_loss
 
@@ -96,7 +96,7 @@ class TBA(_Base):
         if self.loss_fn is tb_loss:
             self._check_ref(batch)
         totals: dict[str, float] = {}
-        for rows in micro_batches(batch, self.micro_batch_tokens, group_aligned=True):
+        for rows in micro_batches(batch, self.micro_batch_tokens, group_aligned=True, packed=packs_rows(model)):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
             slp = seq_logp(lp, mb.loss_mask)  # (b,)
@@ -129,7 +129,7 @@ class GRPO(_Base):
                - self.cfg.kl_coef * (kl - group_mean(kl, batch.group_id)))
         n_tok = batch.loss_mask.sum().clamp(min=1)
         totals: dict[str, float] = {}
-        for rows in micro_batches(batch, self.micro_batch_tokens):
+        for rows in micro_batches(batch, self.micro_batch_tokens, packed=packs_rows(model)):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
             loss, st = call_loss(self.loss_fn, mb, lp, mb.behav_logp, mb.loss_mask, adv[rows],

@@ -33,6 +33,9 @@ Three ways to call `Transformer.forward` / `hidden`:
                                     the same log-probs, rows whose first p[b] tokens are equal
                                     running them once, packed without padding, when that runs
                                     fewer tokens (`common/engine/prefix.py`)
+  forward(tokens, targets=y, ...) with `pack_rows` set
+                                    the same log-probs, the rows packed end to end without
+                                    padding, attention per row (`common/engine/packing.py`)
 A block attends through what it is given: nothing (causal over each row), the sampler's cache, or
 a packed layout; the last two by `attend(layer, q, k, v)`.
 """
@@ -50,7 +53,7 @@ from common.engine.head import head_logp
 from common.engine.layers import RMSNorm, apply_rope, make_norm, rope_inv_freq
 from common.engine.linear import Linear
 from common.engine.model_config import ModelConfig
-from common.engine.prefix import packed_logp
+from common.engine.packing import packed_logp
 
 
 class Attention(nn.Module):
@@ -178,6 +181,9 @@ class Transformer(nn.Module):
         # row in full; None: on the CPU only (on CUDA the packed pass's masked attention cost as
         # much device time as the fewer tokens saved, BENCHMARKS.md)
         self.share_prompts: bool | None = None
+        # Trainer option (`train.pack_rows`): log-prob passes run their rows packed end to end, no
+        # padding, attention per row (`common/engine/packing.py`)
+        self.pack_rows = False
 
     def tie_weights(self):
         if self.cfg.tie_word_embeddings:
@@ -237,7 +243,7 @@ class Transformer(nn.Module):
     def hidden(self, tokens, cache=None, pos=None, max_pos: int | None = None, layout=None):
         """Final-norm hidden states (B, T, D). pos (B, T): absolute positions for RoPE
         (default 0..T-1); max_pos: a bound on them, if the caller knows one. With `cache`,
-        attention runs through it; with `layout` (a `SharedPrefixes`), the pass runs its packed
+        attention runs through it; with `layout` (`SharedPrefixes`, `PackedRows`), the pass runs its packed
         tokens, (1, N, D) out (see the module docstring)."""
         if layout is not None:
             tokens, pos, max_pos = layout.tokens[None], layout.pos[None], layout.max_pos
@@ -269,8 +275,9 @@ class Transformer(nn.Module):
         """Logits (B, T, V); or with `targets` (B, T) int64, log-probs (B, T) fp32 of targets[:, t]
         at position t under softmax(logits / temperature), 0 where targets[:, t] < 0; with
         `prefix_lens` (B,) too, rows sharing their first prefix_lens tokens run them once (module
-        docstring). The sampler uses `hidden` and applies the head to the last position."""
-        if targets is not None and prefix_lens is not None and cache is None:
+        docstring); with `pack_rows` set, the rows run packed. The sampler uses `hidden` and applies
+        the head to the last position."""
+        if targets is not None and cache is None and (prefix_lens is not None or self.pack_rows):
             lp = packed_logp(self, tokens, targets, prefix_lens, temperature)
             if lp is not None:
                 return lp

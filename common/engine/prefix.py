@@ -20,7 +20,9 @@ for a gather). RoPE positions are j in a prefix and len(prefix) + j in a suffix,
 The result equals the unpacked pass up to floating-point summation order (`tests/test_prefix.py`).
 
 Where rows share nothing (every prompt distinct) packing still drops the right padding; a pass
-packs only when that runs at least `MIN_SAVING` fewer tokens than the padded rows (`packed_logp`).
+packs only when that runs at least `MIN_SAVING` fewer tokens than the padded rows, or, with
+`train.pack_rows`, than the rows packed end to end (`common/engine/packing.py`, which decides
+and runs the pass: `packed_logp`), and no more attention work than they do (`work`).
 Shapes: R rows, P distinct prefixes, Lp / Ls longest prefix / suffix, N packed tokens, H query
 heads, Hkv key/value heads, hd head dim.
 """
@@ -32,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.causal_attention import causal_attention
-from common.engine.head import head_logp
 
 
 # pack only when that drops at least this share of the padded rows' tokens: the packed pass adds
@@ -78,14 +79,7 @@ class SharedPrefixes:
         if any(p < 1 or p > n or n > T for p, n in zip(plen, rlen)):
             raise ValueError(f"SharedPrefixes: need 1 <= prefix_len <= length <= T={T}; got {plen} / {rlen}")
         host = tokens.cpu()
-        first: dict[tuple, int] = {}  # prefix content -> prefix index
-        row_pre, prefixes = [], []
-        for r in range(R):
-            key = tuple(host[r, :plen[r]].tolist())
-            if key not in first:
-                first[key] = len(prefixes)
-                prefixes.append(r)
-            row_pre.append(first[key])
+        row_pre, prefixes = _distinct(host, plen)
         Lp = max(plen)
         slen = [n - p for p, n in zip(plen, rlen)]
         Ls = max(1, max(slen))
@@ -123,6 +117,16 @@ class SharedPrefixes:
                    pre_len=row_plen.to(dev), sees=sees.unsqueeze(1).to(dev), max_pos=max(rlen),
                    padded_tokens=R * T)
 
+    @staticmethod
+    def work(tokens: torch.Tensor, prefix_lens: list[int], lengths: list[int]) -> tuple[int, int]:
+        """(packed tokens, attention query-key pairs) of `build(tokens, prefix_lens, lengths)`
+        without building it: the prefixes' causal attention P x Lp^2, the suffixes' masked one
+        R x Ls x (Lp + Ls), both padded."""
+        _, prefixes = _distinct(tokens.cpu(), prefix_lens)
+        Lp, Ls = max(prefix_lens), max(1, max(n - p for p, n in zip(prefix_lens, lengths)))
+        n = sum(prefix_lens[r] for r in prefixes) + sum(lengths) - sum(prefix_lens)
+        return n, len(prefixes) * Lp * Lp + len(lengths) * Ls * (Lp + Ls)
+
     def index(self, rows: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Packed index of position t of row `rows` (same shapes; t < the row's length)."""
         plen = self.pre_len[rows]
@@ -147,25 +151,18 @@ class SharedPrefixes:
         return y.transpose(0, 1).unsqueeze(0)
 
 
-def packed_logp(model, tokens, targets, prefix_lens, temperature) -> torch.Tensor | None:
-    """`Transformer.forward(tokens, targets=, prefix_lens=)`'s log-probs (B, T) through a
-    `SharedPrefixes` packing, or None where packing would not drop `MIN_SAVING` of the padded rows' tokens.
-    A row ends after its last predicting position (causal: later tokens change nothing before
-    them), never inside its prefix."""
-    B, T = tokens.shape
-    sel = targets >= 0
-    has = sel.any(1)                                                     # (B,) rows with a target
-    if not bool(has.any()) or bool((prefix_lens < 1).any()):
-        return None
-    last = T - 1 - sel.flip(1).int().argmax(1)                         # (B,) last predicting position
-    lengths = torch.maximum(torch.where(has, last + 1, 1), prefix_lens.to(last.device))
-    layout = SharedPrefixes.build(tokens, prefix_lens, lengths)
-    if layout.n_tokens > (1 - MIN_SAVING) * layout.padded_tokens:
-        return None
-    rows, t = sel.nonzero(as_tuple=True)                                 # (n,) predicting positions
-    h = model.hidden(None, layout=layout)[0]                             # (N, D) packed
-    lp = head_logp(h[layout.index(rows, t)], model.lm_head.weight, targets[rows, t], temperature)
-    return torch.zeros(B, T, dtype=lp.dtype, device=lp.device).index_put((rows, t), lp)
+def _distinct(host: torch.Tensor, plen: list[int]) -> tuple[list[int], list[int]]:
+    """(each row's prefix index, the first row of each distinct prefix): rows whose first plen[r]
+    tokens are equal share one prefix (by content)."""
+    first: dict[tuple, int] = {}  # prefix content -> prefix index
+    row_pre, prefixes = [], []
+    for r in range(host.shape[0]):
+        key = tuple(host[r, :plen[r]].tolist())
+        if key not in first:
+            first[key] = len(prefixes)
+            prefixes.append(r)
+        row_pre.append(first[key])
+    return row_pre, prefixes
 
 
 def _masked_attention(q, k, v, sees):

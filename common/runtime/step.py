@@ -27,11 +27,12 @@ class RankFailed(WorkerError):
 
 def trainer_model(prec, path: str, tc, device: str):
     """(model, tokenizer): the policy at `path` on `device` (`prec` loads it: fp32 master weights),
-    in training mode with `train`'s activation checkpointing, block compilation and prompt sharing."""
+    in training mode with `train`'s activation checkpointing, block compilation, prompt sharing and
+    row packing (`tc` settled by `check_config`)."""
     model, tok = prec.load(path, device=device, role="trainer")
     model.train()
     model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
-    model.share_prompts = tc.share_prompts
+    model.share_prompts, model.pack_rows = tc.share_prompts, bool(tc.pack_rows)
     return model, tok
 
 

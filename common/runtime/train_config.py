@@ -23,10 +23,11 @@ class TrainConfig:
     decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps; 0 = none
     weight_decay: float = 0.0         # AdamW weight decay
     grad_clip: float = 1.0            # max global grad norm; 0 = off
-    micro_batch_tokens: int = 8192    # padded-token budget of one micro-batch (dynamic batching)
+    micro_batch_tokens: int = 8192    # token budget of one micro-batch (dynamic batching): real tokens when rows are packed, else rows x longest row
     activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
     compile_blocks: bool = False      # torch.compile the blocks (one rank): fused norms/RoPE/SiLU, ATen GEMMs; costs a compile at start
     share_prompts: Optional[bool] = None  # a prompt shared by rows of a micro-batch runs once (packed; same gradient); None = on CPU, off on CUDA
+    pack_rows: Optional[bool] = None  # a micro-batch's rows run packed end to end, no padding (same gradient); None = on CPU without compile_blocks, off on CUDA (unmeasured there)
     memory_fraction: float = 0.0      # CUDA: cap on the trainer's share of its GPU (shared with generators); 0 = no cap
     prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
     sync_every: int = 2               # k: publish weights to generators every k steps
@@ -58,7 +59,9 @@ class TrainConfig:
                                              "<= {p}buffer_capacity={s.buffer_capacity} (the ring holds no more: "
                                              "the first step would wait for good)")),
         "checkpoint_every": at_least(0), "keep_checkpoints": at_least(0), "eval_every": at_least(0),
-        "stall_timeout": at_least(0)}
+        "stall_timeout": at_least(0),
+        "pack_rows": relation(lambda v, s: not (v and s.compile_blocks), "false or none with {p}compile_blocks=true "
+                              "(compiled blocks run padded rows only)")}
 
 
 @dataclass
@@ -98,7 +101,8 @@ def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
 
 def check_config(cfg: TrainConfig) -> TrainConfig:
     """`cfg` checked (its ranges, `TrainConfig.CHECKS`, and what this machine allows; errors name
-    the key) and completed: sync mode's eta = 0 and k = 1, the generator count when 0; returns it."""
+    the key) and completed: sync mode's eta = 0 and k = 1, the generator count when 0, pack_rows
+    when None; returns it."""
     check(cfg, "train.")
     if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
         cfg.max_staleness, cfg.sync_every = 0, 1
@@ -107,6 +111,8 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"--train.trainer_devices={cfg.trainer_devices}: this machine has {gpus} GPUs")
     if cfg.n_generators == 0:  # the GPUs the trainer leaves; with none left, one that shares
         cfg.n_generators = max(1, gpus - cfg.trainer_devices)
+    if cfg.pack_rows is None:  # measured faster on CPU (bench/_long_train.py); not yet on a GPU
+        cfg.pack_rows = not cfg.device.startswith("cuda") and not cfg.compile_blocks
     if cfg.compile_blocks and cfg.trainer_devices > 1:
         raise ConfigError("--train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
                           "hooks are not traced here): use one of them")

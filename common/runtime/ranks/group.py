@@ -109,7 +109,7 @@ class TrainerGroup(OneRank):
         timeout = tc.stall_timeout if tc.stall_action == "stop" else 0.0
         reshard = resolve_reshard(tc.reshard, tc.device)
         setup = RankSetup(self.world, self._tcp.port, host, self.local, tc.device, timeout, model_path, prec,
-                          tc.activation_checkpointing, tc.share_prompts, reshard, tc.lr, tc.weight_decay,
+                          tc.activation_checkpointing, tc.share_prompts, tc.pack_rows, reshard, tc.lr, tc.weight_decay,
                           tc.grad_clip)
         if self.world > self.local:  # the other trainer nodes build their ranks from this
             self.keys.put("trainer/setup", (setup, algo_bytes))

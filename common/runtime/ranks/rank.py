@@ -43,6 +43,7 @@ class RankSetup:
     precision: Precision      # resolved by rank 0
     activation_checkpointing: bool  # train.activation_checkpointing
     share_prompts: bool | None  # train.share_prompts
+    pack_rows: bool | None    # train.pack_rows (settled by check_config; None = off)
     reshard: str              # train.reshard resolved: "pass" or "update" (common/runtime/ranks/fsdp.py)
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
@@ -62,6 +63,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     model, _ = setup.precision.load(setup.model, device=device, role="trainer", tokenizer=False)
     model.train()
     model.checkpoint_layers, model.share_prompts = setup.activation_checkpointing, setup.share_prompts
+    model.pack_rows = bool(setup.pack_rows)  # as rank 0's: every rank forms the same micro-batches
     tcp = dist.TCPStore(setup.host, setup.port, setup.world, is_master=False)
     tcp.set(f"ready{rank}", "1")
     mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s, loopback=setup.world == setup.local)
