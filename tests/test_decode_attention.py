@@ -71,8 +71,8 @@ def test_flash_layout_equals_dense_masked(monkeypatch, padded_lse, B, E, n, S, P
 
 def test_token_major_view_reads_the_store_without_a_copy():
     store = torch.arange(2 * 3 * 5 * 4, dtype=torch.float32).view(2, 3, 5, 4)
-    tm = da._token_major(store)
-    assert tm.data_ptr() == store.data_ptr()
+    tm, row = da._token_major(store)
+    assert tm.data_ptr() == store.data_ptr() and row == 3 * 5
     for r in range(2):
         for t in range(5):
             torch.testing.assert_close(tm[r * 3 * 5 + t], store[r, :, t])  # (Hkv, hd): token t of row r

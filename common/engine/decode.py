@@ -80,13 +80,17 @@ class Rows:
     def per_slot(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self) if f.name in self.PER_SLOT]
 
-    def start(self, slots: list[int], prompt_len: list[int], params: list, keys: torch.Tensor) -> torch.Tensor:
-        """Set up `slots` for new samples (their prompts' lengths, SamplingParams, random keys);
-        returns the slots as a device index tensor. The first token is the caller's to set."""
+    def start(self, slots: list[int], prompt_len: list[int], params: list, keys: torch.Tensor,
+              own: list[int] | None = None) -> torch.Tensor:
+        """Set up `slots` for new samples (their prompts' lengths, SamplingParams, random keys), or
+        for resumed ones whose pending token is own column own[i]; returns the slots as a device
+        index tensor. The pending token is the caller's to set."""
         dev = self.tok.device  # copies non-blocking: a step may be in flight (inflight.py)
         rows = to_device(slots, dev)
         temp = to_device([p.temperature for p in params], dev, torch.float32)
         self.pos[rows] = self.plen[rows] = to_device(prompt_len, dev)
+        if own is not None:
+            self.pos[rows] += to_device(own, dev)
         self.temp[rows], self.greedy[rows] = effective_temperature(temp), temp <= 0
         self.top_k[rows] = to_device([p.top_k for p in params], dev)
         self.top_p[rows] = to_device([p.top_p for p in params], dev, self.top_p.dtype)

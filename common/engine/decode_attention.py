@@ -56,12 +56,15 @@ def lse_rows(lse: torch.Tensor, seqs: int, per_seq: int) -> torch.Tensor:
     return lse.view(-1, seqs, per_seq).permute(1, 2, 0)
 
 
-def _token_major(store: torch.Tensor) -> torch.Tensor:
-    """A (rows, Hkv, cols, hd) store seen as (N, Hkv, hd) tokens without a copy: token t of row r
-    is index r * Hkv * cols + t (what cu_seqlens_k points at), heads cols * hd apart."""
-    rows, Hkv, cols, hd = store.shape
-    n = rows * Hkv * cols - (Hkv - 1) * cols  # the last row's last head ends the store exactly
-    return store.as_strided((n, Hkv, hd), (hd, cols * hd, 1), store.storage_offset())
+def _token_major(kv: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A (B, Hkv, S, hd) view of the cache (rows 0..B-1, columns 0..S-1, any row and token
+    strides, hd contiguous) seen as (N, Hkv, hd) tokens without a copy, and the tokens between two
+    rows' starts (what cu_seqlens_k steps by): token t of row r is index r * row_tokens + t."""
+    B, Hkv, S, hd = kv.shape
+    st_row, st_head, st_tok = kv.stride()[:3]
+    row_tokens = st_row // st_tok
+    n = (B - 1) * row_tokens + S  # up to the last row's column S - 1: within the storage
+    return kv.as_strided((n, Hkv, hd), (st_tok, st_head, 1), kv.storage_offset()), row_tokens
 
 
 @dataclass
@@ -75,10 +78,12 @@ class DecodePlan:
     P: int
     back_e: torch.Tensor          # (B,) the entry of row b's prompt query row (back // n)
     back_i: torch.Tensor          # (B,) its index among the entry's n query rows (back % n)
+    write: torch.Tensor           # (B,) where row b's new K/V go: its own column (static), a token (paged)
+    idx: tuple | None = None      # the paged cache's gather indices (`PagedKVCache.indices`), None: static
     own_mask: torch.Tensor | None = None     # dense: (B, 1, 1, S) additive
     prompt_mask: torch.Tensor | None = None  # dense: (E, 1, 1, P) additive
     cu_q_own: torch.Tensor | None = None     # flash: (B+1,) int32, G queries per row
-    cu_k_own: torch.Tensor | None = None     # flash: (B+1,) int32, slot starts in `_token_major`
+    cu_k_own: torch.Tensor | None = None     # flash: (B+1,) int32, row starts in `_token_major`
     used_own: torch.Tensor | None = None     # flash: (B,) int32, own_pos + 1
     cu_q_prompt: torch.Tensor | None = None  # flash: (E+1,) int32, n*G queries per entry
     cu_k_prompt: torch.Tensor | None = None  # flash: (E+1,) int32, entry starts
@@ -91,7 +96,8 @@ def plan(cache, own_pos: torch.Tensor, prompt_len: torch.Tensor, back: torch.Ten
     row. S > every own_pos and P >= every prompt_len; larger values give the same result."""
     B, E, n, S, P = shape
     dev = own_pos.device
-    p = DecodePlan(flash, B, E, n, S, P, torch.div(back, n, rounding_mode="floor"), back % n)
+    write, idx = cache.indices(own_pos, B, S, E, P)
+    p = DecodePlan(flash, B, E, n, S, P, torch.div(back, n, rounding_mode="floor"), back % n, write, idx)
     plen = prompt_len.clamp(min=1)  # an unused entry sees column 0: finite garbage nobody reads
     if not flash:
         cols = torch.arange(S, device=dev)
@@ -99,13 +105,14 @@ def plan(cache, own_pos: torch.Tensor, prompt_len: torch.Tensor, back: torch.Ten
         pcols = torch.arange(P, device=dev)
         p.prompt_mask = additive_mask((pcols < plen.unsqueeze(1))[:, None, None, :], cache.dtype)
         return p
-    G, Hkv = cache.G, cache.k[0].shape[1]
+    G, Hkv = cache.G, cache.k[0].shape[-2]
+    own_row, prompt_row = cache.row_tokens(S, P)
     i32 = dict(dtype=torch.int32, device=dev)
     p.cu_q_own = torch.arange(0, (B + 1) * G, G, **i32)
-    p.cu_k_own = torch.arange(0, (B + 1) * Hkv * cache.max_seq_len, Hkv * cache.max_seq_len, **i32)
+    p.cu_k_own = torch.arange(0, (B + 1) * own_row, own_row, **i32)
     p.used_own = (own_pos + 1).to(torch.int32)
     p.cu_q_prompt = torch.arange(0, (E + 1) * n * G, n * G, **i32)
-    p.cu_k_prompt = torch.arange(0, (E + 1) * Hkv * cache.max_prompt_len, Hkv * cache.max_prompt_len, **i32)
+    p.cu_k_prompt = torch.arange(0, (E + 1) * prompt_row, prompt_row, **i32)
     p.used_prompt = plen.to(torch.int32)
     return p
 
@@ -115,18 +122,19 @@ def attend(cache, layer: int, q_own: torch.Tensor, q_prompt: torch.Tensor, p: De
     K/V are already in the cache (the compiled layer body wrote them)."""
     B, E, n, S, P = p.B, p.E, p.n, p.S, p.P
     G, Hkv, hd = q_own.shape[1:]
-    kc, vc, pk, pv = cache.k[layer], cache.v[layer], cache.pk[layer], cache.pv[layer]
+    kc, vc = cache.own_kv(layer, B, S, p.idx)       # (B, Hkv, S, hd) views
+    pk, pv = cache.prompt_kv(layer, E, P, p.idx)    # (E, Hkv, P, hd) views
     if p.flash:
-        o_s, l_s = flash_varlen(q_own.view(B * G, Hkv, hd), _token_major(kc), _token_major(vc),
+        o_s, l_s = flash_varlen(q_own.view(B * G, Hkv, hd), _token_major(kc)[0], _token_major(vc)[0],
                                 p.cu_q_own, p.cu_k_own, G, S, p.used_own)
-        o_p, l_p = flash_varlen(q_prompt.view(E * n * G, Hkv, hd), _token_major(pk), _token_major(pv),
+        o_p, l_p = flash_varlen(q_prompt.view(E * n * G, Hkv, hd), _token_major(pk)[0], _token_major(pv)[0],
                                 p.cu_q_prompt, p.cu_k_prompt, n * G, P, p.used_prompt)
         return (o_s.view(B, G, Hkv, hd), lse_rows(l_s, B, G), o_p.view(E, n, G, Hkv, hd),
                 lse_rows(l_p, E, n * G).view(E, n, G, Hkv))
     # dense: the G heads sharing a key/value head are G query rows against it (no K/V copies)
-    o_s, l_s = attend_lse(q_own.transpose(1, 2), kc[:B, :, :S], vc[:B, :, :S], p.own_mask)  # (B, Hkv, G, hd), (B, Hkv, G)
-    qp = q_prompt.view(E, n * G, Hkv, hd).transpose(1, 2)                                   # (E, Hkv, n*G, hd)
-    o_p, l_p = attend_lse(qp, pk[:E, :, :P], pv[:E, :, :P], p.prompt_mask)                 # (E, Hkv, n*G, hd)
+    o_s, l_s = attend_lse(q_own.transpose(1, 2), kc, vc, p.own_mask)               # (B, Hkv, G, hd), (B, Hkv, G)
+    qp = q_prompt.view(E, n * G, Hkv, hd).transpose(1, 2)                          # (E, Hkv, n*G, hd)
+    o_p, l_p = attend_lse(qp, pk, pv, p.prompt_mask)                               # (E, Hkv, n*G, hd)
     # the prompt part copied into the flash path's layout (small): a compiled layer body then sees the
     # same strides whatever E and n are (a size-1 dim's stride would otherwise vary: a recompile)
     o_p, l_p = o_p.view(E, Hkv, n, G, hd).permute(0, 2, 3, 1, 4), l_p.view(E, Hkv, n, G).permute(0, 2, 3, 1)

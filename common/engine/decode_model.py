@@ -120,7 +120,8 @@ def _norm(x, w, b, eps: float):
 
 def attn_in(x, d, w: LayerWeights, eps: float, cos_t, sin_t, pos, kc, vc, own, q_rows, H: int, Hkv: int):
     """x, d (B, D) -> x + d (B, D), q_own (B, G, Hkv, hd), q_prompt (E*n, G, Hkv, hd) in the cache's
-    dtype; writes the rows' k/v into their slots' column `own` of kc/vc (max_batch, Hkv, S, hd)."""
+    dtype; writes the rows' k/v at `own` (B,): their slots' column of a static cache's kc/vc
+    (max_batch, Hkv, cols, hd), or their token of a paged cache's (tokens, Hkv, hd)."""
     x = x + d
     B, hd = x.shape[0], kc.shape[-1]
     qkv = _lin(_norm(x, w.ln1, w.ln1_b, eps), w.qkv, w.qkv_b, w.packed)            # (B, (H + 2 Hkv) hd)
@@ -132,9 +133,12 @@ def attn_in(x, d, w: LayerWeights, eps: float, cos_t, sin_t, pos, kc, vc, own, q
     if cos_t is not None:  # None: learned positions, added to the embeddings (GPT-2)
         cos, sin = cos_t[pos].to(dt).unsqueeze(1), sin_t[pos].to(dt).unsqueeze(1)  # (B, 1, rotary_dim), as Transformer.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    rows = torch.arange(B, device=x.device)
-    kc[rows, :, own] = k.to(kc.dtype)
-    vc[rows, :, own] = v.to(vc.dtype)
+    if kc.dim() == 3:  # paged (`kv_paged.py`): a shape, so a constant of the compiled graph
+        kc[own], vc[own] = k.to(kc.dtype), v.to(vc.dtype)
+    else:
+        rows = torch.arange(B, device=x.device)
+        kc[rows, :, own] = k.to(kc.dtype)
+        vc[rows, :, own] = v.to(vc.dtype)
     q = q.view(B, Hkv, H // Hkv, hd).transpose(1, 2).to(kc.dtype).contiguous()  # (B, G, Hkv, hd): heads h = j*G + g
     return x, q, q[q_rows]
 
@@ -293,11 +297,11 @@ class DecodeModel:
         f_in, f_out = self._fn(attn_in), self._fn(attn_out)
         H, Hkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         mark = _dynamic if self.compile else (lambda *_: None)  # rows B, query rows E*n, entries E and n
-        mark((pos, 0), (own, 0), (q_rows, 0), (p.back_e, 0), (p.back_i, 0))
+        mark((pos, 0), (own, 0), (p.write, 0), (q_rows, 0), (p.back_e, 0), (p.back_i, 0))
         for i, w in enumerate(self.layers):
             cos_t, sin_t = tables[2 * w.local:2 * w.local + 2]  # the layer's RoPE table (None: learned positions)
             mark((x, 0), (d, 0))
-            x, q_own, q_prompt = f_in(x, d, w, eps, cos_t, sin_t, pos, cache.k[i], cache.v[i], own, q_rows, H, Hkv)
+            x, q_own, q_prompt = f_in(x, d, w, eps, cos_t, sin_t, pos, cache.k[i], cache.v[i], p.write, q_rows, H, Hkv)
             o_s, l_s, o_p, l_p = decode_attention.attend(cache, i, q_own, q_prompt, p)
             mark((x, 0), (o_s, 0), (l_s, 0), (o_p, 0, 1), (l_p, 0, 1))
             x, d = f_out(x, o_s, l_s, o_p, l_p, p.back_e, p.back_i, w, eps, body)

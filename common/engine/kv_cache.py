@@ -29,6 +29,7 @@ A decode step writes and reads the stores itself (`common/engine/decode_model.py
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -64,6 +65,7 @@ class KVCache:
         self.dtype, self.device = dtype, device
         self.G = cfg.num_attention_heads // Hkv  # query heads per key/value head
         self.mode = None
+        self.room = np.full(max_batch, max_seq_len + 1, dtype=np.int64)  # own tokens a slot holds: all, always
 
     # ------------------------------------------------------------------ modes (set by the sampler)
     def begin_prompts(self, entries: torch.Tensor) -> None:
@@ -108,6 +110,58 @@ class KVCache:
     def move_entries(self, src: list[int], dst: list[int], length: int) -> None:
         """Move prompts' K/V (`length` columns) from prefix entries src[i] to dst[i]."""
         _move(self.stores[:2], src, dst, length)
+
+    # ------------------------------------------------------------------ the paged cache's calls (`kv_paged.py`)
+    # Static slots hold every sample at full length from the start: nothing to take, nothing to give
+    # back, never short, so the sampler's paging calls cost nothing here and never preempt.
+    paged = False
+
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        pass
+
+    def cost(self, prompt_tokens: int, own_tokens: int) -> int:
+        return 0
+
+    def has_room(self, pages: int, running: bool) -> bool:
+        return True
+
+    def open_entry(self, e: int, tokens: int) -> None:
+        pass
+
+    def close_entry(self, e: int) -> None:
+        pass
+
+    def close_slot(self, s: int) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def open_slot(self, s: int, e: int, own_tokens: int) -> None:
+        pass
+
+    def grow_slot(self, s: int, own_tokens: int) -> int:
+        return 0
+
+    def occupancy(self) -> float:
+        return 1.0  # every slot's memory is committed up front
+
+    # ------------------------------------------------------------------ a decode step's reads (`decode_attention.py`)
+    def indices(self, own: torch.Tensor, B: int, S: int, E: int, P: int):
+        """(where row b writes its new K/V: its own column, no gather indices)."""
+        return own, None
+
+    def row_tokens(self, S: int, P: int) -> tuple[int, int]:
+        """Tokens between two rows' starts in `decode_attention._token_major` (own, prompt)."""
+        Hkv = self.k[0].shape[1]
+        return Hkv * self.max_seq_len, Hkv * self.max_prompt_len
+
+    def own_kv(self, layer: int, B: int, S: int, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows 0..B-1's own K and V, columns 0..S-1: (B, Hkv, S, hd) views."""
+        return self.k[layer][:B, :, :S], self.v[layer][:B, :, :S]
+
+    def prompt_kv(self, layer: int, E: int, P: int, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pk[layer][:E, :, :P], self.pv[layer][:E, :, :P]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.stores)

@@ -34,6 +34,7 @@ class Seq:
     req: Request
     out: Completion       # filled from the SlotLog when the sample is handed out
     slot: int             # the slot it holds now (compaction moves it)
+    order: int = 0        # admission order: preemption takes the youngest (`preempt.py`)
 
 
 def _compaction(items: list) -> tuple[list[int], list[int]]:
@@ -56,31 +57,40 @@ class LiveBatch:
         return (any(p.top_k > 0 or p.top_p < 1 for p in params), any(p.temperature <= 0 for p in params))
 
     def _admit(self) -> Launched | None:
-        """Give free slots to waiting samples, first come first served; prefill new prompts
-        together; draw every admitted sample's first token in one call. Returns those tokens on
-        their way to the host (`_collect` records them), or None if nobody was admitted."""
+        """Give free slots to waiting samples: preempted ones first (`preempt.py`), then new ones
+        first come first served, each while the KV pool has pages for it (its prompt's, when its
+        request is new, and its first column's); prefill new prompts together; draw every new
+        sample's first token in one call. Returns those tokens on their way to the host
+        (`_collect` records them), or None if no new sample was admitted."""
+        free = [s for s, q in enumerate(self.slots) if q is None]
+        if self.preempted:
+            free = self._resume(free)
         if not self.queue or self._pending_update is not None:
             return None
-        free = [s for s, q in enumerate(self.slots) if q is None]
         plan: list[tuple[Request, list[int]]] = []
+        new: list[Request] = []
         for req in self.queue:
-            if not free or self._pending_update is not None:
+            running = self.num_active > 0 or bool(plan)
+            if not free or not self._open_entry(req, new, running):
                 break
-            take, free = free[:req.params.n - req.next_sample], free[req.params.n - req.next_sample:]
+            take = []
+            while free and req.next_sample + len(take) < req.params.n and \
+                    self.cache.has_room(self.cache.cost(0, 1), running or bool(take)):
+                take.append(free.pop(0))
+                self.cache.open_slot(take[-1], req.entry, 1)  # its first own column
+            if not take:
+                break
             plan.append((req, take))
         if not plan:
             return None
-        new = [req for req, _ in plan if req.entry < 0]
-        for req in new:  # a free prefix entry each; never fails: entries = max_batch + 1
-            req.entry = self.entries.index(None)
-            self.entries[req.entry] = req
         self._prefill(new)  # an update re-prefills live prompts and resets their logits
         dev, r = self.model.device, self.rows
         slots, logits, rids, sidx = [], [], [], []
         for req, take in plan:
             p, P = req.params, len(req.prompt)
             for s in take:
-                self.slots[s] = Seq(req, Completion(req.request_id, req.next_sample, req.prompt), s)
+                self.slots[s] = Seq(req, Completion(req.request_id, req.next_sample, req.prompt), s, self._order)
+                self._order += 1
                 self.log.start(s, min(p.max_new_tokens, self.max_seq_len - P), p.stop_token_ids)
                 rids.append(req.request_id)
                 sidx.append(req.next_sample)
@@ -103,6 +113,19 @@ class LiveBatch:
         return Launched.send(self._outs, torch.stack((tok.double(), lp.double())), len(slots),
                              cols=np.arange(len(slots)), slots=slots, slots_np=slots_np,
                              seqs=[self.slots[s] for s in slots], epoch=self._epoch)
+
+    def _open_entry(self, req: Request, new: list, running: bool) -> bool:
+        """A prompt entry for `req` if it has none, with its pages and its first sample's (False:
+        the pool has no room now); a new one joins `new`, to be prefilled."""
+        if req.entry >= 0:
+            return True
+        if not self.cache.has_room(self.cache.cost(len(req.prompt), 1), running):
+            return False
+        req.entry = self.entries.index(None)  # never fails: entries = max_batch + 1
+        self.entries[req.entry] = req
+        self.cache.open_entry(req.entry, len(req.prompt))
+        new.append(req)
+        return True
 
     def _compact(self) -> None:
         """Move the highest busy slots into the lowest free ones (and likewise for prompt entries)
@@ -157,6 +180,7 @@ class LiveBatch:
     def _release(self, req: Request) -> None:
         """Free a request's prompt entry once all its samples were admitted and have finished."""
         if req.live == 0 and req.next_sample == req.params.n and req.entry >= 0:
+            self.cache.close_entry(req.entry)
             self.entries[req.entry] = None
             req.entry = -1
 
@@ -171,6 +195,7 @@ class LiveBatch:
             self.log.fill(s, seq.out)
             seq.out.finish_reason = "stop" if stop else "length"
             finished.append(seq.out)
+            self.cache.close_slot(s)
             self.slots[s] = None
             seq.req.live -= 1
             self._release(seq.req)

@@ -44,19 +44,22 @@ from common.engine.decode_attention import flash_available
 from common.engine.decode_model import DecodeModel
 from common.engine.inflight import HostRing, Launched
 from common.engine.kv_cache import KVCache
+from common.engine.kv_paged import PAGE_SIZE, PagedKVCache, default_kv_tokens
 from common.engine.linear import bf16_packing_available
 from common.engine.live_batch import LiveBatch, Request, Seq
+from common.engine.preempt import Preemption
 from common.engine.prefill import prefill_continuations, prefill_prompts
 from common.engine.sampling import Completion, SamplingParams
 from common.engine.slot_log import SlotLog
 
 
-class Sampler(LiveBatch):
+class Sampler(Preemption, LiveBatch):
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
                  prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
                  compile: bool | None = None, flash: bool | None = None, overlap: bool | None = None,
-                 packed: bool | None = None):
+                 packed: bool | None = None, kv_tokens: int | None = None, page_size: int | None = None,
+                 kv_layout: str | None = None):
         """max_seq_len bounds prompt + completion; max_prompt_len (default max_seq_len - 1)
         bounds prompts and sizes the cache's prompt store (memory: see `common/engine/kv_cache.py`).
         kv_dtype: the cache's (and attention's) dtype, default `model.kv_dtype` (set from the
@@ -71,7 +74,11 @@ class Sampler(LiveBatch):
         overlap: launch each decode step before recording the previous one (module docstring);
         None = `model.decode_overlap` (the run's --gen.overlap, set by the trainer on the model it evaluates);
         packed: the decode GEMMs on weights packed for oneDNN (CPU, bf16 weights: `decode_model.py`);
-        None = `model.decode_packed` (the run's `--precision.decode_gemm`) where it applies."""
+        None = `model.decode_packed` (the run's `--precision.decode_gemm`) where it applies.
+        kv_layout: "paged" (default: `model.kv_layout`, else paged) or "static" (`kv_cache.py`);
+        kv_tokens: the paged pool's budget in tokens, prompts and samples together (None:
+        `model.kv_tokens`, else `default_kv_tokens`); past it the youngest samples are preempted
+        (`common/engine/preempt.py`); page_size: tokens per page (None: `PAGE_SIZE` for the device)."""
         self.model, self.max_batch, self.max_seq_len = model, max_batch, max_seq_len
         self.max_positions = getattr(model, "max_positions", None)  # a hard limit (GPT-2, Gemma 3's windows)
         if self.max_positions is not None:
@@ -80,11 +87,23 @@ class Sampler(LiveBatch):
         self.prefill_tokens = prefill_tokens
         dev = model.device
         kv_dtype = kv_dtype or getattr(model, "kv_dtype", None) or model.dtype
-        self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, max_prompt_len=self.max_prompt_len)
+        kv_layout = kv_layout or getattr(model, "kv_layout", None) or "paged"
+        if kv_layout == "static":
+            self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, max_prompt_len=self.max_prompt_len)
+        elif kv_layout == "paged":
+            kv_tokens = kv_tokens or getattr(model, "kv_tokens", None) or default_kv_tokens(
+                model.cfg, dev, kv_dtype, max_batch, max_seq_len)
+            page_size = page_size or getattr(model, "kv_page_size", None) or PAGE_SIZE.get(dev.type, 64)
+            self.cache = PagedKVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, kv_tokens, page_size,
+                                      max_prompt_len=self.max_prompt_len)
+        else:
+            raise ValueError(f"kv_layout={kv_layout!r}: expected 'paged' or 'static'")
         self.entries: list[Request | None] = [None] * self.cache.max_prefixes  # prompt store owners
         self.version = version                      # stamped on every token sampled from now on
         self.seed = seed                            # with request id, sample index and token index: the uniforms
         self.queue: deque[Request] = deque()
+        self.preempted: list = []  # (Seq, saved SlotLog row) of preempted samples, oldest first (`preempt.py`)
+        self._order = 0            # admission counter (Seq.order)
         self.slots: list[Seq | None] = [None] * max_batch
         self.rows = Rows.allocate(max_batch, self.cache.max_prefixes, dev)
         self.log = SlotLog(max_batch, max_seq_len)  # host: tokens, log-probs, versions per slot
@@ -115,7 +134,8 @@ class Sampler(LiveBatch):
         # is what must hide behind a captured step's device time: BENCHMARKS.md)
         self._epoch, self._members, self._compacted, self._plan_key = 0, None, -1, None
         self.stats = {"prefill_tokens": 0, "prefill_forwards": 0, "decode_steps": 0, "decode_tokens": 0,
-                      "decode_rows": 0, "interrupts": 0, **{f"{a}_{b}": 0 for a in ("run", "live")
+                      "decode_rows": 0, "interrupts": 0, "preemptions": 0, "reprefill_tokens": 0,
+                      "kv_occupancy": 0.0, "kv_peak_occupancy": 0.0, **{f"{a}_{b}": 0 for a in ("run", "live")
                                                             for b in ("prompt_rows", "own_cols", "prompt_cols")}}
 
     # ------------------------------------------------------------------ requests
@@ -129,6 +149,7 @@ class Sampler(LiveBatch):
         if self.max_positions is not None and len(prompt) + params.max_new_tokens > self.max_positions:
             raise ValueError(f"prompt of {len(prompt)} tokens + max_new_tokens={params.max_new_tokens} exceeds the "
                              f"{self.max_positions} positions this {self.model.cfg.model_type} model runs")
+        self.cache.check_fits(len(prompt), min(params.max_new_tokens, self.max_seq_len - len(prompt)))
 
     def submit(self, prompt: list[int], params: SamplingParams, request_id: int | None = None) -> int:
         """Queue one prompt for `params.n` samples. A bad request raises here and is not queued."""
@@ -141,6 +162,7 @@ class Sampler(LiveBatch):
 
     @property
     def num_active(self) -> int:
+        """Samples in slots (not the preempted ones waiting to resume)."""
         return sum(s is not None for s in self.slots)
 
     @property
@@ -148,7 +170,8 @@ class Sampler(LiveBatch):
         return self._pending_update is not None
 
     def has_work(self) -> bool:
-        return bool(self.queue) or self.num_active > 0 or self._pending_update is not None or bool(self._ready)
+        return (bool(self.queue) or self.num_active > 0 or bool(self.preempted) or self._pending_update is not None
+                or bool(self._ready))
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, load_fn, version: int, mode: str = "interrupt") -> None:
@@ -156,7 +179,7 @@ class Sampler(LiveBatch):
         if it returns an int, that is the version actually loaded (it may be newer than `version`)."""
         if mode not in ("interrupt", "finish"):
             raise ValueError(f"update_weights mode={mode!r}: expected 'interrupt' or 'finish'")
-        if mode == "finish" and self.num_active > 0:
+        if mode == "finish" and (self.num_active > 0 or self.preempted):
             self._pending_update = (load_fn, version)  # applied by step() once the batch drains
             return
         self._apply(load_fn, version)
@@ -190,10 +213,9 @@ class Sampler(LiveBatch):
                                   [len(q.req.prompt) for _, q in busy], own, self.max_seq_len)
             self.stats["prefill_tokens"] += sum(len(o) for o in own)
             self.stats["prefill_forwards"] += 1
-        for seq in self.slots:
-            if seq is not None:
-                seq.out.n_interrupts += 1
-                self.stats["interrupts"] += 1
+        for seq in [q for q in self.slots if q is not None] + [q for q, _ in self.preempted]:
+            seq.out.n_interrupts += 1  # a preempted sample resumes on the new weights
+            self.stats["interrupts"] += 1
 
     def abort_all(self) -> list[Completion]:
         """Drop queued requests; return in-flight samples as partial, finish_reason 'interrupted'
@@ -206,6 +228,15 @@ class Sampler(LiveBatch):
                 seq.out.finish_reason = "interrupted"
                 out.append(seq.out)
                 self.slots[s] = None
+                self.cache.close_slot(s)
+        for seq, (tok, logp, ver, *_) in self.preempted:
+            seq.out.tokens, seq.out.logp, seq.out.versions = tok.tolist(), logp.tolist(), ver.tolist()
+            seq.out.finish_reason = "interrupted"
+            out.append(seq.out)
+        self.preempted = []
+        for e, r in enumerate(self.entries):
+            if r is not None:
+                self.cache.close_entry(e)
         self.rows.active.zero_()
         self.queue.clear()
         self.entries = [None] * len(self.entries)
@@ -216,8 +247,9 @@ class Sampler(LiveBatch):
     @torch.inference_mode()
     def step(self) -> list[Completion]:
         """Admit, decode one token for every busy slot, return the samples that finished."""
-        if self._pending_update is not None and self.num_active == 0:
+        if self._pending_update is not None and self.num_active == 0 and not self.preempted:
             self._apply(*self._pending_update)
+        self._reserve()  # pages for the running samples' next columns, preempting if short (`preempt.py`)
         finished, self._ready = self._ready, []
         firsts = self._admit()
         if firsts is not None and not self.overlap:
@@ -250,6 +282,8 @@ class Sampler(LiveBatch):
         if self.static_shapes:  # the shapes a captured step runs at (eagerly: tests compare them with the live ones)
             shape = captured_shape(live, self.max_batch, self.cache.max_prefixes, self.max_seq_len,
                                    self.max_prompt_len)
+        self.cache.flush()  # page tables changed on the host go to the device (paged; before a capture reads them)
+        self._kv_stats()
         if self._plan_key != (self._epoch, shape.B, shape.E, shape.n):
             self._plan(shape.B, shape.E, shape.n)
             self._plan_key = (self._epoch, shape.B, shape.E, shape.n)

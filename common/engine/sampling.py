@@ -63,6 +63,7 @@ class Completion:
     versions: list[int] = field(default_factory=list)   # policy version that sampled each token
     finish_reason: str = ""            # "stop" | "length" | "interrupted"
     n_interrupts: int = 0              # weight updates applied while this sample was in flight
+    n_preemptions: int = 0             # times its KV pages were taken back and its tokens re-prefilled
 
     def logp_tensor(self) -> torch.Tensor:
         return torch.tensor(self.logp, dtype=torch.float32)

@@ -50,6 +50,19 @@ class SlotLog:
         out.tokens, out.logp, out.versions = (self.tok[slot, :n].tolist(), self.logp[slot, :n].tolist(),
                                              self.ver[slot, :n].tolist())
 
+    def save(self, slot: int) -> tuple:
+        """A copy of the slot's sample (tokens, log-probs, versions so far, its limit and stop ids), to
+        `restore` in another slot later (a preempted sample: `common/engine/preempt.py`)."""
+        n = self.count[slot]
+        return (self.tok[slot, :n].copy(), self.logp[slot, :n].copy(), self.ver[slot, :n].copy(), int(self.limit[slot]),
+                [int(t) for t in self.stops[slot] if t >= 0])
+
+    def restore(self, slot: int, saved: tuple) -> None:
+        tok, logp, ver, limit, stops = saved
+        self.start(slot, limit, stops)
+        n = len(tok)
+        self.tok[slot, :n], self.logp[slot, :n], self.ver[slot, :n], self.count[slot] = tok, logp, ver, n
+
     def move(self, src: list[int], dst: list[int]) -> None:
         """Samples move from slots src[i] to dst[i] (the sampler's compaction; disjoint sets)."""
         n = int(self.count[src].max())
