@@ -38,16 +38,19 @@ PAGE_SIZE = {"cpu": 64, "cuda": 256}  # tokens per KV page by device (BENCHMARKS
 KV_FRACTION = 0.5  # CUDA: the share of free memory (after the model) a default pool takes; the trainer may share it
 
 
-def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int) -> int:
-    """The paged pool's budget when none is given: on CPU every slot at full length
-    (max_batch x max_seq_len, the static cache's slot store: nothing that ran before is preempted);
-    on CUDA `KV_FRACTION` of the free memory, at most that much."""
-    full = max_batch * max_seq_len
+def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_prompt_len: int, page_size: int) -> int:
+    """The paged pool's budget when none is given. On CPU what the static cache holds, in whole pages:
+    every slot at full length and every prompt entry full, so nothing that ran there is ever
+    preempted (untouched pages are never committed: the pool is taken from the lowest pages up).
+    On CUDA, where memory is committed at allocation, `KV_FRACTION` of the free memory, at most that."""
+    def pages(n):
+        return -(-n // page_size)
+    full = (max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)) * page_size
     if torch.device(device).type != "cuda":
         return full
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
     free = torch.cuda.mem_get_info(device)[0]
-    return max(1, min(full, int(free * KV_FRACTION) // per_token))
+    return max(page_size, min(full, int(free * KV_FRACTION) // per_token))
 
 
 class PagedKVCache:
@@ -82,7 +85,7 @@ class PagedKVCache:
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """ValueError with the numbers if one sample could never fit the pool (+1: the column a
         step in flight may write past the end under overlap)."""
-        self.pool.check_fits(prompt_tokens, max_new_tokens + 1)
+        self.pool.check_fits(prompt_tokens, max_new_tokens, slack=1)
 
     def cost(self, prompt_tokens: int, own_tokens: int) -> int:
         """Pages that opening a prompt of `prompt_tokens` (0: already open) and a slot of `own_tokens` take."""

@@ -85,10 +85,11 @@ class PagePool:
             if self.ref[p] == 0:
                 self.free.append(p)
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int, slack: int = 0) -> None:
         """Refuse, with the numbers, a sample that could not finish even with the whole pool to itself
-        (its prompt's pages and its own): no amount of preemption would ever let it through."""
-        need = self.pages_for(prompt_tokens) + self.pages_for(max_new_tokens)
+        (its prompt's pages and its own, `slack` more own tokens): no amount of preemption would
+        ever let it through."""
+        need = self.pages_for(prompt_tokens) + self.pages_for(max_new_tokens + slack)
         if need > self.n_pages:
             raise ValueError(f"a sample of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} pages of "
                              f"{self.page_size} tokens; the pool has {self.n_pages} ({self.n_pages * self.page_size} "
