@@ -41,6 +41,8 @@ ALLOWED = {  # (key, value) accepted, and why; every other 0, -1, big, nan, inf 
     ("gen.prefill_tokens", "big"): MEMORY, ("gen.memory_fraction", "0"): "0 = no cap",
     ("gen.no_stop_reward", "0"): REWARD, ("gen.no_stop_reward", "-1"): REWARD, ("gen.no_stop_reward", "big"): REWARD,
     ("gen.error_reward", "0"): REWARD, ("gen.error_reward", "-1"): REWARD, ("gen.error_reward", "big"): REWARD,
+    ("gen.kv_tokens", "0"): "0 = the device's default pool", ("gen.kv_tokens", "big"): MEMORY,
+    ("gen.kv_page_size", "0"): "0 = the device's page size",
     ("train.steps", "big"): LONG, ("train.warmup_steps", "0"): "0 = no warm-up", ("train.warmup_steps", "big"): LONG,
     ("train.decay_steps", "0"): "0 = no decay", ("train.decay_steps", "big"): LONG,
     ("train.weight_decay", "0"): "0 = none", ("train.grad_clip", "0"): "0 = off",

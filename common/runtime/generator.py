@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from common.batch import PromptSet, Trajectory
-from common.config_check import any_finite, at_least, between
+from common.config_check import any_finite, at_least, between, relation
 from common.engine.precision import Precision
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
@@ -56,11 +56,16 @@ class GenConfig:
     memory_fraction: float = 0.0    # CUDA: cap on each generator's share of its GPU (shared with the trainer); 0 = no cap
     no_stop_reward: Optional[float] = None  # reward of a sample cut at max_new_tokens without a stop token (TL;DR paper: -1); None = score it
     error_reward: float = 0.0       # reward of a sample whose reward fn raised or was not finite (counted in reward_errors)
+    kv_layout: Literal["paged", "static"] = "paged"  # KV cache: pages taken as tokens are generated, or a full row per slot
+    kv_tokens: int = 0              # paged: the KV pool's budget in tokens per generator; 0 = CPU: static's size, CUDA: half the free memory
+    kv_page_size: int = 0           # paged: tokens per KV page; 0 = by device (CPU 64, CUDA 256)
 
     CHECKS = {"max_batch": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0),
               "top_p": between(0, 1, open_lo=True), "top_k": at_least(0), "n": at_least(1), "queue_depth": at_least(0),
               "prefill_tokens": at_least(1), "memory_fraction": between(0, 1), "no_stop_reward": any_finite(),
-              "error_reward": any_finite()}  # ranges (common/config_check.py)
+              "error_reward": any_finite(), "kv_page_size": between(0, 4096),
+              "kv_tokens": relation(lambda v, s: v == 0 or v >= (s.kv_page_size or 256),
+                                    "0 (the default pool), or at least one page ({p}kv_page_size, 256 when 0)")}  # ranges (common/config_check.py)
 
 
 def decode_graphs(cfg: GenConfig, device) -> bool:
@@ -80,8 +85,10 @@ def decode_overlap(cfg: GenConfig, device) -> bool:
 class Control:
     """Shared admission gate and generator statistics (see module docstring)."""
     VERSION, STARTED, QUOTA, DONE_GROUPS = 0, 1, 2, 3
-    STAT_FIELDS = ("tokens", "busy_s", "groups", "sync_s", "syncs", "reward_errors", "interrupts")
-    TOKENS, BUSY_S, GROUPS, SYNC_S, SYNCS, REWARD_ERRORS, INTERRUPTS = range(7)  # columns of `stats`
+    STAT_FIELDS = ("tokens", "busy_s", "groups", "sync_s", "syncs", "reward_errors", "interrupts", "preemptions",
+                   "reprefill_tokens", "kv_occupancy")
+    (TOKENS, BUSY_S, GROUPS, SYNC_S, SYNCS, REWARD_ERRORS, INTERRUPTS, PREEMPTIONS, REPREFILL_TOKENS,
+     KV_OCCUPANCY) = range(10)  # columns of `stats`
 
     def __init__(self, ctx, prompts_per_version: int, max_staleness: Optional[int], n_generators: int = 1):
         self.t = torch.zeros(4, dtype=torch.int64).share_memory_()
@@ -177,7 +184,8 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
                       max_prompt_len=max(len(p) for p in prompts.tokens),
                       version=store.load_into(model), seed=seed * 1000 + rank, prefill_tokens=cfg.prefill_tokens,
-                      cuda_graphs=decode_graphs(cfg, dev), overlap=decode_overlap(cfg, dev))
+                      cuda_graphs=decode_graphs(cfg, dev), overlap=decode_overlap(cfg, dev), kv_layout=cfg.kv_layout,
+                      kv_tokens=cfg.kv_tokens or None, page_size=cfg.kv_page_size or None)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, n=cfg.n, stop_token_ids=tuple(stop_token_ids))
     row = control.stats[rank]
@@ -235,3 +243,6 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
             row[Control.TOKENS] += sum(len(x.tokens) for x in g)
         row[Control.BUSY_S] += time.perf_counter() - t
         row[Control.INTERRUPTS] = sampler.stats["interrupts"]
+        row[Control.PREEMPTIONS] = sampler.stats["preemptions"]  # the paged KV pool (`common/engine/preempt.py`)
+        row[Control.REPREFILL_TOKENS] = sampler.stats["reprefill_tokens"]
+        row[Control.KV_OCCUPANCY] = sampler.stats["kv_occupancy"]

@@ -66,5 +66,8 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
                staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
                prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
                gen_sync_s=stats_of[:, Control.SYNC_S].sum().item(), gen_syncs=stats_of[:, Control.SYNCS].sum().item(),
-               reward_errors=stats_of[:, Control.REWARD_ERRORS].sum().item())
+               reward_errors=stats_of[:, Control.REWARD_ERRORS].sum().item(),
+               gen_preemptions=stats_of[:, Control.PREEMPTIONS].sum().item(),
+               gen_reprefill_tokens=stats_of[:, Control.REPREFILL_TOKENS].sum().item(),
+               kv_occupancy=stats_of[:, Control.KV_OCCUPANCY].mean().item())
     return row, (gen_tok, now)
