@@ -3,16 +3,18 @@
     python run_gsm8k.py                              # TBA, CPU preset, SmolLM2-135M-Instruct, offline
     python run_gsm8k.py --algo=areal                 # AReaL: decoupled PPO, eta = 4, interruptible generation
     python run_gsm8k.py --preset=gpu                 # the paper's settings (7 prompts x 20, k=2)
+    python run_gsm8k.py --algo=areal --preset=areal_long  # AReaL's long reasoning: R1-Distill-Qwen-1.5B, 512 x 16
     python run_gsm8k.py --algo=grpo --train.mode=sync  # synchronous baseline, same code
     python run_gsm8k.py --help                       # every config key with its comment
 
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
-(final answer after '####' / "answer is" / last number, compared numerically, math-verify as a
-fallback; exactly 1 or 0), the dataset (`--data.source`: local jsonl, a `datasets` folder or
-the hub's openai/gsm8k; default: the repository's copy in data/gsm8k), the config presets, the
-evaluation (greedy pass@1 on a fixed test subset) and main(reward=, loss=). The trainer runs in
-this process; the generators get `reward_fn` by reference when this module was imported (they
-import it), by value when it runs as the main script (common/runtime/pickling.py).
+(final answer: the later of the last '####' and the last \\boxed{...}, else after "answer is",
+else the last number; compared numerically, math-verify as a fallback; exactly 1 or 0), the
+dataset (`--data.source`: local jsonl, a `datasets` folder or the hub's openai/gsm8k; default:
+the repository's copy in data/gsm8k), the config presets, the evaluation (greedy pass@1 on a
+fixed test subset) and main(reward=, loss=). The trainer runs in this process; the generators get
+`reward_fn` by reference when this module was imported (they import it), by value when it runs as
+the main script (common/runtime/pickling.py).
 
 Reward r(x, y) = 1[ extract_answer(y) == gold(x) ]; TBA's target is pi_ref(y|x) exp(r / beta).
 Data rows are JSONL {"question": ..., "answer": "<reasoning>#### 42"}; the gold answer is the
@@ -28,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+from areal.algo import AReaLConfig
 from common import task
 from common.batch import PromptSet
-from common.config_check import at_least
+from common.config_check import at_least, relation
 from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
 from common.engine.hf_save import tokenizer_stop_ids
@@ -128,15 +131,71 @@ def _first_number(text: str) -> str | None:
     return _normalise_number(m.group(0)) if m else None
 
 
+# \boxed{...} (R1-Distill / DeepScaleR-style reasoning models), \fbox{...} alike; its braces may nest
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_MAX_BOX_CHARS = 256  # a box holding more is not a final answer
+_BRACE = re.compile(r"(?<!\\)[{}]")  # a brace; "\{" and "\}" are literal braces in LaTeX
+_TEXT_CMD = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\left|\\right|\\\$|\\%")  # thin spaces ("1\,234"), \left( , \$, \%
+_FRACTION = re.compile(r"(-?)\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}|(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)")
+
+
+def _boxed_value(content: str) -> str | None:
+    """The number a \\boxed{...} holds: "1,234" -> "1234", "\\$18" -> "18", "\\text{42}" -> "42",
+    "x = 5" -> "5" (after the last '='), "\\frac{3}{4}" or "3/4" -> "3/4" (compared by math-verify),
+    "5 \\text{ apples}" -> "5" (its first number); None when it holds none."""
+    s = content
+    for _ in range(3):  # \text{\textbf{42}}: nested wrappers, innermost first
+        s = _TEXT_CMD.sub(r" \1 ", s)
+    s = _LATEX_NOISE.sub("", s.replace("{,}", ","))
+    s = s.rsplit("=", 1)[-1]
+    frac = _FRACTION.fullmatch(s.replace(" ", "").replace("$", ""))
+    if frac:
+        sign, num, den = frac.groups()[:3] if frac.group(2) else ("", *frac.groups()[3:])
+        return f"{sign}{num}/{den}"
+    return _first_number(s)
+
+
+def _last_boxed(text: str) -> tuple[int, str] | None:
+    """(where it starts, its number) of the last complete \\boxed{...} in `text` that holds a number,
+    or None. Braces are matched once over the text (linear time, whatever the nesting); a box
+    left open (a completion cut at max_new_tokens) is skipped, and so is one holding more than
+    _MAX_BOX_CHARS characters (not a final answer; boxes nested in boxes stay linear)."""
+    boxes = list(_BOXED.finditer(text))
+    if not boxes:
+        return None
+    closing, stack = {}, []
+    for m in _BRACE.finditer(text, boxes[0].end() - 1):
+        if m.group(0) == "{":
+            stack.append(m.start())
+        elif stack:
+            closing[stack.pop()] = m.start()
+    for box in reversed(boxes):
+        end = closing.get(box.end() - 1)
+        if end is not None and end - box.end() <= _MAX_BOX_CHARS:
+            value = _boxed_value(text[box.end():end])
+            if value is not None:
+                return box.start(), value
+    return None
+
+
 def extract_answer(text: str) -> str | None:
-    """Final numeric answer of a completion: the number after the last '####', else after the
-    last "answer is", else the last number in the text; None when there is no number."""
+    """Final numeric answer of a completion: the number in its last \\boxed{...} or after its last
+    '####', whichever comes later in the text (the LAST box that holds a number: nested braces,
+    '$' and thousands commas handled); else the number after the last "answer is"; else the last
+    number in the text; None when there is no number."""
     if not text:
         return None
-    if "####" in text:
-        ans = _first_number(text.rsplit("####", 1)[1])
+    marker = text.rfind("####")
+    boxed = _last_boxed(text)
+    if boxed is not None and boxed[0] > marker:
+        return boxed[1]
+    if marker >= 0:
+        ans = _first_number(text[marker + 4:])
         if ans is not None:
             return ans
+    if boxed is not None:
+        return boxed[1]
     hits = list(_ANSWER_IS.finditer(text))
     if hits:
         ans = _first_number(text[hits[-1].end():])
@@ -237,6 +296,9 @@ class GSM8KConfig(task.RunConfig):
     tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_anneal_steps=40))
     data: DataConfig = field(default_factory=DataConfig)
 
+    CHECKS = {"algo": relation(lambda v, c: c.preset != "areal_long" or v == "areal",  # RunConfig's rules kept
+                               "'areal' with --preset=areal_long (AReaL's settings: decoupled PPO, no reference)")}
+
 
 def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     """The paper's GSM8K settings (TBA paper, Bartoldson et al. 2025): 7 prompts x K=20, k=2, m=0.95, lr 1e-5."""
@@ -249,9 +311,42 @@ def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     return task.gpu_defaults(cfg)
 
 
+R1_DISTILL_1_5B = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"  # AReaL's 1.5B long-reasoning policy (hub id, ~3.5 GB)
+GSM8K_TRAIN_SIZE = 7473  # problems in GSM8K's train split
+
+
+def areal_long_preset(cfg: GSM8KConfig) -> GSM8KConfig:
+    """AReaL's long-reasoning settings (Fu et al. 2025, the 1.5B math run) on GSM8K; it implies
+    --algo=areal (`task.areal_defaults` adds eta = 4, k = 1, interruptible generation, no reference).
+    Policy R1-Distill-Qwen-1.5B from the hub; 512 prompts x 16 answers per step; up to 27,648 new
+    tokens at temperature 1, top-p 1; decoupled PPO with eps 0.2, 4 minibatches, behaviour weights
+    capped at 5 and advantages normalised over the whole batch (AReaL's reward +-5 is an affine map
+    of our 0/1, which batch normalisation removes); AdamW lr 2e-5 constant, weight decay 0.05,
+    betas (0.9, 0.95) (common/runtime/step.py), grad clip 1; micro-batches of 30,720 tokens; 5
+    epochs. Not here: AReaL's Adam eps 1e-5 (ours 1e-8), its warm-up (0.1% of steps: none at 73)
+    and its prompt (R1 models are told to box the answer; ours asks for '####', the reward reads both)."""
+    cfg.algo, cfg.model, cfg.ref_model, cfg.name = "areal", R1_DISTILL_1_5B, None, "gsm8k_areal_long"
+    # 64 sampler slots: a full KV row each (static layout) is 64 x (prompt + 27,648) tokens x 28 KiB (bf16:
+    # 28 layers x 2 KV heads x 128 x K,V) ~ 51 GB, a generator's own 80 GB GPU; paged KV takes pages as tokens come
+    cfg.gen = GenConfig(max_batch=64, max_new_tokens=27648, n=16, temperature=1.0, top_p=1.0, top_k=0,
+                        update_mode="interrupt", ref_logp=False)
+    # TODO(kv_tokens): cfg.gen.kv_tokens = ...  # KV page-pool budget in tokens (0 = default), once GenConfig has it
+    cfg.train = TrainConfig(
+        steps=math.ceil(5 * GSM8K_TRAIN_SIZE / 512), lr=2e-5, warmup_steps=0, decay_steps=0, weight_decay=0.05,
+        grad_clip=1.0, prompts_per_step=512, sync_every=1, max_staleness=4, min_buffer=512 * 16,
+        buffer_capacity=65536,  # >= (eta + 1) x 512 x 16 = 40,960 trajectories in flight
+        micro_batch_tokens=30720, checkpoint_every=10, eval_every=25)
+    cfg.areal = AReaLConfig(eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=5.0, n_minibatches=4,
+                            adv_norm="batch")
+    # greedy pass@1 on the whole test set, with the training budget (a long reasoning cut short scores 0)
+    cfg.data.eval_size, cfg.data.eval_max_new_tokens, cfg.data.eval_max_batch = 1319, 27648, 32
+    return task.gpu_defaults(cfg)
+
+
 def make_config(argv: list[str] | None = None) -> GSM8KConfig:
     """Defaults, then the preset, then the algorithm's defaults, then every other override."""
-    return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset}, description=__doc__)
+    return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset, "areal_long": areal_long_preset},
+                            description=__doc__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class RunConfig:
     model: str = DEFAULT_POLICY         # policy: HF id or local checkpoint dir
     ref_model: Optional[str] = None     # frozen reference; None = the initial policy
     algo: Literal["tba", "areal", "grpo"] = "tba"  # TBA, AReaL (decoupled PPO), or the GRPO baseline (always on-policy)
-    preset: Literal["cpu", "gpu", "paper", "paper_llama"] = "cpu"  # preset applied before other overrides (the task's own: its docstring)
+    preset: Literal["cpu", "gpu", "paper", "paper_llama", "areal_long"] = "cpu"  # preset applied before other overrides (the task's own: its docstring)
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
     overwrite: bool = False             # replace an earlier run in runs/<name> (deleted first)
@@ -97,7 +97,8 @@ def areal_defaults(cfg: RunConfig) -> RunConfig:
         cfg.gen.n, cfg.train.prompts_per_step, cfg.train.min_buffer = 16, 8, 128
     else:
         cfg.train.min_buffer = cfg.train.prompts_per_step * cfg.gen.n
-    cfg.areal = AReaLConfig(eps_clip=0.2, n_minibatches=4, behav_imp_weight_cap=5.0, adv_norm="group")
+    if cfg.areal == AReaLConfig():  # a preset's own AReaL section is kept (run_gsm8k.py's areal_long)
+        cfg.areal = AReaLConfig(eps_clip=0.2, n_minibatches=4, behav_imp_weight_cap=5.0, adv_norm="group")
     return cfg
 
 
@@ -129,7 +130,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
                 presets: dict[str, Callable[[RunConfig], RunConfig]] | None = None,
                 description: str | None = None, finish: Callable[[RunConfig], RunConfig] | None = None) -> RunConfig:
     """The task's defaults (`cfg`), then `--preset` (the task's function for it; "cpu" = the
-    defaults; a preset the task has not is refused), then the algorithm's defaults, then every
+    defaults; a preset the task has not is refused), then the algorithm's defaults (of `--algo`,
+    else of the algorithm the preset set: `areal_defaults` for AReaL), then every
     other `--section.field=value`, then `finish` (values derived from others), then every value's
     range (`validate`: a ConfigError naming the key, the value and the range). `--print-config`
     prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
@@ -144,7 +146,7 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     if preset and preset in (presets or {}):
         cfg.preset = preset
         cfg = presets[preset](cfg)
-    if _flag(argv, "algo") == "areal":
+    if (_flag(argv, "algo") or cfg.algo) == "areal":
         cfg = areal_defaults(cfg)
     cfg = cli(cfg, argv, description=description)
     if finish is not None:

@@ -98,9 +98,40 @@ def test_format_prompt():
     ("#### no number here but 7 before", "7"),      # empty '####' falls back
     ("no digits at all", None),
     ("", None),
+    # \boxed{...}, as R1-Distill / DeepScaleR-style reasoning models write it
+    (r"so the answer is \boxed{42}.", "42"),
+    (r"Total: \boxed{1,234} dollars", "1234"),               # thousands commas
+    (r"$\boxed{\$1,200.50}$", "1200.50"),                  # $ and \$ stripped
+    (r"\boxed{1{,}234} or \boxed{5\,000}", "5000"),       # LaTeX's {,} and thin-space separators
+    (r"\boxed{\frac{3}{4}}", "3/4"),                       # nested braces
+    (r"\boxed{-\dfrac{3}{4}}", "-3/4"),
+    (r"\boxed{\text{42}}", "42"),
+    (r"\boxed{18 \text{ dollars}}", "18"),
+    (r"\boxed{x = 5}", "5"),                               # the value after '='
+    (r"\boxed{-7}", "-7"),
+    (r"\boxed{2.5\%}", "2.5"),
+    (r"first \boxed{3}, on reflection \boxed{7} and 9 apples", "7"),  # the LAST box wins, over later numbers
+    (r"\boxed{3} then cut off: \boxed{4", "3"),           # an unclosed box (cut at max_new_tokens) is skipped
+    (r"\boxed{6} \boxed{} and 9", "6"),                   # an empty box holds no answer
+    (r"\boxed {12}", "12"),
+    (r"\fbox{12}", "12"),
+    (r"\boxed{\boxed{8}}", "8"),
+    (r"#### 5, then \boxed{6}", "6"),                      # the later of '####' and a box
+    (r"\boxed{6}, then #### 5", "5"),
+    (r"\boxed{6}, then #### nothing", "6"),                # an empty '####' falls back to the box
+    (r"The answer is \boxed{\frac{1}{2}}", "1/2"),        # a box beats "answer is"
 ])
 def test_extract_answer(text, expected):
     assert extract_answer(text) == expected
+
+
+def test_boxed_extraction_is_linear_on_hostile_text():
+    import time
+    t = time.perf_counter()
+    assert extract_answer(r"\boxed{" * 50_000 + "1") == "1"  # 50k unclosed boxes
+    assert extract_answer(r"\boxed{{" * 20_000 + "}" * 40_000 + r"\boxed{7}") == "7"
+    assert extract_answer(r"9 \boxed{" * 20_000 + "}" * 20_000) == "9"  # boxes in boxes: only short ones are read
+    assert time.perf_counter() - t < 2.0
 
 
 @pytest.mark.parametrize("completion, gold, r", [
@@ -114,6 +145,10 @@ def test_extract_answer(text, expected):
     ("#### -3", "-3", 1.0),
     ("I don't know", "5", 0.0),
     ("", "5", 0.0),
+    (r"<think>3 + 4 = 7, wait, 3 x 4 = 12</think> The answer is \boxed{12}.", "12", 1.0),
+    (r"\boxed{1,234}", "1234", 1.0),
+    (r"\boxed{18.00}", "18", 1.0),
+    (r"\boxed{7} ... \boxed{8}", "7", 0.0),
 ])
 def test_reward_cases(completion, gold, r):
     out = reward_correct(completion, gold)
@@ -125,6 +160,9 @@ def test_reward_math_verify_fallback():
     # numeric compare fails on a non-numeric gold; math_verify settles it
     assert reward_correct("#### 0.5", "1/2") == 1.0
     assert reward_correct("#### 0.5", "1/2", use_math_verify=False) == 0.0
+    assert reward_correct(r"\boxed{\frac{3}{4}}", "0.75") == 1.0  # a boxed fraction: "3/4"
+    assert reward_correct(r"\boxed{\frac{10}{2}}", "5") == 1.0
+    assert reward_correct(r"\boxed{\frac{3}{4}}", "0.5") == 0.0
 
 
 def test_reward_never_raises(caplog, monkeypatch):

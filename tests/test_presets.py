@@ -18,6 +18,7 @@ import redteam_reward
 import run_gsm8k
 import run_redteam
 import run_tldr
+from common.config import ConfigError
 from common.engine.hf_io import load_model
 from common.log import read_metrics
 from common.toxicity import Guard, label_index
@@ -76,7 +77,31 @@ def test_presets_resolve_offline_to_the_papers_settings(capsys):
     assert "--reward.gold_model" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("script, preset", [("run_tldr.py", "paper"), ("run_redteam.py", "paper_llama")])
+def test_gsm8k_areal_long_resolves_offline_to_areals_settings():
+    """AReaL's long-reasoning run (its 1.5B math settings) resolved without loading anything; the
+    preset implies --algo=areal, refuses another algorithm, and overrides still win."""
+    for argv in (["--algo=areal", "--preset=areal_long"], ["--preset=areal_long"]):
+        c = run_gsm8k.make_config(argv)
+        assert (c.algo, c.preset, c.name) == ("areal", "areal_long", "gsm8k_areal_long")
+        assert c.model == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" and c.ref_model is None
+        assert (c.gen.temperature, c.gen.top_p, c.gen.top_k, c.gen.max_new_tokens, c.gen.n) == (1.0, 1.0, 0, 27648, 16)
+        assert (c.gen.update_mode, c.gen.ref_logp) == ("interrupt", False)
+        assert (c.train.prompts_per_step, c.train.lr, c.train.weight_decay, c.train.grad_clip) == (512, 2e-5, 0.05, 1.0)
+        assert (c.train.warmup_steps, c.train.decay_steps, c.train.steps) == (0, 0, 73)  # constant lr, 5 epochs
+        assert (c.train.sync_every, c.train.max_staleness, c.train.min_buffer) == (1, 4, 512 * 16)
+        assert c.train.buffer_capacity >= 5 * 512 * 16 and c.train.micro_batch_tokens == 30720
+        assert (c.areal.eps_clip, c.areal.eps_clip_high, c.areal.n_minibatches, c.areal.behav_imp_weight_cap,
+                c.areal.adv_norm) == (0.2, None, 4, 5.0, "batch")
+        assert (c.train.device, c.train.activation_checkpointing, c.data.eval_max_new_tokens) == ("cuda", True, 27648)
+    c = run_gsm8k.make_config(["--preset=areal_long", "--gen.max_new_tokens=8192", "--areal.adv_norm=group"])
+    assert (c.gen.max_new_tokens, c.areal.adv_norm, c.gen.n) == (8192, "group", 16)
+    with pytest.raises(ConfigError, match=r"^--algo='tba': must be 'areal' with --preset=areal_long"):
+        run_gsm8k.make_config(["--preset=areal_long", "--algo=tba"])
+    assert run_gsm8k.make_config(["--algo=areal"]).areal.adv_norm == "group"  # other presets: AReaL's defaults
+
+
+@pytest.mark.parametrize("script, preset", [("run_tldr.py", "paper"), ("run_redteam.py", "paper_llama"),
+                                            ("run_gsm8k.py", "areal_long")])
 def test_print_config_is_a_dry_run(script, preset):
     out = subprocess.run([sys.executable, str(ROOT / script), f"--preset={preset}", "--print-config"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})

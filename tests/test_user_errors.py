@@ -38,6 +38,9 @@ def runs(tmp_path_factory):
         "model_without_config": ([f"--model={tmp / 'no_config'}", "--name=x", root], {}),
         "empty_data": ([f"--data.source={tmp / 'empty_data'}", "--name=x", root], {}),
         "foreign_overwrite": (["--model=tiny", "--name=foreign", "--overwrite", root], {}),
+        # a preset's hub model, offline and not cached (an empty cache of our own: never a download)
+        "hub_model_offline": (["--algo=areal", "--preset=areal_long", "--name=x", root], {
+            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "HF_HUB_CACHE": str(tmp / "hf" / "hub")}),
     }
     env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_DEBUG"}
     procs = {name: subprocess.Popen([sys.executable, "run_gsm8k.py", *argv], cwd=ROOT, env={**env, **extra},
@@ -67,6 +70,12 @@ def test_a_missing_model_path_is_one_line(runs):
 def test_debug_shows_the_traceback(runs):
     code, err = runs["missing_model_debug"]
     assert code == 2 and "Traceback" in err and err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_a_presets_hub_model_offline_is_one_line(runs):
+    line = _one_line(runs["hub_model_offline"])
+    assert "cannot resolve model 'deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B'" in line and "Hugging Face" in line
+    assert "local checkpoint" in line  # the fix: --model=<a folder with it>
 
 
 def test_a_run_name_outside_run_root_is_one_line(runs):
