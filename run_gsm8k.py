@@ -326,11 +326,11 @@ def areal_long_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     epochs. Not here: AReaL's Adam eps 1e-5 (ours 1e-8), its warm-up (0.1% of steps: none at 73)
     and its prompt (R1 models are told to box the answer; ours asks for '####', the reward reads both)."""
     cfg.algo, cfg.model, cfg.ref_model, cfg.name = "areal", R1_DISTILL_1_5B, None, "gsm8k_areal_long"
-    # 64 sampler slots: a full KV row each (static layout) is 64 x (prompt + 27,648) tokens x 28 KiB (bf16:
-    # 28 layers x 2 KV heads x 128 x K,V) ~ 51 GB, a generator's own 80 GB GPU; paged KV takes pages as tokens come
-    cfg.gen = GenConfig(max_batch=64, max_new_tokens=27648, n=16, temperature=1.0, top_p=1.0, top_k=0,
-                        update_mode="interrupt", ref_logp=False)
-    # TODO(kv_tokens): cfg.gen.kv_tokens = ...  # KV page-pool budget in tokens (0 = default), once GenConfig has it
+    # the KV cache is paged (gen.kv_layout): its pool, sized from the GPU's free memory when the generator
+    # starts (gen.kv_tokens=0; 28 KiB a token in bf16: 28 layers x 2 KV heads x 128 x K,V), holds the tokens
+    # that are live, so 256 slots bound rows, not memory; past the pool the youngest samples are preempted
+    cfg.gen = GenConfig(max_batch=256, max_new_tokens=27648, n=16, temperature=1.0, top_p=1.0, top_k=0,
+                        update_mode="interrupt", ref_logp=False, kv_layout="paged", kv_tokens=0)
     cfg.train = TrainConfig(
         steps=math.ceil(5 * GSM8K_TRAIN_SIZE / 512), lr=2e-5, warmup_steps=0, decay_steps=0, weight_decay=0.05,
         grad_clip=1.0, prompts_per_step=512, sync_every=1, max_staleness=4, min_buffer=512 * 16,

@@ -85,7 +85,7 @@ def test_gsm8k_areal_long_resolves_offline_to_areals_settings():
         assert (c.algo, c.preset, c.name) == ("areal", "areal_long", "gsm8k_areal_long")
         assert c.model == "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B" and c.ref_model is None
         assert (c.gen.temperature, c.gen.top_p, c.gen.top_k, c.gen.max_new_tokens, c.gen.n) == (1.0, 1.0, 0, 27648, 16)
-        assert (c.gen.update_mode, c.gen.ref_logp) == ("interrupt", False)
+        assert (c.gen.update_mode, c.gen.ref_logp, c.gen.kv_layout) == ("interrupt", False, "paged")
         assert (c.train.prompts_per_step, c.train.lr, c.train.weight_decay, c.train.grad_clip) == (512, 2e-5, 0.05, 1.0)
         assert (c.train.warmup_steps, c.train.decay_steps, c.train.steps) == (0, 0, 73)  # constant lr, 5 epochs
         assert (c.train.sync_every, c.train.max_staleness, c.train.min_buffer) == (1, 4, 512 * 16)

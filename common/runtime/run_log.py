@@ -67,6 +67,8 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
                prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
                gen_sync_s=stats_of[:, Control.SYNC_S].sum().item(), gen_syncs=stats_of[:, Control.SYNCS].sum().item(),
                reward_errors=stats_of[:, Control.REWARD_ERRORS].sum().item(),
+               comp_len_mean=batch.comp_lens.float().mean().item(), comp_len_max=int(batch.comp_lens.max()),
+               gen_interrupts=stats_of[:, Control.INTERRUPTS].sum().item(),
                gen_preemptions=stats_of[:, Control.PREEMPTIONS].sum().item(),
                gen_reprefill_tokens=stats_of[:, Control.REPREFILL_TOKENS].sum().item(),
                kv_occupancy=stats_of[:, Control.KV_OCCUPANCY].mean().item())
