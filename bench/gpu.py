@@ -24,7 +24,7 @@ figure is measured: the docstrings of bench/_gpu_gen.py (sampler), bench/_gpu_de
 bench/_gpu_train.py (trainer, ipc, async).
 
     python bench/gpu.py --out gpu.json                    # everything (CUDA), ~5-8 min on one H100
-    python bench/gpu.py --only sampler,decode             # some sections: sampler,decode,trainer,ipc,async
+    python bench/gpu.py --only sampler,decode             # some sections: sampler,decode,trainer,ipc,async,long
     python bench/gpu.py --smoke --device cpu              # tiny shapes, no torch.compile: tests the code path
     python bench/gpu.py --smoke --device cuda --hf-compile --strict   # every CUDA call, tiny, ~1 min
 
@@ -57,13 +57,24 @@ import torch  # noqa: E402
 from bench._gpu_decode import decode_section  # noqa: E402
 from bench._gpu_gen import HF_SETTINGS, VARIANTS, sampler_section  # noqa: E402
 from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa: E402
+from bench.long_outputs import measure as long_measure, parse_args as long_args  # noqa: E402
 from bench._gpu_util import (SMOLLM2_135M, TINY, Ctx, build_checkpoint, free_memory, machine,  # noqa: E402
                              random_prompts, write_json)
 from common.engine.precision import PrecisionConfig, resolve  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
+
+
+def long_section(ctx) -> dict:
+    """bench/long_outputs.py on this device (paged vs static KV at equal memory, packed vs padded
+    rows: its docstring), bf16 on CUDA; smoke: its --quick without the trainer part."""
+    cuda = ctx.device.type == "cuda"
+    argv = ["--device", str(ctx.device), "--dtype", "bfloat16" if cuda else "float32"]
+    return long_measure(long_args(argv + (["--quick", "--skip-trainer"] if ctx.args.smoke else [])))
+
+
 SECTIONS = {"sampler": sampler_section, "decode": decode_section, "trainer": trainer_section,
-            "ipc": ipc_section, "async": async_section}
+            "ipc": ipc_section, "async": async_section, "long": long_section}
 # BENCHMARKS.md, "One H100, measured by hand": one H100 80 GB, torch 2.11 + CUDA 13, transformers 5.17, 2026-11-23, code of 2026-11-22
 WAS = {"ours_tok_s": 3573, "hf_dynamic_tok_s": 2153, "hf_static_tok_s": 7361, "hf_static_compiled_tok_s": 21322,
        "decode_wall_ms": 84.0, "decode_gpu_ms": 16.5, "trainer_step_s": 0.22, "trainer_tok_s": 138000,
@@ -195,6 +206,11 @@ def targets(res: dict) -> dict:
     if "async_over_sync" in a:
         t["one_gpu_async_over_sync"] = {"value": a["async_over_sync"], "need": "measured (the one-GPU default follows it)",
                                         "met": True}
+    lo = res.get("long", {})
+    for key, need in (("rows_paged_over_static", 5), ("sampler_paged_over_static", 3), ("trainer_packed_over_padded", 1.5),
+                      ("short_paged_over_static", 0.95)):
+        if lo.get(key) is not None:
+            t[f"long_{key}"] = {"value": lo[key], "need": f">= {need}", "met": lo[key] >= need}
     ipc = res.get("ipc", {})
     if "publish_ms" in ipc:
         t["ipc"] = {"publish_ms": ipc["publish_ms"], "apply_ms": ipc["apply_ms"], "torn_reads": ipc["torn_reads"],

@@ -20,7 +20,7 @@ runtime picks (`--dtype`), or `--arch` / `--tiny`.
 
     python bench/long_outputs.py                 # defaults (~15 min on 2 CPU cores)
     python bench/long_outputs.py --quick         # smoke (~1 min)
-    python bench/long_outputs.py --device=cuda   # on a GPU (no --scale: the paper's lengths)
+    python bench/long_outputs.py --device=cuda --dtype=bfloat16   # on a GPU (lengths x 1/4); bench/gpu.py --only long
 """
 from __future__ import annotations
 
@@ -38,7 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench._long_train import trainer_packed_vs_padded  # noqa: E402
-from common.engine.kv_pages import PagePool, PoolExhausted  # noqa: E402
+from common.engine.kv_pages import PagePool  # noqa: E402
+from common.engine.kv_paged import PAGE_SIZE  # noqa: E402
 from common.engine.model import Transformer  # noqa: E402
 from common.engine.model_config import ModelConfig  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
@@ -171,7 +172,7 @@ def short_workloads(model, args) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
@@ -183,7 +184,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=256, help="(a): prompt tokens per sample")
     ap.add_argument("--static-rows", type=int, default=8, help="(a): the static slots the KV memory buys")
     ap.add_argument("--page", type=int, default=0, help="tokens per page; 0 = the sampler's default for the device")
-    ap.add_argument("--scale", type=float, default=None, help="(b): lengths x this (default: 1/16 on CPU, 1 on CUDA)")
+    ap.add_argument("--scale", type=float, default=None, help="(b): lengths x this (default: 1/16 on CPU, 1/4 on CUDA)")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--static-batch", type=int, default=4)
@@ -191,14 +192,18 @@ def main() -> None:
     ap.add_argument("--short-batch", type=int, default=16)
     ap.add_argument("--short-prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    cuda = args.device.startswith("cuda")
+    ap.add_argument("--skip-trainer", action="store_true", help="leave out (c)")
+    args = ap.parse_args(argv)
     if args.scale is None:
-        args.scale = 1.0 if cuda else 1 / 16
+        args.scale = 0.25 if args.device.startswith("cuda") else 1 / 16
     if args.quick:
         args.tiny, args.requests, args.short_prompts = True, 12, 3
-    from common.engine.kv_paged import PAGE_SIZE
+    return args
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """The JSON line's content (module docstring); `bench/gpu.py`'s "long" section calls this too."""
+    cuda = args.device.startswith("cuda")
     page = args.page or PAGE_SIZE["cuda" if cuda else "cpu"]
     t0 = time.perf_counter()
     lengths = lognormal_lengths(4000 if not args.quick else 800, args.mean, args.sigma, args.cap)
@@ -206,16 +211,22 @@ def main() -> None:
     model = random_model(args)
     samp = sampler_at_equal_memory(model, args)
     short = short_workloads(model, args)
-    train = trainer_packed_vs_padded(quick=args.quick)
-    print(json.dumps({
-        "rows_paged_over_static": rows["rows_paged_over_static"],
-        "sampler_paged_over_static": samp["sampler_paged_over_static"],
-        "trainer_packed_over_padded": train["packed_over_padded"],
-        "short_paged_over_static": short["short_paged_over_static"],
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "page": page, "rows": rows, "sampler": samp, "short": short, "trainer": train,
-        "model": "tiny" if args.tiny else "smollm2-135m-shape (random)", "dtype": args.dtype,
-        "wall_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d"), "quick": args.quick}))
+    del model
+    train = {"packed_over_padded": None} if args.skip_trainer else trainer_packed_vs_padded(quick=args.quick)
+    return {"rows_paged_over_static": rows["rows_paged_over_static"],
+            "sampler_paged_over_static": samp["sampler_paged_over_static"],
+            "trainer_packed_over_padded": train["packed_over_padded"],
+            "short_paged_over_static": short["short_paged_over_static"],
+            "device": torch.cuda.get_device_name() if cuda else "cpu",
+            "page": page, "rows": rows, "sampler": samp, "short": short, "trainer": train,
+            "model": "tiny" if args.tiny else "smollm2-135m-shape (random)", "dtype": args.dtype,
+            "wall_s": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d"), "quick": args.quick}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    print(json.dumps(measure(args)))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ EXPECTED = {
                 "shared_prompts": ("step_s", "tok_s", "peak_gib")},
     "ipc": {None: ("publish_ms", "apply_ms", "publish_from_fp32_master_ms", "param_bytes", "race_reads", "torn_reads")},
     "async": {None: ("steps", "steps_per_s", "gen_tok_s", "gen_syncs", "wait_frac", "trainer_tok_s")},
+    "long": {None: ("rows_paged_over_static", "sampler_paged_over_static", "short_paged_over_static")},
 }
 
 
@@ -55,7 +56,8 @@ def test_gpu_bench_smoke_on_cpu(tmp_path):
     assert "captured_over_live_gpu" in res["targets"]
     assert res["ipc"]["torn_reads"] == 0 and res["ipc"]["race_reads"] >= 1
     assert res["async"]["steps"] == 3
-    assert set(res["targets"]) >= {"comparable", "decode_wall_over_gpu", "trainer_no_checkpointing", "ipc"}
+    assert set(res["targets"]) >= {"comparable", "decode_wall_over_gpu", "trainer_no_checkpointing", "ipc",
+                                   "long_rows_paged_over_static", "long_short_paged_over_static"}
     assert res["targets"]["comparable"] is False
 
 
