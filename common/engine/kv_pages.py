@@ -15,8 +15,8 @@ given back when it finishes or is preempted. So memory follows the tokens that a
     for t in s: t.release()
     prompt.release()                                     # every page free again
 
-Not wired into the sampler yet: the pool, its tables and their invariants, tested alone
-(tests/test_kv_pages.py).
+The sampler's paged cache (`kv_paged.py`) keeps one table per prompt entry and per slot, and
+writes them to the device; admission and preemption (`preempt.py`) decide from `can_take`.
 """
 from __future__ import annotations
 
