@@ -121,7 +121,7 @@ def _norm(x, w, b, eps: float):
 def attn_in(x, d, w: LayerWeights, eps: float, cos_t, sin_t, pos, kc, vc, own, q_rows, H: int, Hkv: int):
     """x, d (B, D) -> x + d (B, D), q_own (B, G, Hkv, hd), q_prompt (E*n, G, Hkv, hd) in the cache's
     dtype; writes the rows' k/v at `own` (B,): their slots' column of a static cache's kc/vc
-    (max_batch, Hkv, cols, hd), or their token of a paged cache's (tokens, Hkv, hd)."""
+    (max_batch, Hkv, cols, hd), or their token of a paged cache's kc (tokens, 2, Hkv, hd), vc None."""
     x = x + d
     B, hd = x.shape[0], kc.shape[-1]
     qkv = _lin(_norm(x, w.ln1, w.ln1_b, eps), w.qkv, w.qkv_b, w.packed)            # (B, (H + 2 Hkv) hd)
@@ -133,8 +133,8 @@ def attn_in(x, d, w: LayerWeights, eps: float, cos_t, sin_t, pos, kc, vc, own, q
     if cos_t is not None:  # None: learned positions, added to the embeddings (GPT-2)
         cos, sin = cos_t[pos].to(dt).unsqueeze(1), sin_t[pos].to(dt).unsqueeze(1)  # (B, 1, rotary_dim), as Transformer.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if kc.dim() == 3:  # paged (`kv_paged.py`): a shape, so a constant of the compiled graph
-        kc[own], vc[own] = k.to(kc.dtype), v.to(vc.dtype)
+    if vc is None:  # paged (`kv_paged.py`), a constant of the compiled graph: K and V side by side, one write
+        kc[own] = torch.stack((k, v), 1).to(kc.dtype)
     else:
         rows = torch.arange(B, device=x.device)
         kc[rows, :, own] = k.to(kc.dtype)
@@ -301,7 +301,7 @@ class DecodeModel:
         for i, w in enumerate(self.layers):
             cos_t, sin_t = tables[2 * w.local:2 * w.local + 2]  # the layer's RoPE table (None: learned positions)
             mark((x, 0), (d, 0))
-            x, q_own, q_prompt = f_in(x, d, w, eps, cos_t, sin_t, pos, cache.k[i], cache.v[i], p.write, q_rows, H, Hkv)
+            x, q_own, q_prompt = f_in(x, d, w, eps, cos_t, sin_t, pos, *cache.decode_stores(i), p.write, q_rows, H, Hkv)
             o_s, l_s, o_p, l_p = decode_attention.attend(cache, i, q_own, q_prompt, p)
             mark((x, 0), (o_s, 0), (l_s, 0), (o_p, 0, 1), (l_p, 0, 1))
             x, d = f_out(x, o_s, l_s, o_p, l_p, p.back_e, p.back_i, w, eps, body)

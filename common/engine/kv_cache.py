@@ -151,6 +151,10 @@ class KVCache:
         """(where row b writes its new K/V: its own column, no gather indices)."""
         return own, None
 
+    def decode_stores(self, layer: int):
+        """What a decode step writes its new K/V into (`decode_model.attn_in`): the layer's K and V."""
+        return self.k[layer], self.v[layer]
+
     def row_tokens(self, S: int, P: int) -> tuple[int, int]:
         """Tokens between two rows' starts in `decode_attention._token_major` (own, prompt)."""
         Hkv = self.k[0].shape[1]

@@ -67,8 +67,10 @@ class PagedKVCache:
         self.pool = PagePool.for_tokens(kv_tokens, page_size)
         self.watermark = int(watermark * self.pool.n_pages)
         n_tok = (self.pool.n_pages + 1) * page_size  # + the scratch page 0
-        self.stores = [torch.zeros((L, n_tok, Hkv, hd), dtype=dtype, device=device) for _ in range(2)]
-        self.k, self.v = ([t[i] for i in range(L)] for t in self.stores)
+        # K and V of a token side by side: one gather reads both (two per layer and step, not four)
+        self.stores = [torch.zeros((L, n_tok, 2, Hkv, hd), dtype=dtype, device=device)]
+        self.kv = [self.stores[0][i] for i in range(L)]                   # (tokens, 2, Hkv, hd) per layer
+        self.k, self.v = [t[:, 0] for t in self.kv], [t[:, 1] for t in self.kv]  # (tokens, Hkv, hd) views
         long = dict(dtype=torch.long, device=device)
         # own columns go up to max_seq_len - 1, and one more under overlap (`inflight.py`)
         self.own_table = torch.zeros(max_batch, self.pool.pages_for(max_seq_len + 1), **long)
@@ -190,16 +192,27 @@ class PagedKVCache:
         prompt_idx = self._flat(self.prompt_table[:E], torch.arange(P, device=dev).expand(E, P)).reshape(-1)
         return write, (own_idx, prompt_idx)
 
+    def decode_stores(self, layer: int):
+        """What a decode step writes its new K/V into (`decode_model.attn_in`): the layer's
+        (tokens, 2, Hkv, hd) store, K and V together (one write; separate views of one storage
+        would be two aliased inputs to a compiled graph), and None."""
+        return self.kv[layer], None
+
     def row_tokens(self, S: int, P: int) -> tuple[int, int]:
         """Tokens between two rows' starts in `decode_attention._token_major`: a gather is contiguous."""
         return S, P
 
     def own_kv(self, layer: int, B: int, S: int, idx) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows 0..B-1's own K and V, columns 0..S-1: (B, Hkv, S, hd) views of one gather each."""
-        return tuple(t[layer].index_select(0, idx[0]).unflatten(0, (B, S)).transpose(1, 2) for t in self.stores)
+        return self._gather(layer, idx[0], B, S)
 
     def prompt_kv(self, layer: int, E: int, P: int, idx) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(t[layer].index_select(0, idx[1]).unflatten(0, (E, P)).transpose(1, 2) for t in self.stores)
+        return self._gather(layer, idx[1], E, P)
+
+    def _gather(self, layer: int, idx: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of tokens idx (rows*cols,) as (rows, Hkv, cols, hd) views of one contiguous gather."""
+        kv = self.kv[layer].index_select(0, idx).unflatten(0, (rows, cols))  # (rows, cols, 2, Hkv, hd)
+        return kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
 
     # ------------------------------------------------------------------ prefill modes (as `KVCache`)
     def begin_prompts(self, entries: torch.Tensor) -> None:
@@ -221,8 +234,7 @@ class PagedKVCache:
         past a row's pages goes to the scratch page)."""
         b, _, T, _ = k.shape
         idx = self._flat(table, torch.arange(T, device=self.device).expand(b, T)).reshape(-1)
-        self.k[layer][idx] = k.transpose(1, 2).reshape(b * T, *k.shape[1:2], k.shape[-1])
-        self.v[layer][idx] = v.transpose(1, 2).reshape(b * T, *v.shape[1:2], v.shape[-1])
+        self.kv[layer][idx] = torch.stack((k, v), 2).transpose(1, 3).reshape(b * T, 2, *k.shape[1:2], k.shape[-1])
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (B, H, T, hd), k/v (B, Hkv, T, hd) of the current tokens -> attention output (B, H, T, hd),
@@ -237,8 +249,7 @@ class PagedKVCache:
         if self.mode == "continuations":
             self._write(layer, self.own_table[self.slots], k, v)
             b, P = q.shape[0], self.cont_mask.shape[-1]
-            pk, pv = (t[layer].index_select(0, self.cont_prompt).unflatten(0, (b, P)).transpose(1, 2)
-                      for t in self.stores)
+            pk, pv = self._gather(layer, self.cont_prompt, b, P)
             o_p, lse_p = attend_lse(q, pk, pv, self.cont_mask)
             o_s, lse_s = attend_lse(q, k, v, causal=True)
             return merge(o_p, lse_p, o_s, lse_s)
