@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from bench._long_train import trainer_packed_vs_padded  # noqa: E402
 from common.engine.kv_pages import PagePool  # noqa: E402
-from common.engine.kv_paged import PAGE_SIZE  # noqa: E402
+from common.engine.kv_paged import PAGE_SIZE, WATERMARK  # noqa: E402
 from common.engine.model import Transformer  # noqa: E402
 from common.engine.model_config import ModelConfig  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
@@ -54,7 +54,7 @@ def lognormal_lengths(n: int, mean: float, sigma: float, cap: int, seed: int = 0
 
 
 def rows_at_equal_memory(lengths: list[int], prompt: int, cap: int, kv_tokens: int, page: int,
-                         watermark: float = 0.01) -> dict:
+                         watermark: float = WATERMARK) -> dict:
     """Mean rows running: static slots (kv_tokens // (prompt + cap)) vs the page pool driven as the
     sampler drives it: admission while pages remain above the watermark (prompt + first page), a
     page per `page` tokens generated (own tokens start on a fresh page, so every row crosses a page
@@ -66,7 +66,7 @@ def rows_at_equal_memory(lengths: list[int], prompt: int, cap: int, kv_tokens: i
     keep, need = int(watermark * pool.n_pages), pool.pages_for
     queue = [[i, 0] for i in range(len(lengths))]  # (sample, pages of own tokens it had): preempted ones in front
     run: dict[int, list] = {}                       # sample -> [pages held, own pages written, admission order]
-    order, rows, preempted = 0, [], 0
+    order, rows, preempted, reprefill = 0, [], 0, 0
     while queue or run:
         while queue and pool.can_take(need(prompt) + queue[0][1] + 1, keep if run else 0):
             i, had = queue.pop(0)
@@ -87,12 +87,16 @@ def rows_at_equal_memory(lengths: list[int], prompt: int, cap: int, kv_tokens: i
                 pool.drop(held[0])
                 queue.insert(0, [victim, held[1]])
                 preempted += 1
+                reprefill += prompt + held[1] * page  # what its resume prefills again
             if i in run:
                 st[0] += pool.take(1)
     steady = rows[len(rows) // 10: len(rows) - len(rows) // 4] or rows  # without the ramp up and the tail
     mean = statistics.mean(steady)
     return {"static_rows": static, "paged_rows_mean": round(mean, 1), "pool_pages": pool.n_pages, "page": page,
-            "samples": len(lengths), "preemptions": preempted, "rows_paged_over_static": round(mean / max(static, 1), 2)}
+            "watermark": watermark,
+            "samples": len(lengths), "preemptions": preempted,
+            "reprefill_over_generated": round(reprefill / sum(lengths), 3),  # the price of those rows (prefill, not decode)
+            "rows_paged_over_static": round(mean / max(static, 1), 2)}
 
 
 def random_model(args) -> Transformer:

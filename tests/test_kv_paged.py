@@ -151,3 +151,15 @@ def test_flash_layout_over_pages_equals_dense(monkeypatch, padded_lse):
     flash = da.attend(cache, 1, q_own, q_prompt, da.plan(cache, own, plen, back, (B, E, n, S, P), flash=True))
     for name, a, b in zip(("o_own", "lse_own", "o_prompt", "lse_prompt"), dense, flash):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_rows_at_equal_memory_simulation_drives_the_allocator_sanely():
+    """bench/long_outputs.py (a): answers all at the cap still run at least as many rows paged as
+    static (rows at different stages share the pool: about twice, paid in re-prefill), and
+    long-tailed ones many more."""
+    from bench.long_outputs import lognormal_lengths, rows_at_equal_memory
+    full = rows_at_equal_memory([1024] * 200, 64, 1024, 8 * (64 + 1024), 64)
+    assert full["static_rows"] == 8 and 8 <= full["paged_rows_mean"] <= 2 * 8 * 17 / 16
+    assert full["preemptions"] > 0 and full["reprefill_over_generated"] > 0
+    tail = rows_at_equal_memory(lognormal_lengths(600, 128, 1.0, 1024), 64, 1024, 8 * (64 + 1024), 64)
+    assert tail["rows_paged_over_static"] > 3 and tail["preemptions"] >= 0

@@ -35,6 +35,10 @@ from common.engine.kv_pages import PagePool, PageTable
 
 
 PAGE_SIZE = {"cpu": 64, "cuda": 256}  # tokens per KV page by device (BENCHMARKS.md, "Long outputs")
+# admission leaves this share of the pages free while samples run: a higher one admits fewer rows but
+# preempts (and re-prefills) less; under AReaL-like lengths 0.1 keeps 90% of the rows of 0.01 at a
+# third of its re-prefill (BENCHMARKS.md, "Long outputs")
+WATERMARK = 0.1
 KV_FRACTION = 0.5  # CUDA: the share of free memory (after the model) a default pool takes; the trainer may share it
 
 
@@ -57,7 +61,7 @@ class PagedKVCache:
     paged = True
 
     def __init__(self, cfg, max_batch: int, max_seq_len: int, dtype, device, kv_tokens: int, page_size: int,
-                 max_prompt_len: int | None = None, max_prefixes: int | None = None, watermark: float = 0.01):
+                 max_prompt_len: int | None = None, max_prefixes: int | None = None, watermark: float = WATERMARK):
         """kv_tokens: the pool's budget in tokens (whole pages); watermark: the fraction of pages that
         admission leaves free while samples run, so that those can grow without preempting at once."""
         Hkv, hd, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
