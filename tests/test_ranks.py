@@ -57,13 +57,14 @@ def _batch(model_dir, n_groups=3, k=4, seed=0) -> "Batch":  # noqa: F821
     return b
 
 
-def _run(model_dir, run_dir, algo, batches, world, load=None, save=None, reshard="pass"):
+def _run(model_dir, run_dir, algo, batches, world, load=None, save=None, reshard="pass", pack_rows=False):
     """Steps on `batches` through the trainer's `world` ranks (one: OneRank; more: TrainerGroup);
     returns (full weights, the weights a generator pulls from the store, last stats). Optionally
-    loads / saves a checkpoint."""
+    loads / saves a checkpoint; `pack_rows`: train.pack_rows (tests/test_packing.py)."""
     tc = TrainConfig(trainer_devices=world, lr=1e-3, weight_decay=0.01, grad_clip=1.0, stall_timeout=120,
-                     reshard=reshard)
+                     reshard=reshard, pack_rows=pack_rows)
     model = FP32.load(model_dir, role="trainer", tokenizer=False)[0].train()
+    model.pack_rows = pack_rows  # as `trainer_model` sets it; the other ranks take it from tc
     store = WeightStore.from_module(model)
     with trainer_ranks(tc)(model, tc, FP32, model_dir, algo, store, run_dir) as g:
         sched = torch.optim.lr_scheduler.LambdaLR(g.opt, lambda s: 1.0 / (1 + s))

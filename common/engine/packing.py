@@ -89,8 +89,10 @@ class PackedRows:
         (the `attend` a block calls on whatever it was given to attend through)."""
         if _flash_ok(q):
             return _flash_varlen_causal(q, k, v, self.cu_seqlens, self.max_pos)
-        rows = zip(self.starts, self.starts[1:])
-        y = [causal_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in rows]  # (1, l, H, hd) each
+        # split, not a slice per row: a slice's backward writes a zero-filled (1, heads, N, hd) per row
+        lengths = [b - a for a, b in zip(self.starts, self.starts[1:])]
+        rows = zip(*(x.split(lengths, dim=2) for x in (q, k, v)))
+        y = [causal_attention(qr, kr, vr) for qr, kr, vr in rows]  # (1, l, H, hd) each
         return torch.cat(y, 1).transpose(1, 2)
 
 
