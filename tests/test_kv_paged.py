@@ -163,3 +163,27 @@ def test_rows_at_equal_memory_simulation_drives_the_allocator_sanely():
     assert full["preemptions"] > 0 and full["reprefill_over_generated"] > 0
     tail = rows_at_equal_memory(lognormal_lengths(600, 128, 1.0, 1024), 64, 1024, 8 * (64 + 1024), 64)
     assert tail["rows_paged_over_static"] > 3 and tail["preemptions"] >= 0
+
+
+def test_cpu_own_part_in_length_groups_gives_the_same_samples(llama, monkeypatch):
+    """One long sample among short ones refilling the other slots: on a CPU the own part reads rows
+    in groups of similar length (`PagedKVCache.own_groups`), and the samples stay the static cache's."""
+    prompts = [[1 + i, 2, 3 + i][: 1 + i % 3] for i in range(12)]
+    params = [SamplingParams(max_new_tokens=200 if i == 0 else 6 + 5 * i, temperature=1.0, seed=3) for i in range(12)]
+
+    def run(**kw):
+        s = Sampler(llama, max_batch=4, max_seq_len=224, **kw)
+        s.seed = 3
+        for p, q in zip(prompts, params):
+            s.submit(p, q)
+        out = []
+        while s.has_work():
+            out += s.step()
+        return sorted(out, key=lambda c: (c.request_id, c.sample_idx))
+
+    calls = []
+    group_kv = PagedKVCache.group_kv
+    monkeypatch.setattr(PagedKVCache, "group_kv", lambda self, *a: calls.append(a[2:]) or group_kv(self, *a))
+    static, paged = run(kv_layout="static"), run(page_size=16)
+    _same(static, paged)
+    assert len(calls) > 100 and min(c[1] for c in calls) < 64 < max(c[1] for c in calls)  # short groups and long

@@ -80,6 +80,7 @@ class DecodePlan:
     back_i: torch.Tensor          # (B,) its index among the entry's n query rows (back % n)
     write: torch.Tensor           # (B,) where row b's new K/V go: its own column (static), a token (paged)
     idx: tuple | None = None      # the paged cache's gather indices (`PagedKVCache.indices`), None: static
+    own_groups: list | None = None  # dense, paged on CPU: [(rows, gather indices, S_g, mask (b, 1, 1, S_g))]
     own_mask: torch.Tensor | None = None     # dense: (B, 1, 1, S) additive
     prompt_mask: torch.Tensor | None = None  # dense: (E, 1, 1, P) additive
     cu_q_own: torch.Tensor | None = None     # flash: (B+1,) int32, G queries per row
@@ -96,12 +97,17 @@ def plan(cache, own_pos: torch.Tensor, prompt_len: torch.Tensor, back: torch.Ten
     row. S > every own_pos and P >= every prompt_len; larger values give the same result."""
     B, E, n, S, P = shape
     dev = own_pos.device
-    write, idx = cache.indices(own_pos, B, S, E, P)
+    write, idx = cache.indices(own_pos, B, S, E, P, group=not flash)
     p = DecodePlan(flash, B, E, n, S, P, torch.div(back, n, rounding_mode="floor"), back % n, write, idx)
     plen = prompt_len.clamp(min=1)  # an unused entry sees column 0: finite garbage nobody reads
     if not flash:
         cols = torch.arange(S, device=dev)
-        p.own_mask = additive_mask((cols <= own_pos.unsqueeze(1))[:, None, None, :], cache.dtype)
+        groups = idx[2] if idx is not None else None
+        if groups:  # rows grouped by own length, each group read up to its longest (`PagedKVCache.own_groups`)
+            p.own_groups = [(r, i, S_g, additive_mask((cols[:S_g] <= own_pos[r].unsqueeze(1))[:, None, None, :],
+                                                      cache.dtype)) for r, i, S_g in groups]
+        else:
+            p.own_mask = additive_mask((cols <= own_pos.unsqueeze(1))[:, None, None, :], cache.dtype)
         pcols = torch.arange(P, device=dev)
         p.prompt_mask = additive_mask((pcols < plen.unsqueeze(1))[:, None, None, :], cache.dtype)
         return p
@@ -122,8 +128,14 @@ def attend(cache, layer: int, q_own: torch.Tensor, q_prompt: torch.Tensor, p: De
     K/V are already in the cache (the compiled layer body wrote them)."""
     B, E, n, S, P = p.B, p.E, p.n, p.S, p.P
     G, Hkv, hd = q_own.shape[1:]
-    kc, vc = cache.own_kv(layer, B, S, p.idx)       # (B, Hkv, S, hd) views
     pk, pv = cache.prompt_kv(layer, E, P, p.idx)    # (E, Hkv, P, hd) views
+    if p.own_groups:  # dense over rows grouped by length: each group's rows against its own columns only
+        qt = q_own.transpose(1, 2)                                                     # (B, Hkv, G, hd)
+        o_s, l_s = qt.new_empty(qt.shape), torch.empty(qt.shape[:-1], dtype=torch.float32, device=qt.device)
+        for r, i, S_g, mask in p.own_groups:
+            o_s[r], l_s[r] = attend_lse(qt[r], *cache.group_kv(layer, i, len(r), S_g), mask)
+        return (o_s.transpose(1, 2), l_s.transpose(1, 2)) + _dense_prompt(q_prompt, pk, pv, p)
+    kc, vc = cache.own_kv(layer, B, S, p.idx)       # (B, Hkv, S, hd) views
     if p.flash:
         o_s, l_s = flash_varlen(q_own.view(B * G, Hkv, hd), _token_major(kc)[0], _token_major(vc)[0],
                                 p.cu_q_own, p.cu_k_own, G, S, p.used_own)
@@ -133,9 +145,16 @@ def attend(cache, layer: int, q_own: torch.Tensor, q_prompt: torch.Tensor, p: De
                 lse_rows(l_p, E, n * G).view(E, n, G, Hkv))
     # dense: the G heads sharing a key/value head are G query rows against it (no K/V copies)
     o_s, l_s = attend_lse(q_own.transpose(1, 2), kc, vc, p.own_mask)               # (B, Hkv, G, hd), (B, Hkv, G)
+    return (o_s.transpose(1, 2), l_s.transpose(1, 2)) + _dense_prompt(q_prompt, pk, pv, p)
+
+
+def _dense_prompt(q_prompt: torch.Tensor, pk: torch.Tensor, pv: torch.Tensor, p: DecodePlan) -> tuple:
+    """The prompt part on the dense path: (o_prompt (E, n, G, Hkv, hd), lse_prompt (E, n, G, Hkv))."""
+    E, n = p.E, p.n
+    G, Hkv, hd = q_prompt.shape[1:]
     qp = q_prompt.view(E, n * G, Hkv, hd).transpose(1, 2)                          # (E, Hkv, n*G, hd)
     o_p, l_p = attend_lse(qp, pk, pv, p.prompt_mask)                               # (E, Hkv, n*G, hd)
     # the prompt part copied into the flash path's layout (small): a compiled layer body then sees the
     # same strides whatever E and n are (a size-1 dim's stride would otherwise vary: a recompile)
     o_p, l_p = o_p.view(E, Hkv, n, G, hd).permute(0, 2, 3, 1, 4), l_p.view(E, Hkv, n, G).permute(0, 2, 3, 1)
-    return o_s.transpose(1, 2), l_s.transpose(1, 2), o_p.new_empty(o_p.shape).copy_(o_p), l_p.new_empty(l_p.shape).copy_(l_p)
+    return o_p.new_empty(o_p.shape).copy_(o_p), l_p.new_empty(l_p.shape).copy_(l_p)

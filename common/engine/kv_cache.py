@@ -147,9 +147,12 @@ class KVCache:
         return 1.0  # every slot's memory is committed up front
 
     # ------------------------------------------------------------------ a decode step's reads (`decode_attention.py`)
-    def indices(self, own: torch.Tensor, B: int, S: int, E: int, P: int):
+    def indices(self, own: torch.Tensor, B: int, S: int, E: int, P: int, group: bool = True):
         """(where row b writes its new K/V: its own column, no gather indices)."""
         return own, None
+
+    def row_lengths(self, cols) -> None:
+        pass  # the static cache's own part is a view of rows 0..B-1: nothing to group
 
     def decode_stores(self, layer: int):
         """What a decode step writes its new K/V into (`decode_model.attn_in`): the layer's K and V."""

@@ -187,14 +187,43 @@ class PagedKVCache:
         """table (b, W) pages, cols (b, T) columns -> (b, T) flat token indices."""
         return table.gather(1, torch.div(cols, self.ps, rounding_mode="floor")) * self.ps + cols % self.ps
 
-    def indices(self, own: torch.Tensor, B: int, S: int, E: int, P: int):
+    def row_lengths(self, cols: np.ndarray) -> None:
+        """Host, before a step: the own columns each of rows 0..hi-1 attends (the sampler's counts).
+        On a CPU the own part then reads rows grouped by length (`own_groups`), each group up to its
+        longest row instead of every row up to the batch's longest; not under CUDA graphs (a
+        step's shapes must not depend on host values there)."""
+        self._lens = cols if self.device.type == "cpu" else None
+
+    def own_groups(self, B: int, S: int) -> list | None:
+        """Rows 0..B-1 in groups of similar own length: [(rows (b,) device, gather indices (b*S_g,), S_g)],
+        one group per power of two of the length (all up to 64 together), each within 2x of its rows'
+        lengths; None where that would not read under 0.7x the columns of one (B, S) block."""
+        lens = getattr(self, "_lens", None)
+        if lens is None or len(lens) > B:
+            return None
+        lens = np.concatenate((lens, np.ones(B - len(lens), dtype=np.int64)))  # rows past the live ones: idle
+        bucket = np.maximum(np.ceil(np.log2(np.maximum(lens, 1))), 6)
+        parts = [np.nonzero(bucket == b)[0] for b in np.unique(bucket)]
+        if len(parts) < 2 or sum(len(r) * int(lens[r].max()) for r in parts) > 0.7 * B * S:
+            return None
+        out = []
+        for r in parts:
+            S_g, rows = int(lens[r].max()), to_device(r.tolist(), self.device)
+            cols = torch.arange(S_g, device=self.device).expand(len(r), S_g)
+            out.append((rows, self._flat(self.own_table[rows], cols).reshape(-1), S_g))
+        return out
+
+    def indices(self, own: torch.Tensor, B: int, S: int, E: int, P: int, group: bool = True):
         """A decode step's indices, shared by its layers: where row b writes its new K/V (B,), and
-        the gathers of rows 0..B-1's own columns 0..S-1 (B*S,) and entries 0..E-1's prompts (E*P,)."""
+        the gathers of rows 0..B-1's own columns 0..S-1 (B*S,) (or, on a CPU, of the rows grouped by
+        length: `own_groups`, where `group`: the dense path) and entries 0..E-1's prompts (E*P,)."""
         dev = own.device
         write = self._flat(self.own_table[:B], own.unsqueeze(1)).squeeze(1)
-        own_idx = self._flat(self.own_table[:B], torch.arange(S, device=dev).expand(B, S)).reshape(-1)
+        groups = self.own_groups(B, S) if group else None
+        own_idx = None if groups else \
+            self._flat(self.own_table[:B], torch.arange(S, device=dev).expand(B, S)).reshape(-1)
         prompt_idx = self._flat(self.prompt_table[:E], torch.arange(P, device=dev).expand(E, P)).reshape(-1)
-        return write, (own_idx, prompt_idx)
+        return write, (own_idx, prompt_idx, groups)
 
     def decode_stores(self, layer: int):
         """What a decode step writes its new K/V into (`decode_model.attn_in`): the layer's
@@ -212,6 +241,10 @@ class PagedKVCache:
 
     def prompt_kv(self, layer: int, E: int, P: int, idx) -> tuple[torch.Tensor, torch.Tensor]:
         return self._gather(layer, idx[1], E, P)
+
+    def group_kv(self, layer: int, idx: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One `own_groups` group's K and V: (rows, Hkv, cols, hd) views of one gather."""
+        return self._gather(layer, idx, rows, cols)
 
     def _gather(self, layer: int, idx: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of tokens idx (rows*cols,) as (rows, Hkv, cols, hd) views of one contiguous gather."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -91,9 +92,9 @@ class Sampler(Preemption, LiveBatch):
         if kv_layout == "static":
             self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, max_prompt_len=self.max_prompt_len)
         elif kv_layout == "paged":
-            kv_tokens = kv_tokens or getattr(model, "kv_tokens", None) or default_kv_tokens(
-                model.cfg, dev, kv_dtype, max_batch, max_seq_len)
             page_size = page_size or getattr(model, "kv_page_size", None) or PAGE_SIZE.get(dev.type, 64)
+            kv_tokens = kv_tokens or getattr(model, "kv_tokens", None) or default_kv_tokens(
+                model.cfg, dev, kv_dtype, max_batch, max_seq_len, self.max_prompt_len, page_size)
             self.cache = PagedKVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, kv_tokens, page_size,
                                       max_prompt_len=self.max_prompt_len)
         else:
@@ -283,6 +284,9 @@ class Sampler(Preemption, LiveBatch):
             shape = captured_shape(live, self.max_batch, self.cache.max_prefixes, self.max_seq_len,
                                    self.max_prompt_len)
         self.cache.flush()  # page tables changed on the host go to the device (paged; before a capture reads them)
+        lens = np.ones(hi, dtype=np.int64)  # own columns each row attends (idle rows: 1)
+        lens[busy_np] = self.log.count[busy_np] + self.overlap
+        self.cache.row_lengths(lens)
         self._kv_stats()
         if self._plan_key != (self._epoch, shape.B, shape.E, shape.n):
             self._plan(shape.B, shape.E, shape.n)
