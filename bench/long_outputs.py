@@ -39,7 +39,8 @@ import torch  # noqa: E402
 
 from bench._long_train import trainer_packed_vs_padded  # noqa: E402
 from common.engine.kv_pages import PagePool  # noqa: E402
-from common.engine.kv_paged import PAGE_SIZE, WATERMARK  # noqa: E402
+from common.engine.kv_budget import PAGE_SIZE  # noqa: E402
+from common.engine.kv_paged import WATERMARK  # noqa: E402
 from common.engine.model import Transformer  # noqa: E402
 from common.engine.model_config import ModelConfig  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402

@@ -34,27 +34,10 @@ from common.engine.inflight import to_device
 from common.engine.kv_pages import PagePool, PageTable
 
 
-PAGE_SIZE = {"cpu": 64, "cuda": 256}  # tokens per KV page by device (BENCHMARKS.md, "Long outputs")
 # admission leaves this share of the pages free while samples run: a higher one admits fewer rows but
 # preempts (and re-prefills) less; under AReaL-like lengths 0.1 keeps 90% of the rows of 0.01 at a
 # third of its re-prefill (BENCHMARKS.md, "Long outputs")
 WATERMARK = 0.1
-KV_FRACTION = 0.5  # CUDA: the share of free memory (after the model) a default pool takes; the trainer may share it
-
-
-def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_prompt_len: int, page_size: int) -> int:
-    """The paged pool's budget when none is given. On CPU what the static cache holds, in whole pages:
-    every slot at full length and every prompt entry full, so nothing that ran there is ever
-    preempted (untouched pages are never committed: the pool is taken from the lowest pages up).
-    On CUDA, where memory is committed at allocation, `KV_FRACTION` of the free memory, at most that."""
-    def pages(n):
-        return -(-n // page_size)
-    full = (max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)) * page_size
-    if torch.device(device).type != "cuda":
-        return full
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
-    free = torch.cuda.mem_get_info(device)[0]
-    return max(page_size, min(full, int(free * KV_FRACTION) // per_token))
 
 
 class PagedKVCache:

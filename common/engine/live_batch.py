@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from common.engine.inflight import Launched, to_device
+from common.engine.prefill import prefill_prompts
 from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
 
 
@@ -113,6 +114,19 @@ class LiveBatch:
         return Launched.send(self._outs, torch.stack((tok.double(), lp.double())), len(slots),
                              cols=np.arange(len(slots)), slots=slots, slots_np=slots_np,
                              seqs=[self.slots[s] for s in slots], epoch=self._epoch)
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        """Prompts of `reqs` into their entries; keeps each request's last logits / T_eff (V,)
+        while it has samples waiting for slots (`common/engine/prefill.py`)."""
+        if not reqs:
+            return
+        temps = [r.params.temperature if r.next_sample < r.params.n else None for r in reqs]
+        logits, forwards = prefill_prompts(self.model, self.cache, [r.prompt for r in reqs], [r.entry for r in reqs],
+                                           temps, self.prefill_tokens)
+        for r, lg in zip(reqs, logits):
+            r.logits = lg
+        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
+        self.stats["prefill_forwards"] += forwards
 
     def _open_entry(self, req: Request, new: list, running: bool) -> bool:
         """A prompt entry for `req` if it has none, with its pages and its first sample's (False:

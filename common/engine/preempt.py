@@ -125,6 +125,16 @@ class Preemption:
         self._changed()
         return free
 
+    def _abort_preempted(self) -> list:
+        """The preempted samples as partial completions, finish_reason 'interrupted' (`Sampler.abort_all`)."""
+        out = []
+        for seq, (tok, logp, ver, *_) in self.preempted:
+            seq.out.tokens, seq.out.logp, seq.out.versions = tok.tolist(), logp.tolist(), ver.tolist()
+            seq.out.finish_reason = "interrupted"
+            out.append(seq.out)
+        self.preempted = []
+        return out
+
     def _kv_stats(self) -> None:
         occ = self.cache.occupancy()
         self.stats["kv_occupancy"] = occ

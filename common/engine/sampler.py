@@ -1,7 +1,7 @@
 """Continuous-batching KV-cache sampler: the engine of every generator process.
 
-Runs inside one process (a generator, a benchmark, a test); owns its model copy, its
-`KVCache`, its per-slot device state (`Rows`) and its queue, so nothing here is shared or
+Runs inside one process (a generator, a benchmark, a test); owns its model copy, its KV cache
+(`kv_budget.make_cache`), its per-slot device state (`Rows`) and its queue: nothing here is shared or
 locked. Cross-process weight updates arrive through `update_weights`, called by the generator
 loop between decode steps.
 
@@ -44,12 +44,11 @@ from common.engine.decode import GraphedDecode, Rows, Shape, captured_shape, dec
 from common.engine.decode_attention import flash_available
 from common.engine.decode_model import DecodeModel
 from common.engine.inflight import HostRing, Launched
-from common.engine.kv_cache import KVCache
-from common.engine.kv_paged import PAGE_SIZE, PagedKVCache, default_kv_tokens
+from common.engine.kv_budget import make_cache
 from common.engine.linear import bf16_packing_available
 from common.engine.live_batch import LiveBatch, Request, Seq
 from common.engine.preempt import Preemption
-from common.engine.prefill import prefill_continuations, prefill_prompts
+from common.engine.prefill import prefill_continuations
 from common.engine.sampling import Completion, SamplingParams
 from common.engine.slot_log import SlotLog
 
@@ -88,17 +87,8 @@ class Sampler(Preemption, LiveBatch):
         self.prefill_tokens = prefill_tokens
         dev = model.device
         kv_dtype = kv_dtype or getattr(model, "kv_dtype", None) or model.dtype
-        kv_layout = kv_layout or getattr(model, "kv_layout", None) or "paged"
-        if kv_layout == "static":
-            self.cache = KVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, max_prompt_len=self.max_prompt_len)
-        elif kv_layout == "paged":
-            page_size = page_size or getattr(model, "kv_page_size", None) or PAGE_SIZE.get(dev.type, 64)
-            kv_tokens = kv_tokens or getattr(model, "kv_tokens", None) or default_kv_tokens(
-                model.cfg, dev, kv_dtype, max_batch, max_seq_len, self.max_prompt_len, page_size)
-            self.cache = PagedKVCache(model.cfg, max_batch, max_seq_len, kv_dtype, dev, kv_tokens, page_size,
-                                      max_prompt_len=self.max_prompt_len)
-        else:
-            raise ValueError(f"kv_layout={kv_layout!r}: expected 'paged' or 'static'")
+        self.cache = make_cache(model, max_batch, max_seq_len, self.max_prompt_len, kv_dtype, kv_layout, kv_tokens,
+                                page_size)
         self.entries: list[Request | None] = [None] * self.cache.max_prefixes  # prompt store owners
         self.version = version                      # stamped on every token sampled from now on
         self.seed = seed                            # with request id, sample index and token index: the uniforms
@@ -185,19 +175,6 @@ class Sampler(Preemption, LiveBatch):
             return
         self._apply(load_fn, version)
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Prompts of `reqs` into their entries; keeps each request's last logits / T_eff (V,)
-        while it has samples waiting for slots (`common/engine/prefill.py`)."""
-        if not reqs:
-            return
-        temps = [r.params.temperature if r.next_sample < r.params.n else None for r in reqs]
-        logits, forwards = prefill_prompts(self.model, self.cache, [r.prompt for r in reqs], [r.entry for r in reqs],
-                                           temps, self.prefill_tokens)
-        for r, lg in zip(reqs, logits):
-            r.logits = lg
-        self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
-        self.stats["prefill_forwards"] += forwards
-
     @torch.inference_mode()
     def _apply(self, load_fn, version: int) -> None:
         self._drain()  # the step in flight was drawn under the old weights: recorded as such
@@ -230,11 +207,7 @@ class Sampler(Preemption, LiveBatch):
                 out.append(seq.out)
                 self.slots[s] = None
                 self.cache.close_slot(s)
-        for seq, (tok, logp, ver, *_) in self.preempted:
-            seq.out.tokens, seq.out.logp, seq.out.versions = tok.tolist(), logp.tolist(), ver.tolist()
-            seq.out.finish_reason = "interrupted"
-            out.append(seq.out)
-        self.preempted = []
+        out += self._abort_preempted()
         for e, r in enumerate(self.entries):
             if r is not None:
                 self.cache.close_entry(e)
