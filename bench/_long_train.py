@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from common.batch import Trajectory, collate
 from common.engine.causal_attention import causal_attention
-from common.engine.hf_io import load_model, resolve_checkpoint
+from common.engine.hf_io import load_model
 from common.engine.model import Transformer
 from common.engine.model_config import ModelConfig
 from common.engine.precision import PrecisionConfig, cpu_info, resolve
@@ -197,13 +197,14 @@ def attention_candidates(quick: bool) -> dict:
     return out
 
 
-def _one_row(tokens: int, checkpointing: bool) -> dict:
+def _one_row(tokens: int, checkpointing: bool, attention: str) -> dict:
     """In a fresh process: one training pass (forward, backward) of one `tokens`-token row on the
-    tiny model, loss on all but the first 100 tokens; its peak RSS."""
+    tiny model, loss on all but the first 100 tokens, attention `attention` (kernel | sdpa); its
+    peak RSS."""
     torch.set_num_threads(1)
-    resolve(PrecisionConfig(dtype="fp32"), "cpu").apply()
+    resolve(PrecisionConfig(dtype="fp32", attention=attention), "cpu").apply()
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    model = load_model(resolve_checkpoint("tiny"), tokenizer=False)[0].float().train()
+    model = load_model("tiny", tokenizer=False)[0].float().train()
     model.checkpoint_layers, model.pack_rows = checkpointing, True
     x = torch.randint(3, model.cfg.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(x, dtype=torch.bool)
@@ -217,15 +218,16 @@ def _one_row(tokens: int, checkpointing: bool) -> dict:
 
 def row_memory(tokens: int = 16384) -> dict:
     """Peak RSS of training one `tokens`-token row on the tiny model, without and with activation
-    checkpointing, each in a fresh process (module docstring)."""
+    checkpointing, through our attention kernel and SDPA, each in a fresh process (module docstring)."""
     out = {"tokens": tokens, "model": "tiny (d64 x 2 layers, vocab 49152)", "dtype": "fp32", "threads": 1}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for ckpt in (False, True):
-        code = f"import json, bench._long_train as b; print(json.dumps(b._one_row({tokens}, {ckpt})))"
-        r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"row_memory child failed:\n{r.stderr[-2000:]}")
-        out["checkpointed" if ckpt else "plain"] = json.loads(r.stdout.strip().splitlines()[-1])
+    for attention in ("kernel", "sdpa"):
+        for ckpt in (False, True):
+            code = f"import json, bench._long_train as b; print(json.dumps(b._one_row({tokens}, {ckpt}, {attention!r})))"
+            r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"row_memory child failed:\n{r.stderr[-2000:]}")
+            out[f"{attention}_{'checkpointed' if ckpt else 'plain'}"] = json.loads(r.stdout.strip().splitlines()[-1])
     return out
 
 
