@@ -20,12 +20,25 @@ tiny model's 49k x 64 head would hide the padding).
                                      model (`--model=tiny`), chunked head, with and without
                                      activation checkpointing, each in a fresh process
 
-Memory of one 16k-token row (row_memory(16384), tiny model d64 x 2 layers, vocab 49k, fp32, one
-thread, measured on the 2-core AMD EPYC dev box, attention = SDPA there): see `MEMORY_16K`.
-Activation checkpointing (`train.activation_checkpointing`) and the chunked head (512 MiB of
-logits at a time, common/engine/head.py) already bound the rest; our CPU attention kernel
-(`precision.attention=kernel`) holds one (G*T x T) fp32 score block per key/value head:
-2 GiB at T = 16k with G = 2 (the tiny model), 3 GiB with SmolLM2-135M's G = 3.
+Memory of one 16k-token row (`row_memory(16384)`: tiny model, fp32, one thread, forward +
+backward, peak RSS; 2-core AMD EPYC with AVX-512, torch 2.13):
+    attention through our kernel (`precision.attention=kernel`, what `auto` picks there at one
+    thread from its 200-token measurement)      9.6 GiB, 43.5 s; checkpointed 9.6 GiB, 52.9 s
+    through SDPA (`precision.attention=sdpa`)   1.54 GiB, 11.5 s; checkpointed 1.48 GiB, 12.6 s
+The kernel's peak is its attention, not the activations: a (G*T x T) fp32 score block per
+key/value head (2 GiB at T = 16k, G = 2; forward's P, backward's P, dP, dS) and a (T x T) additive
+mask (1 GiB), which activation checkpointing (`train.activation_checkpointing`) cannot free and
+the chunked head (512 MiB of logits at a time, common/engine/head.py) does not touch. SDPA's
+flash kernel tiles; there it is also faster than ours on one row of 512 tokens (1.2x), 1k (1.6x),
+4k (2.5x) (4 query / 2 key-value heads of 64, forward + backward).
+
+Measured there (python -m bench._long_train, 2 min 9 s): 12 rows, 17,172 tokens (49,728 padded),
+packed 2,482 tokens/s, padded 1,112, prompts shared 900: packed 2.23x padded (2.15x with
+precision.attention=sdpa: 2,726 vs 1,266). `--even` (32 rows of ~350 tokens, groups of 8, 20 s):
+packed 6,757, padded 5,144, shared 6,941 tokens/s (packing defers to prompt sharing there).
+Equal rows with nothing to share (16 x 450 tokens): packed ~1-5% slower than padded.
+Estimated, not measured, for SmolLM2-135M (d 576, 30 layers): ~1.4 MB of saved activations per
+token, ~23 GiB for 16k tokens without checkpointing, ~2 GiB with it.
 """
 from __future__ import annotations
 
@@ -61,7 +74,6 @@ DEFAULT = dict(groups=3, k=4, mean=1000, sigma=1.0, cap=4000, prompt=(100, 300),
 QUICK = dict(groups=2, k=4, mean=400, sigma=1.0, cap=1500, prompt=(50, 100), budget=4096, reps=2)
 # where padding drops little: GSM8K-like groups of 8 even samples of one prompt
 EVEN = dict(groups=4, k=8, mean=200, sigma=0.1, cap=400, prompt=(100, 200), budget=8192, reps=3)
-MEMORY_16K = "not measured yet"  # filled in from row_memory(16384)'s output
 
 
 def small_llama(seed: int = 0) -> Transformer:
