@@ -150,6 +150,8 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     if n == 0:
         raise StreamError(f"{stream}: no recorded steps yet")
     validate(cfg)  # a config built in Python too
+    if cfg.train.pack_rows is None:  # the recording's layout, for its sums and bits (absent: recorded padded)
+        cfg.train.pack_rows = bool(meta["config"]["train"].get("pack_rows", False))
     tc = check_config(cfg.train)
     run_dir = run_dir_of(cfg)  # the name checked: one folder under run_root
     if run_dir.resolve() == stream.resolve().parent:  # checked first: overwrite must never delete the recording

@@ -103,13 +103,17 @@ def test_packed_log_probs_and_gradients_equal_padded(arch, tmp_path):
 
 def test_packed_rows_run_through_the_varlen_attention(tmp_path, monkeypatch):
     model = _model("llama_tied", tmp_path)
+    model.checkpoint_layers = True  # the trainer's option: each block recomputed with the layout in backward
     calls = []
     real = PackedRows.attend
     monkeypatch.setattr(PackedRows, "attend", lambda self, *a: calls.append(self.n_tokens) or real(self, *a))
     b = collate(_trajs([1, 1, 1], seed=4, long=(0,)))
-    _pass(model, b, True)
-    # each row up to its last predicting position: its last token predicts nothing and is left out
-    assert calls == [int((b.prompt_lens + b.comp_lens - 1).sum())] * model.cfg.num_hidden_layers
+    packed = _pass(model, b, True)
+    # each row up to its last predicting position: its last token predicts nothing and is left out;
+    # every block once in the forward, once more as the backward recomputes it
+    assert calls == [int((b.prompt_lens + b.comp_lens - 1).sum())] * 2 * model.cfg.num_hidden_layers
+    model.checkpoint_layers = False
+    _assert_same(packed, _pass(model, b, False))
     calls.clear()
     _pass(model, b, False)  # pack_rows off: the padded rows
     assert calls == []
@@ -202,19 +206,19 @@ def test_config_key():
         check_config(TrainConfig(pack_rows=True, compile_blocks=True))
 
 
-@pytest.mark.gpu
-def test_flash_varlen_on_cuda_in_bf16(tmp_path):
-    """CUDA, fp32 master weights under bf16 autocast: the varlen flash kernel runs and agrees with
-    the padded rows (SDPA) to bf16's rounding."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_packed_in_bf16_autocast(device, tmp_path):
+    """fp32 master weights under bf16 autocast (the trainer's bf16 setting), with activation
+    checkpointing: per-row SDPA on CPU, the varlen flash kernel on CUDA (the only test that runs
+    it); against the padded rows to bf16's rounding."""
     save_hf("qwen2_bias", tmp_path)
-    model = load_model(str(tmp_path), device="cuda", tokenizer=False)[0].float()
-    model.compute_dtype = torch.bfloat16
-    b = collate(_trajs([3, 2], seed=9, plen=(20, 40), clen=(1, 30), long=(0,))).to("cuda")
+    model = load_model(str(tmp_path), device=device, tokenizer=False)[0].float()
+    model.compute_dtype, model.checkpoint_layers = torch.bfloat16, True
+    b = collate(_trajs([3, 2], seed=9, plen=(20, 40), clen=(1, 30), long=(0,))).to(device)
     with model.autocast():
-        q = torch.zeros(1, 4, 8, 8, device="cuda")
-        assert packing._flash_ok(q)
+        assert packing._flash_ok(torch.zeros(1, 4, 8, 8, device=device)) == (device == "cuda")
     (lp_p, g_p), (lp_f, g_f) = _pass(model, b, True), _pass(model, b, False)
     m = b.loss_mask
-    assert (lp_p - lp_f)[m].abs().mean() < 0.02 and lp_f[m].abs().mean() > 1
+    assert (lp_p - lp_f)[m].abs().mean() < 0.02 and lp_f[m].abs().mean() > 1  # bf16: ~1e-2 nats per token
     for n in g_f:
         assert float((g_p[n] - g_f[n]).norm() / g_f[n].norm()) < 0.05, n
