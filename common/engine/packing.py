@@ -53,7 +53,7 @@ class PackedRows:
     tokens: torch.Tensor      # (N,) packed token ids, row-major
     pos: torch.Tensor         # (N,) positions, 0 at each row's start
     cu_seqlens: torch.Tensor  # (R + 1,) int32 row starts, then N
-    starts: tuple[int, ...]   # (R + 1,) the same on the host (per-row slices, no device read)
+    starts: tuple[int, ...]   # (R + 1,) the same on the host (per-row splits, no device read)
     max_pos: int              # the longest row: > every position
     padded_tokens: int        # R x T: what the padded pass would run
 
@@ -97,9 +97,11 @@ class PackedRows:
 
 
 def _flash_ok(q: torch.Tensor) -> bool:
-    """Whether the varlen flash kernel takes this pass: CUDA with the kernel, half-precision
-    compute (autocast's dtype or q's), a head dim it supports."""
+    """Whether the varlen flash kernel takes this pass: CUDA with the kernel on an Ampere or newer
+    GPU, half-precision compute (autocast's dtype or q's), a head dim it supports."""
     if q.device.type != "cuda" or _FLASH is None or not torch.backends.cuda.is_flash_attention_available():
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 8:
         return False
     dt = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else q.dtype
     return dt in (torch.bfloat16, torch.float16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
