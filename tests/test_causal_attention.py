@@ -81,3 +81,23 @@ def test_custom_ops_are_registered_correctly():
     """Schema, fake (meta) kernel and autograd registration as torch.compile relies on them."""
     q, k, v = (x.transpose(1, 2) for x in _inputs(2, 4, 2, 6, 8))
     torch.library.opcheck(_forward_op, (q, k, v))
+
+
+def test_rows_past_the_score_budget_take_the_flash_kernel(monkeypatch):
+    """A row whose (G*T x T) fp32 score block would pass MAX_SCORE_BYTES goes to SDPA (memory linear
+    in T), the same attention; shorter rows keep the kernel."""
+    import common.engine.causal_attention as ca
+    calls = []
+    real = ca._forward_op
+    monkeypatch.setattr(ca, "_forward_op", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    monkeypatch.setattr(ca, "MAX_SCORE_BYTES", 4 * 3 * 40 * 40)  # G = 3: rows up to 40 tokens
+    old = ca.set_kernel(True)
+    try:
+        g = torch.Generator().manual_seed(0)
+        for T in (40, 41):
+            q, k, v = torch.randn(1, 6, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g), torch.randn(1, 2, T, 16, generator=g)
+            want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
+            torch.testing.assert_close(ca.causal_attention(q, k, v), want, atol=1e-5, rtol=1e-5)
+    finally:
+        ca.set_kernel(old)
+    assert calls == [40]

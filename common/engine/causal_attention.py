@@ -3,8 +3,9 @@
 `common/engine/model.py` calls `causal_attention` in every full causal pass (no KV cache): the
 trainer's forward and backward, the generators' reference and evaluation passes. On CPU in fp32
 it runs the kernel below unless `common/engine/precision.py` measured PyTorch's CPU flash kernel
-(what F.scaled_dot_product_attention runs) faster on this machine (`precision.attention`);
-everywhere else (CUDA, bf16, autocast) it is F.scaled_dot_product_attention.
+(what F.scaled_dot_product_attention runs) faster on this machine (`precision.attention`), or the
+row is so long that its score block would pass `MAX_SCORE_BYTES`; everywhere else (CUDA, bf16,
+autocast) it is F.scaled_dot_product_attention.
 
 Why a kernel of our own: the flash kernel's softmax spends most of its time in exp. Here the
 scores are formed in base 2 (q pre-multiplied by log2(e) / sqrt(hd)), and torch.exp2 runs
@@ -32,6 +33,10 @@ from common.engine.linear import cpu_fp32, linear
 
 _LOG2E = 1.0 / math.log(2.0)
 _enabled = True
+# a (G*T x T) fp32 score block above this many bytes goes to the flash kernel instead, whose memory
+# grows with T, not T^2: one 16k-token row of the tiny model peaks at 9.6 GiB through the kernel and
+# 1.5 GiB through SDPA (bench/_long_train.py); 256 MiB is T = 4,730 at G = 3 (SmolLM2-135M)
+MAX_SCORE_BYTES = 256 * 2**20
 
 
 def set_kernel(enabled: bool) -> bool:
@@ -48,7 +53,8 @@ def kernel_enabled() -> bool:
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) + causal mask) v. q (B, H, T, hd), k/v (B, Hkv, T, hd) with H a
     multiple of Hkv, any strides -> (B, T, H, hd), contiguous on the kernel's path."""
-    if _enabled and cpu_fp32(q, k, v):
+    G, T = q.shape[1] // k.shape[1], q.shape[2]
+    if _enabled and cpu_fp32(q, k, v) and 4 * G * T * T <= MAX_SCORE_BYTES:
         return _forward_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))[0]
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
     return y.transpose(1, 2)
