@@ -20,6 +20,7 @@ runtime picks (`--dtype`), or `--arch` / `--tiny`.
 
     python bench/long_outputs.py                 # defaults (~15 min on 2 CPU cores)
     python bench/long_outputs.py --quick         # smoke (~1 min)
+    python bench/long_outputs.py --page-ab 16,64,256 --rounds 2   # (b)'s paged run per page size
     python bench/long_outputs.py --device=cuda --dtype=bfloat16   # on a GPU (lengths x 1/4); bench/gpu.py --only long
 """
 from __future__ import annotations
@@ -157,6 +158,28 @@ def sampler_at_equal_memory(model, args) -> dict:
             "sampler_paged_over_static": round(med["paged"] / med["static"], 3)}
 
 
+def page_ab(model, args) -> dict:
+    """The sampler on (b)'s workload and pool at each page size of `--page-ab`, alternating rounds:
+    how the page size is chosen per device (`kv_budget.PAGE_SIZE`)."""
+    mean, cap = max(8, int(args.mean * args.scale)), max(16, int(args.cap * args.scale))
+    lengths = lognormal_lengths(args.requests, mean, args.sigma, cap, seed=1)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in lengths]
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=0) for n in lengths]
+    L = args.prompt_len + cap
+    kv_tokens = args.static_batch * L + (args.static_batch + 1) * args.prompt_len  # (b)'s static memory
+    sizes = [int(x) for x in args.page_ab.split(",")]
+    runs = {p: [] for p in sizes}
+    for _ in range(args.rounds):
+        for p in sizes:
+            runs[p].append(timed_generate(model, prompts, params, max_batch=args.paged_batch, max_seq_len=L,
+                                          max_prompt_len=args.prompt_len, kv_tokens=kv_tokens, page_size=p))
+    return {"page_ab": {str(p): {"tok_s": round(statistics.median(r["tok_s"] for r in v), 1),
+                                 "rows_mean": v[-1]["rows_mean"], "preemptions": v[-1]["preemptions"]}
+                        for p, v in runs.items()}, "kv_tokens": kv_tokens, "rounds": args.rounds,
+            "device": args.device, "model": "tiny" if args.tiny else "smollm2-135m-shape (random)"}
+
+
 def short_workloads(model, args) -> dict:
     """(d): paged vs static at the same slots on short requests, alternating; the worst ratio."""
     g = torch.Generator().manual_seed(2)
@@ -198,6 +221,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--short-prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--skip-trainer", action="store_true", help="leave out (c)")
+    ap.add_argument("--page-ab", default=None, help="instead: (b)'s paged run at these page sizes, e.g. 16,64,256")
     args = ap.parse_args(argv)
     if args.scale is None:
         args.scale = 0.25 if args.device.startswith("cuda") else 1 / 16
@@ -231,7 +255,7 @@ def measure(args: argparse.Namespace) -> dict:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    print(json.dumps(measure(args)))
+    print(json.dumps(page_ab(random_model(args), args) if args.page_ab else measure(args)))
 
 
 if __name__ == "__main__":
