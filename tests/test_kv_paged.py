@@ -187,3 +187,17 @@ def test_cpu_own_part_in_length_groups_gives_the_same_samples(llama, monkeypatch
     static, paged = run(kv_layout="static"), run(page_size=16)
     _same(static, paged)
     assert len(calls) > 100 and min(c[1] for c in calls) < 64 < max(c[1] for c in calls)  # short groups and long
+
+
+@pytest.mark.parametrize("page_size", [4, 64])
+def test_the_default_pool_admits_every_batch_the_static_cache_ran(llama, page_size):
+    """The default budget holds every slot at full length plus the admission watermark on top: the
+    same steps as static slots, all rows at once, nothing preempted."""
+    params = SamplingParams(max_new_tokens=60, temperature=0, n=1)  # every sample to the end of its slot
+    runs = {}
+    for layout in ("static", "paged"):
+        s = Sampler(llama, max_batch=10, max_seq_len=60, max_prompt_len=17, kv_layout=layout, page_size=page_size)
+        runs[layout] = (s.generate((PROMPTS * 2)[:10], params), s.stats)
+    _same(runs["static"][0], runs["paged"][0])
+    assert runs["paged"][1]["decode_steps"] == runs["static"][1]["decode_steps"]
+    assert runs["paged"][1]["preemptions"] == 0

@@ -4,23 +4,27 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from common.engine.kv_cache import KVCache
-from common.engine.kv_paged import PagedKVCache
+from common.engine.kv_paged import WATERMARK, PagedKVCache
 
 PAGE_SIZE = {"cpu": 64, "cuda": 256}  # tokens per KV page by device (BENCHMARKS.md, "Long outputs")
 KV_FRACTION = 0.5  # CUDA: the share of free memory (after the model) a default pool takes; the trainer may share it
 
 
 def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_prompt_len: int, page_size: int) -> int:
-    """The paged pool's budget when none is given. On CPU what the static cache holds, in whole pages:
-    every slot at full length and every prompt entry full, so nothing that ran there is ever
-    preempted (untouched pages are never committed: the pool is taken from the lowest pages up).
-    On CUDA, where memory is committed at allocation, `KV_FRACTION` of the free memory, at most that."""
+    """The paged pool's budget when none is given. On CPU what the static cache holds, in whole pages
+    (every slot at full length, every prompt entry full), plus the admission watermark's share on
+    top, so every batch the static cache ran is admitted as it was and never preempted (untouched
+    pages are never committed: the pool is taken from the lowest pages up). On CUDA, where memory
+    is committed at allocation, `KV_FRACTION` of the free memory, at most that."""
     def pages(n):
         return -(-n // page_size)
-    full = (max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)) * page_size
+    held = max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)
+    full = (math.ceil(held / (1 - WATERMARK)) + 1) * page_size
     if torch.device(device).type != "cuda":
         return full
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
