@@ -238,3 +238,18 @@ def test_compiled_live_decode_down_to_a_single_row(tmp_path):
     assert rows[0] == 5 and rows[-1] == 1, rows
     assert not any(EAGER_SHAPES.values()), EAGER_SHAPES  # compiled at one row, not fallen back to eager
     _assert_logp_equals_trainer(model, outs)
+
+
+def test_paged_kv_under_cuda_graphs_and_preemption(tmp_path):
+    """The paged cache on CUDA, decoding through captured graphs with overlap and the flash kernel over
+    gathered pages, in a pool small enough to preempt: the static cache's greedy tokens."""
+    save_hf("qwen3_qknorm", tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
+    prompts = [[5, 6, 7], [9] * 10, [3, 4], [11] * 17, [8]]
+    params = SamplingParams(max_new_tokens=40, temperature=0, n=2)
+    static = Sampler(model, max_batch=4, max_seq_len=64, kv_layout="static", cuda_graphs=True).generate(prompts, params)
+    s = Sampler(model, max_batch=4, max_seq_len=64, cuda_graphs=True, overlap=True, page_size=16, kv_tokens=160)
+    paged = s.generate(prompts, params)
+    assert s.stats["preemptions"] > 0 and s.graphed.stats["replays"] > 0
+    assert [c.tokens for c in paged] == [c.tokens for c in static]
+    _assert_logp_equals_trainer(model, paged, temperature=1.0)
