@@ -29,6 +29,11 @@ from tests.close import assert_update_close
 from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights, weights_of
 from tests.tiny import save_hf
 
+# AReaL's loss is a mean of clipped ratio x advantage terms of order 1 that nearly cancel (a loss of
+# ~0.005): each term is exact to fp32 rounding (1.2e-7 at 1), and two ranks, or packed rows, sum them
+# in another order; so the bound is a few roundings at the terms' scale, not at the loss's
+LOSS_ABS = 1e-6
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -88,7 +93,7 @@ def test_two_trainer_ranks_on_the_trainer_node_areal_sync_equals_one_node(model,
     rows = steps(tmp_path / "two")
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=1e-7)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=LOSS_ABS)
 
 
 def test_trainer_on_two_nodes_sync_equals_one_node(model, one_areal, tmp_path):
@@ -106,7 +111,7 @@ def test_trainer_on_two_nodes_sync_equals_one_node(model, one_areal, tmp_path):
     rows = steps(tmp_path / "two")
     assert [r["version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["staleness_hist"] == {"0": 16} for r in rows)  # the generator node sampled rank 1's rows too
-    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=1e-7)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=LOSS_ABS)
 
 
 def test_reward_workers_on_the_generator_node(model, tmp_path):
