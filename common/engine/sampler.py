@@ -6,20 +6,23 @@ locked. Cross-process weight updates arrive through `update_weights`, called by 
 loop between decode steps.
 
 Schedule of one `step()`:
-  1. admit: while slots are free and requests wait (first come, first served), give each
-     sample the lowest free slot; the prompts of newly admitted requests are prefilled together
-     (right-padded, up to `prefill_tokens` padded tokens per forward) into the lowest free prompt
-     entries of the cache, which all n samples of a request share (never copied; see
-     `common/engine/kv_cache.py`); every admitted sample draws its first token from its prompt's
-     last logits (kept while samples of the request still wait for slots);
+  0. reserve: every running sample gets the KV page its next column needs; a pool that is short
+     preempts the youngest (`common/engine/preempt.py`; the static cache is never short);
+  1. admit: preempted samples resume first; then, while slots are free, the KV pool has pages
+     and requests wait (first come, first served), give each sample the lowest free slot; the
+     prompts of newly admitted requests are prefilled together (right-padded, up to
+     `prefill_tokens` padded tokens per forward) into the lowest free prompt entries of the cache,
+     which all n samples of a request share (never copied; see `common/engine/kv_paged.py`);
+     every admitted sample draws its first token from its prompt's last logits (kept while
+     samples of the request still wait for slots);
   2. compact: if the queue left holes below the highest busy slot, move the highest busy slots
      down into them (likewise prompt entries), so the busy slots are rows 0..hi-1;
   3. decode: `decode_step` (`common/engine/decode.py`) advances rows 0..hi-1 by one token,
      eagerly or as a replayed CUDA graph (`cuda_graphs=True`); the new tokens and log-probs come
      back to the host in one transfer;
   4. finish: a sample that drew a stop token or reached max_new_tokens / max_seq_len frees its
-     slot at once, so step 1 refills it next step (short answers never wait for long); a prompt
-     entry is freed when its last sample finishes.
+     slot and its pages at once, so step 1 refills it next step (short answers never wait for
+     long); a prompt entry is freed when its last sample finishes.
 With `overlap=True`, step 3 launches step t+1 before step 4 records step t, so on a GPU the host's
 bookkeeping runs while the device computes (one step of lag, the same samples:
 `common/engine/inflight.py`). The bookkeeping of steps 2 and 4 (which request holds which slot
