@@ -10,10 +10,14 @@ pieces of every layer). Two ways to compute the same thing, chosen once per samp
                         (cu_seqlens_k points at the slot, seqused_k gives its length);
            prompt part  entry e's n samples x G heads are one sequence of n*G queries against its
                         prompt's first plen[e] keys (each shared prompt read once per step);
-         the cache keeps its (rows, Hkv, cols, hd) layout: the kernel reads it through a strided
-         view (`_token_major`), token stride hd and head stride cols*hd, so nothing is copied;
+         the kernel reads K/V through a strided token-major view (`_token_major`): of the static
+         cache's (rows, Hkv, cols, hd) stores themselves (nothing copied), or of the paged cache's
+         one gather per part and layer (`PagedKVCache.own_kv`, `prompt_kv`);
   dense  (CPU, and CUDA without the kernel): masked attention (`attention.attend_lse`) over the
-         bucket's S own and P prompt columns, what the sampler always ran.
+         bucket's S own and P prompt columns; on a CPU with the paged cache, the own part over
+         rows grouped by length, each group up to its longest row (`PagedKVCache.own_groups`).
+The cache says where K/V are (`indices`, `own_kv`, `prompt_kv`, `row_tokens`): the same code
+serves the static slots (`kv_cache.py`) and the pages (`kv_paged.py`).
 Shapes (G = H / Hkv query heads per key/value head): q_own (B, G, Hkv, hd) one row per slot;
 q_prompt (E*n, G, Hkv, hd), query row e*n + i = the i-th live sample of entry e. Outputs: o_own
 (B, G, Hkv, hd), lse_own (B, G, Hkv); o_prompt (E, n, G, Hkv, hd), lse_prompt (E, n, G, Hkv);
