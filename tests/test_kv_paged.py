@@ -201,3 +201,19 @@ def test_the_default_pool_admits_every_batch_the_static_cache_ran(llama, page_si
     _same(runs["static"][0], runs["paged"][0])
     assert runs["paged"][1]["decode_steps"] == runs["static"][1]["decode_steps"]
     assert runs["paged"][1]["preemptions"] == 0
+
+
+def test_the_cuda_default_pool_stays_within_the_process_cap(monkeypatch):
+    """On CUDA the default pool is KV_FRACTION of the memory this process may still take: the
+    device's free memory, or less under `--gen.memory_fraction`'s cap (stand-ins for the CUDA calls)."""
+    from common.engine import kv_budget
+    cfg = ModelConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
+    per_token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head dim, bf16 bytes
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (60 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 2 * 2**30)
+    for cap, room in ((1.0, 60), (0.25, 18)):  # uncapped: the free 60 GiB; capped: 20 GiB less the 2 reserved
+        monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda d, cap=cap: cap)
+        got = kv_budget.default_kv_tokens(cfg, "cuda", torch.bfloat16, 10**6, 32768, 256, 256)
+        assert got == int(room * 2**30 * kv_budget.KV_FRACTION) // per_token
+    small = kv_budget.default_kv_tokens(cfg, "cuda", torch.bfloat16, 2, 100, 10, 16)  # at most what static would hold
+    assert small == kv_budget.default_kv_tokens(cfg, "cpu", torch.bfloat16, 2, 100, 10, 16) < 1000

@@ -20,7 +20,8 @@ def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_
     (every slot at full length, every prompt entry full), plus the admission watermark's share on
     top, so every batch the static cache ran is admitted as it was and never preempted (untouched
     pages are never committed: the pool is taken from the lowest pages up). On CUDA, where memory
-    is committed at allocation, `KV_FRACTION` of the free memory, at most that."""
+    is committed at allocation, `KV_FRACTION` of the free memory (within this process's cap,
+    `--gen.memory_fraction`, where one is set), at most that."""
     def pages(n):
         return -(-n // page_size)
     held = max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)
@@ -28,8 +29,11 @@ def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_
     if torch.device(device).type != "cuda":
         return full
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
-    free = torch.cuda.mem_get_info(device)[0]
-    return max(page_size, min(full, int(free * KV_FRACTION) // per_token))
+    free, total = torch.cuda.mem_get_info(device)
+    get_cap = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # --gen.memory_fraction's cap
+    if get_cap is not None:
+        free = min(free, int(total * get_cap(device)) - torch.cuda.memory_reserved(device))
+    return max(page_size, min(full, int(max(free, 0) * KV_FRACTION) // per_token))
 
 
 def make_cache(model, max_batch: int, max_seq_len: int, max_prompt_len: int, kv_dtype, kv_layout: str | None = None,
