@@ -1,0 +1,87 @@
+"""A controller for the staleness bound eta (`--train.max_staleness=auto`, not yet wired into the
+trainer): it moves eta between 0 and a ceiling from the run's own off-policy measures. Runs in the
+trainer process, called once per trainer step with that step's measures; it only ever changes the
+admission bound (generators pause at it), never drops a row already sampled: dropping rows biases
+the batch toward short answers.
+
+Rules (windowed means over the last `window` steps, AIMD like TCP's congestion window):
+  degraded  the importance weights are unhealthy: the mean ESS fraction (`behav_ess`, areal/loss.py:
+            (sum w)^2 / (n sum w^2) of the behaviour weights) below `ess_floor`, or the mean
+            capped fraction (`capped_frac`: weights at `behav_imp_weight_cap`) above `capped_max`;
+  lower     degraded in two windows running: eta -> eta // 2 (multiplicative: collapse is fast);
+  raise     the trainer waited for data for more than `wait_share` of its step (mean over the
+            window) and the window is healthy: eta -> eta + 1, at most `ceiling`;
+  hold      after any change, no other for `hold` steps (the measures lag eta: rows admitted under
+            the old bound are still being trained on).
+Every decision is recorded (`last`: eta, the measures behind it, why), for the run's metrics.
+The state is a small dict (`state_dict`), saved with the checkpoint.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class ControlSettings:
+    ceiling: int = 8            # the largest eta it may set (train.max_staleness_max)
+    start: int = 1              # eta at the first step
+    window: int = 4             # steps per window of measures
+    hold: int = 4               # steps without a change after one
+    ess_floor: float = 0.6      # mean ESS fraction below this: degraded
+    capped_max: float = 0.05    # mean capped fraction above this: degraded
+    wait_share: float = 0.2     # mean share of the step the trainer waited for data above this: raise
+
+    def __post_init__(self):
+        if not 0 <= self.start <= self.ceiling:
+            raise ValueError(f"staleness control: start={self.start} must be in [0, ceiling={self.ceiling}]")
+        if self.window < 1 or self.hold < 0:
+            raise ValueError(f"staleness control: window={self.window} must be >= 1 and hold={self.hold} >= 0")
+
+
+class StalenessController:
+    def __init__(self, settings: ControlSettings = ControlSettings()):
+        self.s = settings
+        self.eta = settings.start
+        self.measures: deque[tuple[float, float, float]] = deque(maxlen=settings.window)
+        self.since_change = 0     # steps since eta last changed
+        self.degraded_windows = 0  # consecutive full windows found degraded
+        self.steps = 0
+        self.last: dict = {}
+
+    def observe(self, ess_frac: float, capped_frac: float, wait_share: float) -> int:
+        """One trainer step's measures -> the eta for the next admissions."""
+        self.measures.append((ess_frac, capped_frac, wait_share))
+        self.steps += 1
+        self.since_change += 1
+        n = len(self.measures)
+        ess, capped, wait = (sum(m[i] for m in self.measures) / n for i in range(3))
+        degraded = ess < self.s.ess_floor or capped > self.s.capped_max
+        if self.steps % self.s.window == 0:  # a full window closes: count it
+            self.degraded_windows = self.degraded_windows + 1 if degraded else 0
+        why, old = "hold", self.eta
+        if self.since_change > self.s.hold:
+            if self.degraded_windows >= 2 and self.eta > 0:
+                self.eta, why = self.eta // 2, "lower: importance weights degraded two windows running"
+                self.degraded_windows = 0
+            elif not degraded and wait > self.s.wait_share and self.eta < self.s.ceiling:
+                self.eta, why = self.eta + 1, "raise: the trainer waits for data, weights healthy"
+            else:
+                why = "keep"
+        if self.eta != old:
+            self.since_change = 0
+            self.measures.clear()  # measures taken under the old bound say little about the new one
+        self.last = {"eta": self.eta, "eta_ess": ess, "eta_capped": capped, "eta_wait": wait, "eta_why": why}
+        return self.eta
+
+    def state_dict(self) -> dict:
+        return {"settings": asdict(self.s), "eta": self.eta, "measures": list(self.measures),
+                "since_change": self.since_change, "degraded_windows": self.degraded_windows, "steps": self.steps}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "StalenessController":
+        c = cls(ControlSettings(**state["settings"]))
+        c.eta, c.since_change = state["eta"], state["since_change"]
+        c.degraded_windows, c.steps = state["degraded_windows"], state["steps"]
+        c.measures.extend(tuple(m) for m in state["measures"])
+        return c
