@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.leaks import wait_until
 from common.log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,14 +124,12 @@ def run_pids(run_dir: Path) -> dict[str, int]:
 
 
 def wait_for(what, timeout: float, every: float = 0.1):
-    """Poll `what()` until it returns something true (returned) or `timeout` s pass (AssertionError)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"not within {timeout} s: {getattr(what, '__doc__', None) or what}")
+    """Poll `what()` until it returns something true (returned) or `timeout` s pass (AssertionError):
+    `bench/leaks.wait_until`, which returns None instead."""
+    got = wait_until(what, timeout, every)
+    if not got:
+        raise AssertionError(f"not within {timeout} s: {getattr(what, '__doc__', None) or what}")
+    return got
 
 
 def weights(run_root: Path) -> dict:
