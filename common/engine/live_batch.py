@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from common.engine.inflight import Launched, to_device
-from common.engine.prefill import prefill_prompts
+from common.engine.prefill import prefill_continuations, prefill_prompts
 from common.engine.sampling import Completion, SamplingParams, row_keys, sample, uniforms
 
 
@@ -128,6 +128,19 @@ class LiveBatch:
         self.stats["prefill_tokens"] += sum(len(r.prompt) for r in reqs)
         self.stats["prefill_forwards"] += forwards
 
+    def _prefill_own(self, seqs: list[Seq]) -> int:
+        """Each sample's generated tokens but the pending last one (not yet in the cache) into its
+        slot, after its prompt, all in one forward (a weight update's interruption, a preempted
+        sample's resume); returns the tokens prefilled."""
+        seqs = [q for q in seqs if self.log.count[q.slot] > 1]
+        if not seqs:
+            return 0
+        own = [self.log.tokens(q.slot)[:-1] for q in seqs]
+        prefill_continuations(self.model, self.cache, [q.slot for q in seqs], [q.req.entry for q in seqs],
+                              [len(q.req.prompt) for q in seqs], own, self.max_seq_len)
+        self.stats["prefill_forwards"] += 1
+        return sum(map(len, own))
+
     def _open_entry(self, req: Request, new: list, running: bool) -> bool:
         """A prompt entry for `req` if it has none, with its pages and its first sample's (False:
         the pool has no room now); a new one joins `new`, to be prefilled."""
@@ -194,9 +207,13 @@ class LiveBatch:
     def _release(self, req: Request) -> None:
         """Free a request's prompt entry once all its samples were admitted and have finished."""
         if req.live == 0 and req.next_sample == req.params.n and req.entry >= 0:
-            self.cache.close_entry(req.entry)
-            self.entries[req.entry] = None
-            req.entry = -1
+            self._close_entry(req)
+
+    def _close_entry(self, req: Request) -> None:
+        """Give back a request's prompt entry and its pages (admitted again, it is prefilled again)."""
+        self.cache.close_entry(req.entry)
+        self.entries[req.entry] = None
+        req.entry, req.logits = -1, None
 
     def _record(self, slots: list[int], out: np.ndarray, slots_np: np.ndarray | None = None) -> list[Completion]:
         """Append each slot's new token (out: (2, len(slots)) float64, tokens and log-probs);

@@ -12,7 +12,7 @@ beside `LiveBatch` (whose state it shares: `slots`, `entries`, `log`, `rows`, `c
   resume   at admission, before any new request, preempted samples come back oldest first, as
            pages allow: their prompt re-prefilled if its entry was given back, then their own
            tokens but the pending last one re-prefilled after it (the path a weight update
-           takes, `prefill.prefill_continuations`), their pending token restored.
+           takes, `LiveBatch._prefill_own`), their pending token restored.
 A resumed sample draws exactly the tokens it would have drawn without preemption: a token's
 uniform depends only on the request, the sample and the token's index (`sampling.py`), and the
 cache holds the same K/V again (up to float rounding of a batched prefill against a decode).
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from common.engine.inflight import to_device
 from common.engine.kv_pages import PoolExhausted
-from common.engine.prefill import prefill_continuations
 from common.engine.sampling import row_keys
 
 
@@ -64,11 +63,6 @@ class Preemption:
                                f"{self.cache.pool.n_pages} pages free); check_fits should have refused it")
         self._preempt(max(running, key=lambda q: q.order))
 
-    def _close_entry(self, req) -> None:
-        self.cache.close_entry(req.entry)
-        self.entries[req.entry] = None
-        req.entry, req.logits = -1, None
-
     def _preempt(self, seq) -> None:
         s = seq.slot
         self.preempted.append((seq, self.log.save(s)))
@@ -94,11 +88,7 @@ class Preemption:
             if not self.cache.has_room(cost, running=self.num_active > 0):
                 break
             self.preempted.pop(0)
-            if req.entry < 0:
-                req.entry = self.entries.index(None)
-                self.entries[req.entry] = req
-                self.cache.open_entry(req.entry, len(req.prompt))
-                reopened.append(req)
+            self._open_entry(req, reopened, self.num_active > 0)  # its room is in `cost` above
             s = free.pop(0)
             self.cache.open_slot(s, req.entry, own)
             self.slots[s], seq.slot = seq, s
@@ -108,13 +98,7 @@ class Preemption:
         if not back:
             return free
         self._prefill(reopened)
-        again = [q for q in back if self.log.count[q.slot] > 1]
-        if again:
-            own_toks = [self.log.tokens(q.slot)[:-1] for q in again]
-            prefill_continuations(self.model, self.cache, [q.slot for q in again], [q.req.entry for q in again],
-                                  [len(q.req.prompt) for q in again], own_toks, self.max_seq_len)
-            self.stats["reprefill_tokens"] += sum(map(len, own_toks))
-            self.stats["prefill_forwards"] += 1
+        self.stats["reprefill_tokens"] += self._prefill_own(back)
         self.stats["reprefill_tokens"] += sum(len(r.prompt) for r in reopened)
         dev, slots = self.model.device, [q.slot for q in back]
         keys = row_keys(self.seed, to_device([q.out.request_id for q in back], dev),

@@ -51,7 +51,6 @@ from common.engine.kv_budget import make_cache
 from common.engine.linear import bf16_packing_available
 from common.engine.live_batch import LiveBatch, Request, Seq
 from common.engine.preempt import Preemption
-from common.engine.prefill import prefill_continuations
 from common.engine.sampling import Completion, SamplingParams
 from common.engine.slot_log import SlotLog
 
@@ -187,13 +186,7 @@ class Sampler(Preemption, LiveBatch):
         self._pending_update = None
         self._prefill([r for r in self.entries if r is not None])  # each live prompt once, shared as before
         # then every in-flight sample's tokens but the pending last one, after its prompt
-        busy = [(s, q) for s, q in enumerate(self.slots) if q is not None and self.log.count[s] > 1]
-        if busy:
-            own = [self.log.tokens(s)[:-1] for s, _ in busy]
-            prefill_continuations(self.model, self.cache, [s for s, _ in busy], [q.req.entry for _, q in busy],
-                                  [len(q.req.prompt) for _, q in busy], own, self.max_seq_len)
-            self.stats["prefill_tokens"] += sum(len(o) for o in own)
-            self.stats["prefill_forwards"] += 1
+        self.stats["prefill_tokens"] += self._prefill_own([q for q in self.slots if q is not None])
         for seq in [q for q in self.slots if q is not None] + [q for q, _ in self.preempted]:
             seq.out.n_interrupts += 1  # a preempted sample resumes on the new weights
             self.stats["interrupts"] += 1
