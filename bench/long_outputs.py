@@ -130,30 +130,33 @@ def timed_generate(model, prompts, params_list, **kw) -> dict:
                                                                            max(1, s.stats["decode_steps"]), 1)}
 
 
-def sampler_at_equal_memory(model, args) -> dict:
-    """(b): static slots vs the paged pool, same bytes, the same lognormal requests (scaled)."""
+def long_workload(model, args) -> dict:
+    """(b)'s requests: lognormal lengths scaled by `--scale` (forced by max_new_tokens, no stop),
+    random prompts, and the KV memory of `--static-batch` static slots in tokens (`kv_cache.py`:
+    (slots + 1) prompt entries of the longest prompt, slots of prompt + cap)."""
     mean, cap = max(8, int(args.mean * args.scale)), max(16, int(args.cap * args.scale))
     lengths = lognormal_lengths(args.requests, mean, args.sigma, cap, seed=1)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in lengths]
-    params = [SamplingParams(max_new_tokens=n, temperature=1.0, top_p=1.0, seed=0) for n in lengths]
     L = args.prompt_len + cap
-    common = dict(max_seq_len=L, max_prompt_len=args.prompt_len)
-    static_kw = dict(max_batch=args.static_batch, kv_layout="static", **common)
-    probe = Sampler(model, **static_kw)
-    per_token = 2 * model.cfg.num_hidden_layers * model.cfg.num_key_value_heads * model.cfg.head_dim * \
-        probe.cache.stores[0].element_size()
-    kv_tokens = probe.cache.nbytes() // per_token
-    del probe
-    paged_kw = dict(max_batch=args.paged_batch, kv_tokens=kv_tokens, **common)
+    return {"prompts": prompts, "params": [SamplingParams(max_new_tokens=n, temperature=1.0, seed=0) for n in lengths],
+            "lengths": {"mean": mean, "cap": cap, "sigma": args.sigma, "requests": args.requests,
+                        "prompt": args.prompt_len, "generated": sum(lengths)},
+            "sizes": dict(max_seq_len=L, max_prompt_len=args.prompt_len),
+            "kv_tokens": args.static_batch * L + (args.static_batch + 1) * args.prompt_len}
+
+
+def sampler_at_equal_memory(model, args) -> dict:
+    """(b): static slots vs the paged pool, same bytes, the same lognormal requests (scaled)."""
+    w = long_workload(model, args)
+    static_kw = dict(max_batch=args.static_batch, kv_layout="static", **w["sizes"])
+    paged_kw = dict(max_batch=args.paged_batch, kv_tokens=w["kv_tokens"], **w["sizes"])
     runs = {"static": [], "paged": []}
     for _ in range(args.rounds):
-        runs["static"].append(timed_generate(model, prompts, params, **static_kw))
-        runs["paged"].append(timed_generate(model, prompts, params, **paged_kw))
+        runs["static"].append(timed_generate(model, w["prompts"], w["params"], **static_kw))
+        runs["paged"].append(timed_generate(model, w["prompts"], w["params"], **paged_kw))
     med = {k: statistics.median(r["tok_s"] for r in v) for k, v in runs.items()}
-    return {"lengths": {"mean": mean, "cap": cap, "sigma": args.sigma, "requests": args.requests,
-                        "prompt": args.prompt_len, "generated": sum(lengths)},
-            "kv_tokens": kv_tokens, "static": runs["static"][-1], "paged": runs["paged"][-1],
+    return {"lengths": w["lengths"], "kv_tokens": w["kv_tokens"], "static": runs["static"][-1], "paged": runs["paged"][-1],
             "tok_s": {k: round(v, 1) for k, v in med.items()},
             "sampler_paged_over_static": round(med["paged"] / med["static"], 3)}
 
@@ -161,22 +164,16 @@ def sampler_at_equal_memory(model, args) -> dict:
 def page_ab(model, args) -> dict:
     """The sampler on (b)'s workload and pool at each page size of `--page-ab`, alternating rounds:
     how the page size is chosen per device (`kv_budget.PAGE_SIZE`)."""
-    mean, cap = max(8, int(args.mean * args.scale)), max(16, int(args.cap * args.scale))
-    lengths = lognormal_lengths(args.requests, mean, args.sigma, cap, seed=1)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, model.cfg.vocab_size, (args.prompt_len,), generator=g).tolist() for _ in lengths]
-    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=0) for n in lengths]
-    L = args.prompt_len + cap
-    kv_tokens = args.static_batch * L + (args.static_batch + 1) * args.prompt_len  # (b)'s static memory
+    w = long_workload(model, args)
     sizes = [int(x) for x in args.page_ab.split(",")]
     runs = {p: [] for p in sizes}
     for _ in range(args.rounds):
         for p in sizes:
-            runs[p].append(timed_generate(model, prompts, params, max_batch=args.paged_batch, max_seq_len=L,
-                                          max_prompt_len=args.prompt_len, kv_tokens=kv_tokens, page_size=p))
+            runs[p].append(timed_generate(model, w["prompts"], w["params"], max_batch=args.paged_batch,
+                                          kv_tokens=w["kv_tokens"], page_size=p, **w["sizes"]))
     return {"page_ab": {str(p): {"tok_s": round(statistics.median(r["tok_s"] for r in v), 1),
                                  "rows_mean": v[-1]["rows_mean"], "preemptions": v[-1]["preemptions"]}
-                        for p, v in runs.items()}, "kv_tokens": kv_tokens, "rounds": args.rounds,
+                        for p, v in runs.items()}, "kv_tokens": w["kv_tokens"], "rounds": args.rounds,
             "device": args.device, "model": "tiny" if args.tiny else "smollm2-135m-shape (random)"}
 
 
