@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, get_args
+from typing import Any, Callable, Literal, get_args, get_origin
 
 from common.config import ConfigError, _comments, _hints, _is_union
 
@@ -84,9 +84,15 @@ def _refuse(key: str, v: Any, must: str, comment: str) -> ConfigError:
     return ConfigError(f"--{key}={_fmt(v)}: must be {must}" + (f" ({comment})" if comment else ""))
 
 
+def _words(tp: Any) -> tuple:
+    """The strings a numeric field also takes (`int | Literal["auto"]`)."""
+    args = get_args(tp) if _is_union(tp) else (tp,)
+    return tuple(w for a in args if get_origin(a) is Literal for w in get_args(a))
+
+
 def _check_value(key: str, v: Any, tp: Any, comment: str) -> None:
     kind, none_ok = _numeric(tp)
-    if kind is None or (v is None and none_ok):
+    if kind is None or (v is None and none_ok) or (isinstance(v, str) and v in _words(tp)):
         return
     if isinstance(v, bool) or not isinstance(v, (int, float) if kind is float else int):
         raise _refuse(key, v, f"{'an int' if kind is int else 'a number'}{', or none' if none_ok else ''}", comment)

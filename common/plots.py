@@ -13,9 +13,11 @@ from pathlib import Path
 from common.log import read_metrics, warn
 
 
-# a panel is drawn only when its metric was logged (gap_mean: AReaL's prox/behav train-inference gap)
+# a panel is drawn only when its metric was logged (gap_mean: AReaL's prox/behav train-inference gap;
+# eta, eta_ess: train.max_staleness=auto's decisions, common/runtime/staleness_control.py)
 _PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test accuracy"),
-           ("staleness_mean", "staleness (versions behind)"), ("gap_mean", "|prox - behav logp| per token"))
+           ("staleness_mean", "staleness (versions behind)"), ("gap_mean", "|prox - behav logp| per token"),
+           ("eta", "staleness bound eta (auto)"), ("eta_ess", "ESS fraction (auto's window)"))
 
 
 def _series(records: list[dict], key: str, x: str) -> tuple[list[float], list[float]]:

@@ -49,7 +49,8 @@ from common.plots import plot_metrics
 from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
 from common.runtime.run_dir import check_name, check_run_dir
-from common.runtime.train_config import DistConfig, LogConfig, TrainConfig, check_config, torchrun_restarts, under_torchrun
+from common.runtime.train_config import (DistConfig, LogConfig, TrainConfig, check_config, filter_staleness,
+                                         torchrun_restarts, under_torchrun)
 from common.train import logs_here, train
 from tba.algo import GRPO, GRPOConfig, TBA, TBAConfig
 
@@ -82,8 +83,12 @@ class RunConfig:
         "train.buffer_capacity": relation(lambda v, c: v >= c.train.prompts_per_step * c.gen.n,
                                           ">= {p}train.prompts_per_step x {p}gen.n ({s.train.prompts_per_step} x "
                                           "{s.gen.n}: one batch fits the ring)"),
-        "train.max_staleness": relation(lambda v, c: v is not None or c.algo != "areal" or c.train.mode == "sync",
-                                        "a bound with --algo=areal (decoupled PPO; paper: 4, 0 = sync)")}
+        "train.max_staleness": (
+            relation(lambda v, c: v is not None or c.algo != "areal" or c.train.mode == "sync",
+                     "a bound with --algo=areal (decoupled PPO; paper: 4, 0 = sync)"),
+            relation(lambda v, c: v != "auto" or c.algo == "areal",
+                     "a number with --algo={s.algo} (auto reads the behaviour weights' ESS, which only AReaL's "
+                     "steps measure)"))}
 
 
 def areal_defaults(cfg: RunConfig) -> RunConfig:
@@ -239,7 +244,7 @@ def make_algo(cfg: RunConfig, loss: Union[Callable, Algorithm, None] = None) -> 
     if cfg.algo == "tba":
         return TBA(cfg.tba, P, K, T, mbt, seed=cfg.seed, **kw)
     if cfg.algo == "areal":
-        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=tc.max_staleness, **kw)
+        return AReaL(cfg.areal, P, K, T, mbt, max_staleness=filter_staleness(tc), **kw)
     if cfg.algo == "grpo":
         return GRPO(cfg.grpo, P, K, T, mbt, seed=cfg.seed, **kw)
     raise ValueError(f"algo {cfg.algo!r}: expected one of {ALGOS}")

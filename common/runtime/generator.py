@@ -106,6 +106,12 @@ class Control:
             eta = self.max_staleness
             self.t[self.QUOTA] = _UNBOUNDED if eta is None else (eta + v + 1) * self.prompts_per_version
 
+    def set_bound(self, eta: Optional[int]) -> None:
+        """Trainer only: a new staleness bound (`train.max_staleness=auto`) at the current version. A
+        lower one pauses claims until the version catches up; no started prompt is withdrawn."""
+        self.max_staleness = eta
+        self.set_version(int(self.t[self.VERSION]))
+
     def claim(self) -> int | None:
         """Generator: the global index of the next prompt to start, or None if over quota."""
         with self.lock:

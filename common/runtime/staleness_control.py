@@ -1,5 +1,4 @@
-"""A controller for the staleness bound eta (`--train.max_staleness=auto`, not yet wired into the
-trainer): it moves eta between 0 and a ceiling from the run's own off-policy measures. Runs in the
+"""A controller for the staleness bound eta (`--train.max_staleness=auto`): it moves eta between 0 and a ceiling from the run's own off-policy measures. Runs in the
 trainer process, called once per trainer step with that step's measures; it only ever changes the
 admission bound (generators pause at it), never drops a row already sampled: dropping rows biases
 the batch toward short answers.
@@ -14,7 +13,10 @@ Rules (windowed means over the last `window` steps, AIMD like TCP's congestion w
   hold      after any change, no other for `hold` steps (the measures lag eta: rows admitted under
             the old bound are still being trained on).
 Every decision is recorded (`last`: eta, the measures behind it, why), for the run's metrics.
-The state is a small dict (`state_dict`), saved with the checkpoint.
+The state is a small dict (`state_dict`); `counters()` flattens it into the numbers a checkpoint
+keeps (common/runtime/checkpoint.py), `from_counters` restores it.
+`lr_scale()` (`train.lr_by_ess`): sqrt of the window's mean ESS fraction, the factor VCPO
+(arXiv 2602.17616) scales the learning rate by; 1 before any measure.
 """
 from __future__ import annotations
 
@@ -78,6 +80,35 @@ class StalenessController:
         return {"settings": asdict(self.s), "eta": self.eta, "measures": list(self.measures),
                 "since_change": self.since_change, "degraded_windows": self.degraded_windows, "steps": self.steps}
 
+    def lr_scale(self) -> float:
+        """The learning-rate factor for the next step: sqrt(mean ESS fraction over the window)."""
+        if not self.measures:
+            return 1.0
+        ess = sum(m[0] for m in self.measures) / len(self.measures)
+        return min(1.0, max(ess, 0.0)) ** 0.5
+
+    def counters(self, prefix: str = "staleness.") -> dict[str, float]:
+        """The state as flat numbers (a checkpoint's counters); settings come from the run's config."""
+        out = {"eta": self.eta, "since_change": self.since_change, "degraded_windows": self.degraded_windows,
+               "steps": self.steps, "n_measures": len(self.measures)}
+        for i, m in enumerate(self.measures):
+            out.update({f"m{i}_ess": m[0], f"m{i}_capped": m[1], f"m{i}_wait": m[2]})
+        return {prefix + k: v for k, v in out.items()}
+
+    @classmethod
+    def from_counters(cls, settings: ControlSettings, counters: dict,
+                      prefix: str = "staleness.") -> "StalenessController":
+        """`counters()`'s inverse; a checkpoint without them (a fixed-eta run's) starts afresh."""
+        c = cls(settings)
+        if prefix + "eta" not in counters:
+            return c
+        g = lambda k: counters[prefix + k]  # noqa: E731
+        c.eta = min(int(g("eta")), settings.ceiling)
+        c.since_change, c.degraded_windows, c.steps = int(g("since_change")), int(g("degraded_windows")), int(g("steps"))
+        c.measures.extend((float(g(f"m{i}_ess")), float(g(f"m{i}_capped")), float(g(f"m{i}_wait")))
+                          for i in range(int(g("n_measures"))))
+        return c
+
     @classmethod
     def from_state(cls, state: dict) -> "StalenessController":
         c = cls(ControlSettings(**state["settings"]))
@@ -85,3 +116,46 @@ class StalenessController:
         c.degraded_windows, c.steps = state["degraded_windows"], state["steps"]
         c.measures.extend(tuple(m) for m in state["measures"])
         return c
+
+
+class StalenessBound:
+    """The trainer's side of eta; `run_trainer` builds one (with a checkpoint's counters on resume)
+    and calls `after_step` once per step. A fixed bound (a number, or None: unbounded) does nothing
+    there; `auto` feeds the controller, moves the admission quota (`Control.set_bound`: a lower eta
+    pauses claims, no started prompt is withdrawn) and, with `train.lr_by_ess`, scales the
+    optimizer's rate for the next step (after the schedule's step has set it)."""
+
+    def __init__(self, tc, counters: dict | None = None):
+        self.auto, self.lr_by_ess = tc.max_staleness == "auto", tc.lr_by_ess
+        self.ctl = None
+        if self.auto:
+            settings = ControlSettings(ceiling=tc.max_staleness_max, start=min(ControlSettings.start, tc.max_staleness_max))
+            self.ctl = StalenessController.from_counters(settings, counters or {})
+        self.eta = self.ctl.eta if self.auto else tc.max_staleness  # the admission bound now
+
+    def after_step(self, stats: dict, wait_s: float, train_s: float, control, opt) -> dict:
+        """One trainer step's decision from its stats and the seconds it waited for data and trained;
+        returns what the metrics row gets (eta and the measures behind it; nothing when fixed)."""
+        if not self.auto:
+            return {}
+        if "behav_ess" not in stats:
+            raise RuntimeError("train.max_staleness=auto: the algorithm's step reported no behav_ess "
+                               "(areal/loss.py: behaviour_stats); use a fixed eta with this algorithm")
+        old = self.eta
+        self.eta = self.ctl.observe(stats["behav_ess"], stats.get("capped_frac", 0.0),
+                                    wait_s / max(wait_s + train_s, 1e-9))
+        last = self.ctl.last
+        if self.eta != old:
+            control.set_bound(self.eta)
+            print(f"[asyncrl] staleness: eta {old} -> {self.eta} ({last['eta_why']}; window means: ESS fraction "
+                  f"{last['eta_ess']:.3f}, capped {last['eta_capped']:.3f}, waiting {last['eta_wait']:.0%} of the step)")
+        row = {k: v for k, v in last.items() if k != "eta_why"}
+        if self.lr_by_ess:
+            row["lr_scale"] = scale = self.ctl.lr_scale()
+            for g in opt.param_groups:
+                g["lr"] *= scale
+        return row
+
+    def counters(self) -> dict:
+        """The controller's state for the checkpoint (none for a fixed bound)."""
+        return self.ctl.counters() if self.auto else {}

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, Optional, Union
 
 import torch
 
 from common.config import ConfigError
-from common.config_check import above, at_least, between, check, processes, relation
+from common.config_check import Rule, above, at_least, between, check, processes, relation
 
 
 @dataclass
@@ -32,7 +32,9 @@ class TrainConfig:
     prompts_per_step: int = 7         # prompts (groups of gen.n samples) per training batch
     sync_every: int = 2               # k: publish weights to generators every k steps
     mode: Literal["async", "sync"] = "async"  # sync: generate a batch, train on it, repeat
-    max_staleness: Optional[int] = None  # eta, in versions; None = unbounded (TBA searchers)
+    max_staleness: Union[int, Literal["auto"], None] = None  # eta, in versions; auto = set each step by a controller (common/runtime/staleness_control.py); None = unbounded (TBA searchers)
+    max_staleness_max: int = 8        # auto: the largest eta the controller sets (and the bound the trainer's filter keeps)
+    lr_by_ess: bool = False           # auto: scale the learning rate by sqrt(ESS fraction) of the behaviour weights (VCPO)
     n_generators: int = 1             # generator processes; 0 = one per GPU the trainer leaves (at least 1)
     trainer_devices: int = 1          # N trainer ranks, FSDP2-sharded (rank r on cuda:r; CPU: N processes, gloo); 1 = no process group
     reshard: Literal["auto", "pass", "update"] = "auto"  # N > 1: free gathered weights after every pass (least memory) or once per update (least traffic); auto: update on CPU (gloo), pass on GPUs
@@ -52,7 +54,10 @@ class TrainConfig:
         "weight_decay": (at_least(0), relation(lambda v, s: v * s.lr < 1, "< 1 / {p}lr={s.lr:g} (AdamW scales the "
                                                "weights by 1 - lr x weight_decay per update)")),
         "grad_clip": at_least(0), "micro_batch_tokens": at_least(1), "memory_fraction": between(0, 1),
-        "prompts_per_step": at_least(1), "sync_every": at_least(1), "max_staleness": at_least(0),
+        "prompts_per_step": at_least(1), "sync_every": at_least(1),
+        "max_staleness": Rule(lambda v, s: v == "auto" or v >= 0, ">= 0, or auto"), "max_staleness_max": between(1, 64),
+        "lr_by_ess": relation(lambda v, s: not v or s.max_staleness == "auto",
+                              "false unless {p}max_staleness=auto (the ESS window is its controller's)"),
         "n_generators": processes(0), "trainer_devices": processes(1), "reward_workers": processes(0),
         "buffer_capacity": at_least(1),
         "min_buffer": (at_least(0), relation(lambda v, s: s.mode == "sync" or v <= s.buffer_capacity,
@@ -104,6 +109,8 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
     the key) and completed: sync mode's eta = 0 and k = 1, the generator count when 0, pack_rows
     when None; returns it."""
     check(cfg, "train.")
+    if cfg.mode == "sync" and cfg.max_staleness == "auto":
+        raise ConfigError("--train.max_staleness=auto needs --train.mode=async (sync is eta = 0, nothing to set)")
     if cfg.mode == "sync":  # lock-step: one batch per version, consumed as generated
         cfg.max_staleness, cfg.sync_every = 0, 1
     gpus = torch.cuda.device_count() if cfg.device.startswith("cuda") else 0
@@ -117,6 +124,12 @@ def check_config(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError("--train.compile_blocks with trainer_devices > 1 is not supported (FSDP2's per-block "
                           "hooks are not traced here): use one of them")
     return cfg
+
+
+def filter_staleness(cfg: TrainConfig) -> Optional[int]:
+    """The staleness the trainer's filter allows (areal/algo.py): eta, or with `auto` the ceiling
+    (lowering eta pauses admission; rows admitted under the higher bound are still trained)."""
+    return cfg.max_staleness_max if cfg.max_staleness == "auto" else cfg.max_staleness
 
 
 def under_torchrun() -> bool:

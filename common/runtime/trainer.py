@@ -53,6 +53,7 @@ from common.runtime.peers import Peers
 from common.runtime.process import sigterm_as_interrupt
 from common.runtime.reward_service import start_reward_workers
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
+from common.runtime.staleness_control import StalenessBound
 from common.runtime.step import OneRank, RankFailed, trainer_model
 from common.runtime.stream import StreamWriter
 from common.runtime.train_config import lr_lambda
@@ -102,10 +103,10 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
           Workers() as workers):
         sched = torch.optim.lr_scheduler.LambdaLR(group.opt, lr_lambda(tc))
         step = version = 0
-        buffer = None
+        buffer, counters = None, {}
         if ck is not None:
             st = group.load(ck, sched)
-            step, version, buffer = st.step, st.version, st.buffer
+            step, version, buffer, counters = st.step, st.version, st.buffer, st.counters
             print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
         if buffer is None:
             buffer = ReplayBuffer(tc.buffer_capacity, max_seq_len, pad_id=pad_id)
@@ -119,7 +120,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
         def checkpoint():  # the current step, everything needed to resume
             if stream is not None:
                 stream.sync()  # a checkpoint never claims steps its stream lacks
-            return group.save(run_dir, step, sched, counters={"version": version}, config=cfg, buffer=buffer,
+            return group.save(run_dir, step, sched, counters={"version": version, **bound.counters()}, config=cfg, buffer=buffer,
                               tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
         def run_eval(tag):
@@ -132,7 +133,9 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
 
         group.publish(version)
         per_version = tc.prompts_per_step * tc.sync_every
-        control = link.control(workers.ctx, buffer, per_version, tc.max_staleness, tc.n_generators)
+        # eta: fixed, or set each step from the run's measures (auto; its state from the checkpoint)
+        bound = StalenessBound(tc, counters)
+        control = link.control(workers.ctx, buffer, per_version, bound.eta, tc.n_generators)
         link.publish(version)  # before the quota opens
         # AReaL on resume: accepted = v x B, plus the groups the restored buffer holds untrained
         # (they were admitted too; counting them keeps the bound; TBA never consumes, is unbounded)
@@ -157,13 +160,14 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                 # versions behind the weights that train on it (0 = on-policy)
                 stale, multi_version = staleness(batch, version)
                 rec = stream.capture(batch) if stream is not None else None  # before the update: as drawn
-                stats, gnorm = group.update(batch, step, sched.get_last_lr()[0], tc.grad_clip)
+                stats, gnorm = group.update(batch, step, group.opt.param_groups[0]["lr"], tc.grad_clip)
                 if stream is not None:  # record_bytes, record_s into the metrics
-                    stats.update(stream.write(step + 1, version, sched.get_last_lr()[0], rec,
+                    stats.update(stream.write(step + 1, version, group.opt.param_groups[0]["lr"], rec,
                                               {**stats, "grad_norm": gnorm}))
                 sched.step()  # once per trainer step, however many minibatch updates it made
                 step += 1
                 t2 = time.perf_counter()
+                stats.update(bound.after_step(stats, t1 - t0, t2 - t1, control, group.opt))  # auto: eta, lr scale
                 publish_s = 0.0
                 try:  # the step is done: its row is logged even when a publish or a check below raises
                     if step % tc.sync_every == 0:
@@ -174,8 +178,8 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                         publish_s = time.perf_counter() - t2
                     check()
                 finally:
-                    last, gen_prev = step_row(batch, stats, gnorm, sched.get_last_lr()[0], (t0, t1, t2), publish_s,
-                                              version, stale, multi_version, control, buffer, gen_prev)
+                    last, gen_prev = step_row(batch, stats, gnorm, group.opt.param_groups[0]["lr"], (t0, t1, t2),
+                                              publish_s, version, stale, multi_version, control, buffer, gen_prev)
                     logger.log(step, **last)
                 bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
