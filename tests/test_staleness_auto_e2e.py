@@ -12,6 +12,7 @@ from areal.algo import AReaL, AReaLConfig
 from common.batch import Trajectory
 from common.config import ConfigError
 from common.log import read_metrics
+from common.plots import plot_runs
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.train_config import TrainConfig, check_config, filter_staleness
@@ -101,6 +102,9 @@ def test_a_waiting_trainer_raises_eta_sick_weights_lower_it_and_no_row_is_droppe
     B = cfg.train.prompts_per_step
     bound = [max(etas[:i + 1]) for i in range(len(etas))]  # the highest eta any admission saw so far
     assert all(r["prompts_started"] <= (b + r["version"] + 1) * B for r, b in zip(rows, bound))
+    fig = plot_runs([f"{cfg.run_root}/{cfg.name}"])  # curves.png's panels: eta and its ESS drawn
+    titles = [ax.get_title() for ax in fig.axes]
+    assert "staleness bound eta (auto)" in titles and "ESS fraction (auto's window)" in titles, titles
 
 
 def test_auto_resumes_with_the_controllers_state(tmp_path):
