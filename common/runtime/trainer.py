@@ -2,7 +2,8 @@
 
     publish v0 -> start generators -> [wait for data] -> algo.next_batch
     -> for each of algo.minibatches(...): algo.backward -> clip + optimizer step
-    -> LR schedule step -> publish every k steps -> log / eval / checkpoint -> ...
+    -> LR schedule step -> [auto: eta from the step's measures] -> publish every k steps
+    -> log / eval / checkpoint -> ...
 
 Everything algorithm-specific sits behind `Algorithm` (common/algorithm.py; tba/algo.py, areal/algo.py): which rows
 form a batch, how a step splits into optimizer updates (TBA: one; AReaL: PPO minibatches),
