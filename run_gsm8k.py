@@ -3,6 +3,7 @@
     python run_gsm8k.py                              # TBA, CPU preset, SmolLM2-135M-Instruct, offline
     python run_gsm8k.py --algo=areal                 # AReaL: decoupled PPO, eta = 4, interruptible generation
     python run_gsm8k.py --preset=gpu                 # the paper's settings (7 prompts x 20, k=2)
+    python run_gsm8k.py --preset=paper               # TBA's GSM8K run: RhoMath-1B SFT by hub id (paper_preset's table)
     python run_gsm8k.py --algo=areal --preset=areal_long  # AReaL's long reasoning: R1-Distill-Qwen-1.5B, 512 x 16
     python run_gsm8k.py --algo=grpo --train.mode=sync  # synchronous baseline, same code
     python run_gsm8k.py --help                       # every config key with its comment
@@ -343,17 +344,72 @@ def areal_long_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     return task.gpu_defaults(cfg)
 
 
+RHO_1B_SFT = "realtreetune/rho-1b-sft-GSM8K"  # TBA's GSM8K policy and reference: RhoMath-1B SFT on GSM8K (a 1.1B Llama)
+
+
+def paper_preset(cfg: GSM8KConfig) -> GSM8KConfig:
+    """TBA's GSM8K run, read from its code (github.com/bbartoldson/TBA: configs/tba_rho1b_gsm8k.yml,
+    launch_training_gsm8k.sh, tba_gsm8k.py, src/tba_trainer_gsm8k.py, src/gsm8k_utils.py,
+    src/buffer_utils.py, and the TRL 0.9.4 RLOOConfig / transformers defaults it inherits).
+    setting           TBA's code                                      here
+    policy = ref      realtreetune/rho-1b-sft-GSM8K, bf16             --model, ref_model = the initial policy
+    data              openai/gsm8k main, train / test                 data/gsm8k (the same rows, offline)
+    prompt            "[MATH TASK] Problem:\\n{q}\\n\\nSolution:\\n",  data.prompt_style paper (BOS kept:
+                      tokenised with the tokenizer's BOS              add_special_tokens for this style)
+    batch             7 prompts x K = 20 (20 per micro-batch x 7      prompts_per_step 7, gen.n 20
+                      accumulated, one optimizer step)
+    steps             98,000 episodes / 140 = 700 (launch script;     700
+                      the yml's 140,000 would be 1,000)
+    sampling          T = 0.7 (TRL default), top-p 1, <= 512 tokens,  gen: 0.7, top-p 1, 512
+                      EOS stops, no penalty without EOS
+    lr                1e-5, warmup-stable-decay: 50 warm-up (ratio    lr 1e-5, warmup 50, then flat, then
+                      0.0714 x 700), 350 stable, cosine decay over    linear to 0 over the last 300
+                      600 cut at step 700 (lr 5e-6 at the end)        (decay_steps 300; not the cosine)
+    optimizer         AdamW, weight decay 0, betas (0.9, 0.999), no   weight decay 0, grad_clip 0; our
+                      grad clipping (its own loop calls step())       betas (0.9, 0.95)
+    beta (kl_coef)    0.014 -> 0.004 linearly over 500 steps (launch  tba.beta 0.014 -> 0.004 over 500
+                      script; its config and the paper: 0.012)
+    sync k            every 2 trainer steps (sync_interval)           train.sync_every 2
+    replay            m = 0.95 (on_policy_prob); other slots: a seen  tba.m 0.95, uniform (inv_temp 0),
+                      prompt, uniform over its newest <= 100          max_per_group 100
+    buffer start      500 samples before training                     train.min_buffer 500
+    searchers         24 samples per prompt (1.2 x K), trainer takes  gen.n 20 (one count for both)
+                      20; 3 vLLM searchers + 1 trainer, 4 A100
+    reward            1 if the last number of the completion equals   run_gsm8k's reward: '####' or
+                      the gold one                                    \\boxed first, then the last number
+    evaluation        greedy, 512 tokens, the whole test set (1,319), eval before and after (eval_every 0),
+                      at the end                                      greedy, 512 tokens, 1,319
+    checkpoints       every 25% of the run (save_steps 0.25)          checkpoint_every 175
+Every setting above was found in TBA's code. Not reproduced: the cosine decay, AdamW's beta2 0.999,
+24 samples per prompt of which 20 are trained, TBA's grader (the last number only), its 3 searchers
+on their own GPUs (here one generator per GPU the trainer leaves, sharing one GPU when alone). Needs
+the hub (or the checkpoint by path) and a GPU; `--random_weights` builds the model's shape locally."""
+    cfg = gpu_preset(cfg)
+    cfg.model, cfg.ref_model, cfg.name = RHO_1B_SFT, None, "gsm8k_paper"
+    cfg.data.prompt_style = "paper"
+    cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7, top_p=1.0, top_k=0)
+    cfg.train = TrainConfig(steps=700, lr=1e-5, warmup_steps=50, decay_steps=300, weight_decay=0.0, grad_clip=0.0,
+                            prompts_per_step=7, sync_every=2, min_buffer=500, buffer_capacity=65536,
+                            micro_batch_tokens=32768, checkpoint_every=175, eval_every=0)
+    cfg.tba = TBAConfig(beta_init=0.014, beta_final=0.004, beta_anneal_steps=500, m=0.95, sampling="uniform",
+                        inv_temp=0.0, max_per_group=100)
+    cfg.data.eval_size, cfg.data.eval_max_new_tokens, cfg.data.eval_max_batch = 1319, 512, 128
+    return task.gpu_defaults(cfg)
+
+
 def make_config(argv: list[str] | None = None) -> GSM8KConfig:
     """Defaults, then the preset, then the algorithm's defaults, then every other override."""
-    return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset, "areal_long": areal_long_preset},
-                            description=__doc__)
+    return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset, "paper": paper_preset,
+                                                          "areal_long": areal_long_preset}, description=__doc__)
 
 
 # ---------------------------------------------------------------------------------------------
 # main
 
 def tokenize_prompts(examples, tokenizer, style: str) -> list[list[int]]:
-    return [tokenizer(format_prompt(ex.question, tokenizer, style), add_special_tokens=False)["input_ids"]
+    """Token ids of each prompt; the paper's raw-text template gets the tokenizer's special tokens
+    (a Llama tokenizer's BOS, as TBA tokenises it), a chat template already holds its own."""
+    return [tokenizer(format_prompt(ex.question, tokenizer, style), add_special_tokens=style == "paper")["input_ids"]
             for ex in examples]
 
 

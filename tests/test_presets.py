@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 
 import redteam_reward
 import run_gsm8k
@@ -70,11 +71,38 @@ def test_presets_resolve_offline_to_the_papers_settings(capsys):
     big = run_redteam.make_config(["--preset=paper_llama"])
     assert big.toxicity.guard and big.toxicity.model == "meta-llama/Llama-Guard-3-8B" and big.toxicity.label == "unsafe"
     assert (big.model, big.victim.model) == ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B-Instruct")
-    with pytest.raises(ValueError, match="presets are cpu, gpu"):
-        run_gsm8k.make_config(["--preset=paper"])
+    with pytest.raises(ValueError, match="presets are cpu, gpu, paper, areal_long"):
+        run_gsm8k.make_config(["--preset=paper_llama"])
     with pytest.raises(SystemExit):
         run_tldr.make_config(["--preset=paper", "--help"])
     assert "--reward.gold_model" in capsys.readouterr().out
+
+
+def test_gsm8k_paper_resolves_offline_to_tbas_settings():
+    """TBA's GSM8K run (run_gsm8k.paper_preset's table), resolved without loading anything."""
+    c = run_gsm8k.make_config(["--preset=paper"])
+    assert (c.model, c.ref_model, c.algo, c.name) == ("realtreetune/rho-1b-sft-GSM8K", None, "tba", "gsm8k_paper")
+    assert (c.data.prompt_style, c.data.eval_size, c.data.eval_max_new_tokens) == ("paper", 1319, 512)
+    assert (c.train.prompts_per_step, c.gen.n, c.gen.max_new_tokens, c.gen.temperature, c.gen.top_p) == (7, 20, 512, 0.7, 1.0)
+    assert (c.train.steps, c.train.lr, c.train.warmup_steps, c.train.decay_steps) == (700, 1e-5, 50, 300)
+    assert (c.train.sync_every, c.train.min_buffer, c.train.grad_clip, c.train.weight_decay) == (2, 500, 0.0, 0.0)
+    assert (c.tba.beta_init, c.tba.beta_final, c.tba.beta_anneal_steps) == (0.014, 0.004, 500)
+    assert (c.tba.m, c.tba.sampling, c.tba.inv_temp, c.tba.max_per_group) == (0.95, "uniform", 0.0, 100)
+    assert (c.train.device, c.train.activation_checkpointing) == ("cuda", True)
+    assert run_gsm8k.make_config(["--preset=paper", "--tba.beta_init=0.012"]).tba.beta_init == 0.012  # overrides win
+
+
+def test_gsm8k_paper_prompt_keeps_the_tokenizers_bos():
+    """TBA tokenises its raw-text prompt with the tokenizer's special tokens (a Llama BOS); a chat
+    template holds its own, so the chat style adds none."""
+    tok = tiny.tokenizer()
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    ex = [run_gsm8k.GSM8KExample("w5 w6", "#### 4", "4")]
+    text = run_gsm8k.format_prompt(ex[0].question, None, "paper")
+    bare = tok(text, add_special_tokens=False)["input_ids"]
+    assert run_gsm8k.tokenize_prompts(ex, tok, "paper") == [[1] + bare]
+    chat = tok(run_gsm8k.format_prompt(ex[0].question, tok, "chat"), add_special_tokens=False)["input_ids"]
+    assert run_gsm8k.tokenize_prompts(ex, tok, "chat") == [chat]
 
 
 def test_gsm8k_areal_long_resolves_offline_to_areals_settings():
@@ -101,7 +129,7 @@ def test_gsm8k_areal_long_resolves_offline_to_areals_settings():
 
 
 @pytest.mark.parametrize("script, preset", [("run_tldr.py", "paper"), ("run_redteam.py", "paper_llama"),
-                                            ("run_gsm8k.py", "areal_long")])
+                                            ("run_gsm8k.py", "areal_long"), ("run_gsm8k.py", "paper")])
 def test_print_config_is_a_dry_run(script, preset):
     out = subprocess.run([sys.executable, str(ROOT / script), f"--preset={preset}", "--print-config"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})

@@ -41,6 +41,8 @@ def runs(tmp_path_factory):
         # a preset's hub model, offline and not cached (an empty cache of our own: never a download)
         "hub_model_offline": (["--algo=areal", "--preset=areal_long", "--name=x", root], {
             "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "HF_HUB_CACHE": str(tmp / "hf" / "hub")}),
+        "paper_offline": (["--preset=paper", "--name=x", root], {
+            "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "HF_HUB_CACHE": str(tmp / "hf" / "hub")}),
     }
     env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_DEBUG"}
     procs = {name: subprocess.Popen([sys.executable, "run_gsm8k.py", *argv], cwd=ROOT, env={**env, **extra},
@@ -76,6 +78,8 @@ def test_a_presets_hub_model_offline_is_one_line(runs):
     line = _one_line(runs["hub_model_offline"])
     assert "cannot resolve model 'deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B'" in line and "Hugging Face" in line
     assert "local checkpoint" in line  # the fix: --model=<a folder with it>
+    line = _one_line(runs["paper_offline"])  # TBA's GSM8K preset: its RhoMath-1B SFT policy
+    assert "cannot resolve model 'realtreetune/rho-1b-sft-GSM8K'" in line and "local checkpoint" in line
 
 
 def test_a_run_name_outside_run_root_is_one_line(runs):
