@@ -46,6 +46,7 @@ from common.engine.hf_io import check_model, load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.errors import UserError, debug
 from common.plots import plot_metrics
+from common.preflight import check_memory, parse_gpus, use_random_weights
 from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
 from common.runtime.run_dir import check_name, check_run_dir
@@ -69,6 +70,8 @@ class RunConfig:
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
     overwrite: bool = False             # replace an earlier run in runs/<name> (deleted first)
+    random_weights: bool = False        # models named by hub id built locally as random models of their published shapes (common/engine/shapes.py): no hub, nothing learnt
+    memory_check: bool = True           # stop before loading when the memory plan (--print-memory) does not fit this machine
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     tba: TBAConfig = field(default_factory=TBAConfig)
@@ -144,7 +147,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     make: common/runtime/run_dir.py), are checked here, before anything loads."""
     argv = sys.argv[1:] if argv is None else list(argv)
     dry = "--print-config" in argv
-    argv = [a for a in argv if a != "--print-config"]
+    memory = next((a for a in argv if a == "--print-memory" or a.startswith("--print-memory=")), None)
+    argv = [a for a in argv if a not in ("--print-config", memory)]
     preset = _flag(argv, "preset")
     if preset and preset != "cpu" and preset not in (presets or {}):
         raise ValueError(f"--preset={preset}: this task's presets are cpu, {', '.join(presets or {})}")
@@ -161,6 +165,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     if dry:
         print(json.dumps(to_dict(cfg), indent=2))
         sys.exit(0)
+    if memory is not None:  # the plan from the models' configs, nothing loaded (<GB>[x<N>]: GPUs not on this machine)
+        check_memory(cfg, show=True, gpus=parse_gpus(memory.split("=", 1)[1]) if "=" in memory else None)
     # the process that writes the run folder: an existing run or a folder not ours, refused now. Not under
     # torchrun, whose restart (--max-restarts) continues the run by itself (common/train.py): the folder
     # is checked when the run opens it, knowing that
@@ -216,9 +222,14 @@ def user_error(e: UserError) -> int:
 
 
 def setup(cfg: RunConfig) -> None:
-    """Per-process torch defaults (one CPU thread) and the run's seed."""
+    """Per-process torch defaults (one CPU thread) and the run's seed; `--random_weights`' local
+    models and the memory check (common/preflight.py)."""
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
+    if cfg.random_weights:  # hub ids -> local random models, before any worker starts (common/preflight.py)
+        use_random_weights(cfg)
+    if cfg.memory_check:  # before anything loads: a plan that does not fit stops here, naming what to change
+        check_memory(cfg)
 
 
 def tokenizer_of(cfg: RunConfig):

@@ -1,0 +1,272 @@
+"""A run's memory per device before anything loads (`--print-memory`, and the check every run makes):
+each process's weights, gradients, AdamW state, activations, KV pool and allowances, from the models'
+config.json alone, against the device's memory (CUDA: its total; CPU: the machine's RAM).
+
+Runs in the launching process (common/preflight.py). The arithmetic, per parameter P and token:
+  trainer rank   fp32 weights 4P/N + fp32 grads 4P/N + AdamW moments 8P/N (N = train.trainer_devices,
+                 FSDP2 shards), the weight store's two copies 2 x P x (2 bf16 | 4 fp32) on rank 0,
+                 autocast's bf16 weight copies 2P in bf16; activations of one micro-batch of
+                 T = train.micro_batch_tokens tokens (measured on the CPU, tests/test_memory_plan.py):
+                 saved per token and layer (5 - parallel_residual) x D + 2 x I + (H + 2 Hkv) x hd
+                 values (fp32; in bf16 the norms' inputs stay fp32, the rest halves), plus 2 x D per
+                 token outside the layers; with checkpointing, D per layer (the block input) plus one
+                 layer recomputed; the head's logits, 2 x min(T x V x 4, 512 MiB) (head.py's chunks)
+  generator      policy (and reference, with gen.ref_logp) weights in bf16 on CUDA, fp32 or bf16 on
+                 CPU; the paged KV pool, 2 x L x Hkv x hd x (2 | 4) bytes a token, gen.kv_tokens or
+                 kv_budget.py's default (CPU: what static slots hold; CUDA: half the free memory when it
+                 starts); prefill activations of gen.prefill_tokens; decode logits (and on CUDA the
+                 graphs' pool: 3 x max_batch x V x 4 + 256 MiB, an allowance)
+  others         a reward model, victim or classifier: weights x reward_workers on its section's device
+A CUDA process also gets a 0.5 GiB context allowance. Prompts are taken as <= 512 tokens.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from common.engine.kv_budget import KV_FRACTION, PAGE_SIZE
+from common.engine.kv_paged import WATERMARK
+from common.engine.model_config import ModelConfig
+
+GiB = 2**30
+CONTEXT = GiB // 2            # a CUDA context (allowance)
+GRAPH_POOL = 256 * 2**20      # CUDA graphs beyond their largest bucket (allowance)
+LOGIT_BUDGET = 512 * 2**20    # common/engine/head.py: LOGIT_BUDGET_BYTES
+PROMPT_TOKENS = 512           # prompt length the plan assumes (data are not read before loading)
+
+
+@dataclass
+class Line:
+    device: str
+    process: str
+    what: str
+    nbytes: int
+
+
+@dataclass
+class Plan:
+    lines: list = field(default_factory=list)
+    capacity: dict = field(default_factory=dict)   # device -> bytes (None: unknown here)
+    caps: dict = field(default_factory=dict)       # (device, process) -> bytes (memory_fraction)
+    fixes: list = field(default_factory=list)      # (setting, what it does)
+    notes: list = field(default_factory=list)
+    errors: list = field(default_factory=list)     # what cannot run whatever the memory
+
+    def add(self, device, process, what, nbytes):
+        self.lines.append(Line(device, process, what, int(nbytes)))
+
+    def used(self, device, process=None) -> int:
+        return sum(x.nbytes for x in self.lines if x.device == device and process in (None, x.process))
+
+    def over(self) -> list[str]:
+        """What does not fit: each device past its memory, each process past its cap."""
+        out = list(self.errors)
+        for d, cap in self.capacity.items():
+            if cap is not None and self.used(d) > cap:
+                out.append(f"{d} needs {gb(self.used(d))} of {gb(cap)}")
+        for (d, p), cap in self.caps.items():
+            if self.capacity.get(d) is not None and self.used(d, p) > cap:
+                out.append(f"{p} needs {gb(self.used(d, p))} of its {gb(cap)} share of {d}")
+        return out
+
+    @property
+    def fits(self) -> bool:
+        return not self.over()
+
+    def report(self) -> str:
+        rows = []
+        for d, cap in self.capacity.items():
+            rows.append(f"{d}: {gb(self.used(d))} of {gb(cap) if cap is not None else 'unknown (give --print-memory=<GB>)'}")
+            for x in self.lines:
+                if x.device == d:
+                    rows.append(f"  {x.process:<16} {x.what:<64} {gb(x.nbytes):>9}")
+        rows += self.notes
+        bad = self.over()
+        rows.append("fits" if not bad else "does not fit: " + "; ".join(bad) + ". " + self.advice_tail())
+        return "\n".join(rows)
+
+    def advice_tail(self) -> str:
+        return ("Change: " + "; ".join(f"{s} ({what})" for s, what in self.fixes)) if self.fixes else ""
+
+    def advice(self) -> str:
+        return ("memory plan: " + "; ".join(self.over()) + " (python <script> ... --print-memory shows each part). "
+                + self.advice_tail() + "; or --memory_check=false to start anyway")
+
+
+def gb(n) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e7 else f"{n / 1e6:.2f} MB"
+
+
+def layer_values(m: ModelConfig) -> tuple[int, int]:
+    """(values saved for backward per token and layer, of which fp32: the norms' inputs and stats)."""
+    norm_inputs = 1 if m.parallel_residual else 2
+    stats = 2 * (1 if m.norm == "rms" else 2) + m.num_attention_heads  # rstd (and mean) per norm, attention's lse
+    attn = (m.num_attention_heads + 2 * m.num_key_value_heads) * m.head_dim
+    vals = (5 - (1 if m.parallel_residual else 0)) * m.hidden_size + 2 * m.intermediate_size + attn + stats
+    return vals, norm_inputs * m.hidden_size + stats
+
+
+def activation_bytes(m: ModelConfig, tokens: int, checkpointing: bool, half: bool) -> int:
+    """Bytes the trainer holds for backward at `tokens` tokens, the head's chunk excluded: per layer
+    `layer_values`, outside the layers the embedding's output and the final norm's input (2 x D)
+    and RoPE's cos and sin (2 x rotary dims); with checkpointing the block inputs (D per layer) and
+    one layer recomputed in backward."""
+    vals, fp32 = layer_values(m)
+    per_layer = fp32 * 4 + (vals - fp32) * (2 if half else 4)
+    outside = (2 * m.hidden_size + (2 * m.rotary_dim if m.positions == "rope" else 0)) * 4
+    if checkpointing:
+        return tokens * (m.num_hidden_layers * m.hidden_size * 4 + per_layer + outside)
+    return tokens * (m.num_hidden_layers * per_layer + outside)
+
+
+def head_bytes(m: ModelConfig, tokens: int) -> int:
+    return 2 * min(tokens * m.vocab_size * 4, LOGIT_BUDGET)
+
+
+def kv_per_token(m: ModelConfig, nbytes: int) -> int:
+    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * nbytes
+
+
+def static_kv_tokens(max_batch: int, max_seq_len: int, prompt: int, page: int) -> int:
+    """kv_budget.py's CPU default: what static slots hold, in pages, plus the watermark's share."""
+    pages = lambda n: -(-n // page)  # noqa: E731
+    held = max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(prompt)
+    return (math.ceil(held / (1 - WATERMARK)) + 1) * page
+
+
+def ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, param_count=None) -> Plan:
+    """The plan of a run config `cfg` whose policy, reference and other models have these
+    config.json dicts. `gpus`: the GPUs' memory in bytes (CUDA runs; None = unknown), `param_count`:
+    fn(config dict) -> parameters (common/engine/shapes.py's)."""
+    t, g = cfg.train, cfg.gen
+    cuda = t.device.startswith("cuda")
+    mp, mr = ModelConfig.from_hf(policy), ModelConfig.from_hf(ref)
+    P, Pr = param_count(policy), param_count(ref)
+    p = Plan()
+    if cuda:
+        n_gpu = len(gpus) if gpus else 1
+        p.capacity = {f"cuda:{i}": (gpus[i] if gpus else None) for i in range(n_gpu)}
+    else:
+        n_gpu, p.capacity = 0, {"cpu": ram_bytes()}
+    N = t.trainer_devices
+    half = cuda or cfg.precision.dtype == "bf16"
+    T = t.micro_batch_tokens
+    for r in range(N):
+        d = f"cuda:{r % n_gpu}" if cuda else "cpu"
+        who = f"trainer rank {r}" if N > 1 else "trainer"
+        p.add(d, who, f"fp32 weights, grads, AdamW moments: 16 B x {P / 1e9:.3f}B params" + (f" / {N}" if N > 1 else ""),
+              16 * P / N)
+        if r == 0:
+            p.add(d, who, f"weight store: 2 copies in {'bf16' if half else 'fp32'}", 2 * P * (2 if half else 4))
+        if half:
+            p.add(d, who, "autocast's bf16 copies of the weights", 2 * P / N)
+        ck = "checkpointed" if t.activation_checkpointing else "no checkpointing"
+        p.add(d, who, f"activations, {T:,} tokens a micro-batch, {ck}", activation_bytes(mp, T, t.activation_checkpointing, half))
+        p.add(d, who, "head: one chunk of logits and its backward", head_bytes(mp, T))
+        if cuda:
+            p.add(d, who, "CUDA context (allowance)", CONTEXT)
+            if t.memory_fraction > 0 and p.capacity[d] is not None:
+                p.caps[(d, who)] = t.memory_fraction * p.capacity[d]
+    n_gen = t.n_generators or max(1, n_gpu - N)
+    wb = 2 if half else 4
+    kvb = 2 if cuda or cfg.precision.kv == "bf16" else 4
+    seq = PROMPT_TOKENS + g.max_new_tokens
+    page = g.kv_page_size or PAGE_SIZE["cuda" if cuda else "cpu"]
+    ref_held = g.ref_logp and cfg.algo != "areal"
+    for r in range(n_gen):
+        d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
+        who = f"generator {r}"
+        p.add(d, who, f"policy weights in {'bf16' if wb == 2 else 'fp32'}", wb * P)
+        if ref_held:
+            p.add(d, who, "reference weights (gen.ref_logp)", wb * Pr)
+        p.add(d, who, f"prefill activations, {g.prefill_tokens:,} tokens", g.prefill_tokens * (layer_values(mp)[0]) * wb)
+        logits = g.max_batch * mp.vocab_size * 4
+        p.add(d, who, "decode logits" + (" and CUDA graphs' pool (allowance)" if cuda else ""),
+              3 * logits + GRAPH_POOL if cuda else 2 * logits)
+        if cuda:
+            p.add(d, who, "CUDA context (allowance)", CONTEXT)
+            if g.memory_fraction > 0 and p.capacity[d] is not None:
+                p.caps[(d, who)] = g.memory_fraction * p.capacity[d]
+    _others(p, cfg, others, param_count, cuda, n_gpu)
+    for r in range(n_gen):  # the pool last: on CUDA it takes half of what is free when the generator starts
+        d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
+        _kv(p, d, f"generator {r}", g, mp, kvb, seq, page, cuda)
+    _fixes(p, cfg, mp, P, cuda, n_gpu)
+    return p
+
+
+def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda: bool) -> None:
+    per = kv_per_token(m, kvb)
+    need = -(-(seq + 1) // page) * page + -(-PROMPT_TOKENS // page) * page  # one full-length sample and its prompt
+    if g.kv_tokens:
+        tokens, how = g.kv_tokens, "gen.kv_tokens"
+    elif not cuda:
+        tokens, how = static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page), "what static slots hold"
+    elif p.capacity[d] is None:
+        p.notes.append(f"{who}: KV pool = half the free memory when it starts; {gb(need * per)} holds one "
+                       f"full-length sample, {gb(g.max_batch * seq * per)} all {g.max_batch} rows at full length")
+        return
+    else:
+        free = p.caps.get((d, who), p.capacity[d]) - (p.used(d, who) if (d, who) in p.caps else p.used(d))
+        tokens, how = max(0, int(free * KV_FRACTION)) // per, "half the free memory"
+    p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
+    if tokens < need:
+        p.errors.append(f"{who}'s KV pool holds {tokens:,} tokens, less than one full-length sample ({need:,}: "
+                        f"prompt <= {PROMPT_TOKENS} + gen.max_new_tokens)")
+        if g.kv_tokens:
+            p.fixes.append((f"--gen.kv_tokens={need}", "one full-length sample"))
+    else:
+        p.notes.append(f"{who}: the KV pool holds {tokens // seq:,} full-length samples ({seq:,} tokens, prompts "
+                       f"<= {PROMPT_TOKENS}); gen.max_batch = {g.max_batch} (more rows are preempted, not refused)")
+
+
+def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> None:
+    """Reward models, victims, classifiers: weights only, on their section's device; a reward worker
+    holds one copy each (the gold RM: the trainer's evaluation, one). Sequence classifiers load in
+    fp32 through transformers, causal LMs through our engine (bf16 on CUDA)."""
+    for key, hf in others.items():
+        section = getattr(cfg, key.split(".")[0], None)  # a classifier runs where the victim does
+        dev = getattr(section, "device", getattr(getattr(cfg, "victim", None), "device", cfg.train.device))
+        d = "cuda:0" if str(dev).startswith("cuda") else "cpu"
+        p.capacity.setdefault(d, ram_bytes() if d == "cpu" else None)
+        gold = key.endswith("gold_model")
+        copies = 1 if gold else max(1, cfg.train.reward_workers)
+        nb = 4 if d == "cpu" or "SequenceClassification" in str(hf.get("architectures")) else 2
+        p.add(d, "trainer (eval)" if gold else "reward workers",
+              f"--{key}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
+
+
+def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None:
+    """What to change, with what each saves, where the plan does not fit."""
+    if p.fits:
+        return
+    t = cfg.train
+    d0 = "cuda:0" if cuda else "cpu"
+    half = cuda or cfg.precision.dtype == "bf16"
+    act = activation_bytes(m, t.micro_batch_tokens, t.activation_checkpointing, half)
+    if not t.activation_checkpointing:
+        p.fixes.append(("--train.activation_checkpointing=true",
+                        f"saves {gb(act - activation_bytes(m, t.micro_batch_tokens, True, half))} on {d0}"))
+    smaller = max(1, t.micro_batch_tokens // 4)
+    saved = (act + head_bytes(m, t.micro_batch_tokens) - activation_bytes(m, smaller, t.activation_checkpointing, half)
+             - head_bytes(m, smaller))
+    p.fixes.append((f"--train.micro_batch_tokens={smaller}", f"saves {gb(saved)} on {d0}"))
+    if cuda and n_gpu > 1 and t.trainer_devices < n_gpu:
+        k = n_gpu if t.n_generators == 0 else t.trainer_devices + 1
+        p.fixes.append((f"--train.trainer_devices={k}", f"FSDP2 shards: saves {gb(16 * P - 16 * P // k)} on {d0}"))
+    for (d, who), cap in p.caps.items():  # a process past its share of a GPU that has room
+        need, total = p.used(d, who), p.capacity[d]
+        if need > cap and p.used(d) <= total:
+            key = "train" if who.startswith("trainer") else "gen"
+            p.fixes.append((f"--{key}.memory_fraction={math.ceil(100 * need / total) / 100:g}",
+                            f"{gb(need - cap)} more for {who} on {d}"))
+    if cfg.gen.kv_tokens:
+        p.fixes.append((f"--gen.kv_tokens={cfg.gen.kv_tokens // 2}", "half the KV pool"))
+    for key, section in (("reward", getattr(cfg, "reward", None)), ("victim", getattr(cfg, "victim", None))):
+        if getattr(section, "device", "cpu").startswith("cuda"):
+            p.fixes.append((f"--{key}.device=cpu", f"saves {gb(p.used('cuda:0', 'reward workers'))} on cuda:0"))

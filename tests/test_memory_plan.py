@@ -1,0 +1,100 @@
+"""The memory plan (common/engine/memory_plan.py) against what tiny models on the CPU really hold,
+and the plan's decisions: a preset that fits, one that does not (with what to change), and a run
+whose plan does not fit stopping before it loads anything.
+
+How it is measured: by the tensors' own byte counts, not by RSS or tracemalloc (the allocator's
+caching, the Python heap and the other test processes make those move by more than these models
+weigh). Activations: every tensor autograd saves for backward during one forward of a micro-batch
+(`torch.autograd.graph.saved_tensors_hooks`), counted once per storage, the parameters and the
+input tokens left out; that is what stays alive until backward. With checkpointing the forward
+keeps the block inputs; the one layer recomputed in backward is the no-checkpointing per-layer
+figure, checked by the first case (all within 4% here). The trainer's state: parameters, gradients and AdamW's moments
+after one optimizer step. The sampler: its paged KV pool's tensors after a call. Tolerance: 5%
+(the plan leaves out a few values per token: masks, positions, the head's row indices).
+"""
+import pytest
+import torch
+
+import run_gsm8k
+from common.engine import memory_plan
+from common.engine.hf_io import load_model, read_hf_config
+from common.engine.sampler import Sampler
+from common.engine.sampling import SamplingParams
+from common.engine.shapes import param_count
+from common.errors import UserError
+from common.ops import token_logp
+from common.preflight import plan_of
+from common.runtime.step import make_optimizer
+from tests import tiny
+
+FAMILIES = ["llama_tied", "qwen2_bias", "neox_parallel_rot25", "neox_sequential_rot100", "gpt2"]
+
+
+def _model(tmp_path, arch):
+    tiny.save_hf(arch, tmp_path / arch)
+    return load_model(str(tmp_path / arch), tokenizer=False)[0], read_hf_config(tmp_path / arch)
+
+
+def saved_bytes(model, tokens) -> int:
+    """Bytes of the distinct storages autograd saves in one forward (parameters and input excluded)."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {tokens.untyped_storage().data_ptr()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logp(model, tokens, 1.0).sum()
+    return sum(n for ptr, n in seen.items() if ptr not in skip)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activations_match_what_autograd_saves(tmp_path, arch, checkpointing):
+    model, hf = _model(tmp_path, arch)
+    model.train()
+    model.checkpoint_layers = checkpointing
+    B, T = 4, 48
+    tokens = torch.randint(3, 97, (B, T), generator=torch.Generator().manual_seed(0))
+    got = saved_bytes(model, tokens)
+    want = memory_plan.activation_bytes(model.cfg, B * T, checkpointing, half=False)
+    if checkpointing:  # the forward's part: less the layer recomputed in backward
+        want -= B * T * 4 * memory_plan.layer_values(model.cfg)[0]
+    assert got == pytest.approx(want, rel=0.05)
+
+
+def test_trainer_state_and_kv_pool_match_their_tensors(tmp_path):
+    model, hf = _model(tmp_path, "llama_tied")
+    P = param_count(hf)
+    opt = make_optimizer(model, 1e-3, 0.0)
+    model.train()
+    token_logp(model, torch.randint(3, 97, (2, 16)), 1.0).sum().backward()
+    opt.step()
+    state = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+    held = sum(t.nbytes for t in [*model.parameters(), *(p.grad for p in model.parameters()), *state])
+    assert held == pytest.approx(16 * P, rel=0.01)  # fp32 weights, grads and two moments
+    model.eval()
+    s = Sampler(model, max_batch=4, max_seq_len=64, kv_tokens=640, page_size=64)
+    s.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0))
+    pool = sum(t.nbytes for t in s.cache.stores)
+    per = memory_plan.kv_per_token(model.cfg, 4)
+    assert pool == (640 // 64 + 1) * 64 * per  # whole pages and the scratch page, as the plan counts them
+
+
+def test_plans_fit_or_say_what_to_change(tmp_path):
+    cfg = run_gsm8k.make_config(["--preset=paper"])
+    assert plan_of(cfg, gpus=[141e9]).fits  # TBA's GSM8K run on one H200-sized GPU
+    small = plan_of(cfg, gpus=[24e9])
+    assert not small.fits and "cuda:0 needs" in small.report()
+    advice = plan_of(run_gsm8k.make_config(["--preset=paper", "--train.activation_checkpointing=false"]),
+                     gpus=[24e9]).advice()
+    assert "--train.activation_checkpointing=true" in advice and "--train.micro_batch_tokens=" in advice
+
+
+def test_a_run_that_does_not_fit_stops_before_loading(tmp_path):
+    tiny.save_hf("llama_tied", tmp_path / "m")
+    tiny.tokenizer().save_pretrained(tmp_path / "m")
+    argv = [f"--model={tmp_path / 'm'}", f"--run_root={tmp_path / 'runs'}", "--train.micro_batch_tokens=4000000000"]
+    with pytest.raises(UserError, match=r"^memory plan: cpu needs .* --train.micro_batch_tokens=1000000000"):
+        run_gsm8k.main(argv)
+    assert not (tmp_path / "runs").exists()  # nothing started
