@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import run_gsm8k
+from bench import memory_plan as plan_bench
 from common.engine import memory_plan
 from common.engine.hf_io import load_model, read_hf_config
 from common.engine.sampler import Sampler
@@ -98,3 +99,15 @@ def test_a_run_that_does_not_fit_stops_before_loading(tmp_path):
     with pytest.raises(UserError, match=r"^memory plan: cpu needs .* --train.micro_batch_tokens=1000000000"):
         run_gsm8k.main(argv)
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_the_gpu_check_runs_its_parts_on_a_cpu(tmp_path):
+    """bench/memory_plan.py (the check a lent GPU runs at a paper preset's shapes) at a tiny shape on
+    the CPU: both parts run in their own processes and report the plan's bytes beside a measurement
+    (on a CPU a rough resident-set one: not compared here)."""
+    tiny.save_hf("llama_tied", tmp_path / "m")
+    tiny.tokenizer().save_pretrained(tmp_path / "m")
+    res = plan_bench.main(["--task", "gsm8k", "--preset", "cpu", "--model", str(tmp_path / "m"), "--decode-tokens", "2",
+                      "--set", "train.micro_batch_tokens=512", "--set", "gen.max_new_tokens=16", "--set", "gen.max_batch=4"])
+    for part in ("trainer", "generator"):
+        assert res[part]["planned"] > 0 and res[part]["measured"] >= 0 and "error" not in res[part], res[part]

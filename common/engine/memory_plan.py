@@ -52,6 +52,7 @@ class Plan:
     fixes: list = field(default_factory=list)      # (setting, what it does)
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)     # what cannot run whatever the memory
+    kv_tokens: dict = field(default_factory=dict)  # process -> its KV pool's tokens
 
     def add(self, device, process, what, nbytes):
         self.lines.append(Line(device, process, what, int(nbytes)))
@@ -219,6 +220,7 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
     else:
         free = p.caps.get((d, who), p.capacity[d]) - (p.used(d, who) if (d, who) in p.caps else p.used(d))
         tokens, how = max(0, int(free * KV_FRACTION)) // per, "half the free memory"
+    p.kv_tokens[who] = tokens
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
     if tokens < need:
         p.errors.append(f"{who}'s KV pool holds {tokens:,} tokens, less than one full-length sample ({need:,}: "
