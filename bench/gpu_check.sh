@@ -9,7 +9,8 @@
 #   SECTIONS=async,sampler TESTS=0 SMOKE=0 T_sampler=200 ARGS_async="--async-steps 6" bash bench/gpu_check.sh
 #
 # Variables: TESTS / SMOKE / HOSTCPU = 0 to skip a phase, HOSTDECODE = 1 to add one (the host CPU's
-# decode choice: python -m common.runtime.measure_decode); TEST_K (pytest -k); SECTIONS (bench/gpu.py
+# decode choice: python -m common.runtime.measure_decode), MEMPLAN = 1 another (bench/memory_plan.py with
+# MEMPLAN_ARGS, default TBA's GSM8K preset); TEST_K (pytest -k); SECTIONS (bench/gpu.py
 # sections, comma-separated, each its own process; empty: none); BENCH_ARGS (flags for every
 # section), ARGS_<section> (for one); T_TESTS / T_SMOKE / T_BENCH / T_<section> (seconds).
 set -u
@@ -68,6 +69,13 @@ import json, sys
 d = json.load(open(sys.argv[1]))
 print({k: v for k, v in d.items() if k.endswith(('compiled_over_eager_tok_s', 'eager_tok_s', 'compile_s')) or k in ('decode', 'why')})
 " "$OUT/hostdecode.json" 2>&1 | tail -3
+fi
+
+if [ "${MEMPLAN:-0}" = 1 ]; then  # off by default: the memory plan against measured peaks at a preset's shapes
+  stamp "memory plan vs peaks (${MEMPLAN_ARGS:---task gsm8k --preset paper})"
+  timeout -k 10 "${T_MEMPLAN:-300}" $PY bench/memory_plan.py ${MEMPLAN_ARGS:---task gsm8k --preset paper} \
+    > "$OUT/memplan.json" 2> "$OUT/memplan.log"
+  echo "memplan rc=$?"; tail -3 "$OUT/memplan.log"
 fi
 
 # one bench/gpu.py process per section, each under its own limit (T_<section>; default below) with
