@@ -17,6 +17,8 @@ trainer throughput (trained tokens / wall-clock) and the mean |prox - behav| gap
 
     python bench/staleness.py                      # etas 0 1 2 4 8, 3 seeds, 60 steps (~12 min)
     python bench/staleness.py --quick              # etas 0 2, 1 seed, 6 steps (smoke check)
+    python bench/staleness.py --auto [--seeds N]   # the controller (auto) vs every fixed eta on a
+                                                   # simulated clock (bench/staleness_judge.py)
 """
 from __future__ import annotations
 
@@ -136,6 +138,10 @@ def plot(summary: dict, etas: list[int], out_png: str) -> str | None:
 
 
 def main():
+    if "--auto" in sys.argv[1:]:  # a different benchmark: its own arguments (bench/staleness_judge.py)
+        from bench.staleness_judge import main as judge
+        judge([x for x in sys.argv[1:] if x != "--auto"])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -147,6 +153,8 @@ def main():
     ap.add_argument("--root", default=None, help="run directory root (default: a temp dir)")
     ap.add_argument("--png", default=None, help="plot path (default: <root>/staleness.png)")
     ap.add_argument("--quick", action="store_true", help="etas 0 2, one seed, 6 steps")
+    ap.add_argument("--auto", action="store_true", help="judge the staleness controller instead (simulated clock; "
+                    "see bench/staleness_judge.py --help)")
     a = ap.parse_args()
     if a.quick:
         a.etas, a.seeds, a.steps = [0, 2], [0], 6
