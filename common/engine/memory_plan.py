@@ -57,8 +57,11 @@ class Plan:
     def add(self, device, process, what, nbytes):
         self.lines.append(Line(device, process, what, int(nbytes)))
 
-    def used(self, device, process=None) -> int:
-        return sum(x.nbytes for x in self.lines if x.device == device and process in (None, x.process))
+    def used(self, device, process=None, allocator: bool = False) -> int:
+        """Bytes on `device` (of `process`); `allocator`: only what its caching allocator holds, the
+        share a memory_fraction caps (a CUDA context is outside it)."""
+        return sum(x.nbytes for x in self.lines if x.device == device and process in (None, x.process)
+                   and not (allocator and x.what.startswith("CUDA context")))
 
     def over(self) -> list[str]:
         """What does not fit: each device past its memory, each process past its cap."""
@@ -67,8 +70,8 @@ class Plan:
             if cap is not None and self.used(d) > cap:
                 out.append(f"{d} needs {gb(self.used(d))} of {gb(cap)}")
         for (d, p), cap in self.caps.items():
-            if self.capacity.get(d) is not None and self.used(d, p) > cap:
-                out.append(f"{p} needs {gb(self.used(d, p))} of its {gb(cap)} share of {d}")
+            if self.capacity.get(d) is not None and self.used(d, p, allocator=True) > cap:
+                out.append(f"{p} needs {gb(self.used(d, p, allocator=True))} of its {gb(cap)} share of {d}")
         return out
 
     @property
@@ -218,7 +221,7 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
                        f"full-length sample, {gb(g.max_batch * seq * per)} all {g.max_batch} rows at full length")
         return
     else:
-        free = p.caps.get((d, who), p.capacity[d]) - (p.used(d, who) if (d, who) in p.caps else p.used(d))
+        free = (p.caps[(d, who)] - p.used(d, who, allocator=True)) if (d, who) in p.caps else p.capacity[d] - p.used(d)
         tokens, how = max(0, int(free * KV_FRACTION)) // per, "half the free memory"
     p.kv_tokens[who] = tokens
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
@@ -267,7 +270,7 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None
         k = n_gpu if t.n_generators == 0 else t.trainer_devices + 1
         p.fixes.append((f"--train.trainer_devices={k}", f"FSDP2 shards: saves {gb(16 * P - 16 * P // k)} on {d0}"))
     for (d, who), cap in p.caps.items():  # a process past its share of a GPU that has room
-        need, total = p.used(d, who), p.capacity[d]
+        need, total = p.used(d, who, allocator=True), p.capacity[d]
         if need > cap and p.used(d) <= total:
             key = "train" if who.startswith("trainer") else "gen"
             p.fixes.append((f"--{key}.memory_fraction={math.ceil(100 * need / total) / 100:g}",
