@@ -2,15 +2,18 @@
 control that moves under it exactly where a real trainer can: a prompt is sampled with the
 weights of the version whose quota admitted it."""
 import multiprocessing as mp
+import threading
 
 import pytest
 import torch
 
-from common.batch import PromptSet
+from areal.algo import AReaL, AReaLConfig
+from common.batch import PromptSet, Trajectory
 from common.engine.hf_io import load_model
 from common.engine.precision import Precision
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control, GenConfig, decode_graphs, decode_overlap, generator_main, prompt_order
+from common.runtime.run_log import staleness
 from common.runtime.watchdog import Heartbeats
 from common.runtime.weights import WeightStore
 from tests.tiny import save_hf
@@ -85,3 +88,36 @@ def test_decode_overlap_default_follows_the_cuda_graphs_and_an_explicit_choice_w
     assert not decode_overlap(GenConfig(cuda_graphs=False), "cuda")  # nothing captured: nothing launched ahead
     assert not decode_overlap(GenConfig(overlap=False), "cuda")
     assert decode_overlap(GenConfig(overlap=True), "cpu")  # the CPU path runs it too (its tests do)
+
+
+def _group(g: int, version: int, n: int):
+    return [Trajectory(prompt=torch.tensor([3, 4]), completion=torch.tensor([5, 6]), logp=torch.tensor([-1.0, -1.0]),
+                       versions=torch.tensor([version, version]), reward=float(i), group_id=g) for i in range(n)]
+
+
+def test_groups_the_filter_drops_give_their_places_back_so_admission_never_stalls():
+    """Every third group runs long (finishes four ticks after it starts, its tokens from its start
+    version) and is dropped as too stale by AReaL's filter. Its prompt was counted as started:
+    without giving its place back, every such drop narrows the window for good, and after
+    eta x P of them the generators can never start a batch's worth of prompts again: the run
+    waits forever. With the places given back (`set_version(dropped=)`), training goes on, and the
+    bound holds (the quota counts trained prompts, not dropped ones)."""
+    P, n, eta = 2, 2, 1
+    c, buf = Control(threading, P, eta), ReplayBuffer(64, 16, pad_id=0)
+    algo = AReaL(AReaLConfig(), P, n, 1.0, 256, max_staleness=eta)
+    version, running = 0, []  # (finish tick, group, start version)
+    for tick in range(40):
+        for s in iter(c.claim, None):
+            running.append((tick + (4 if s % 3 == 0 else 0), s, version))
+        for done in [r for r in running if r[0] <= tick]:
+            buf.add(_group(done[1], done[2], n))
+            running.remove(done)
+        batch = algo.next_batch(buf, step=version, version=version, sync=False)
+        if batch is not None:
+            assert max(staleness(batch, version)[0]) <= eta
+            version += 1
+        c.set_version(version, dropped=buf.n_dropped_stale // n)
+    # 40 ticks, a version per tick at best: without the places back it stops for good at version 12
+    # (after eta x P = 2 dropped groups); with them it reaches 21, having dropped 17 groups
+    assert version >= 16, version
+    assert buf.n_dropped_stale >= 8 * n

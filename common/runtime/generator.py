@@ -8,9 +8,10 @@ one is applied at once ("interrupt", AReaL: in-flight KV recomputed) or after in
 finish ("finish", TBA sync points).
 
 Admission (`Control.claim`), AReaL's staleness rule counted in prompts:
-    started < quota,  quota = (max_staleness + v + 1) * prompts_per_version
+    started < quota,  quota = (max_staleness + v + 1) * prompts_per_version + dropped
 v is the trainer's published version; started counts every prompt ever claimed (accepted +
-running). max_staleness = 0 is synchronous lock-step; None is unbounded (TBA searchers); under
+running); dropped counts the groups the trainer's staleness filter dropped (started, never
+trained: they give their places back). max_staleness = 0 is synchronous lock-step; None is unbounded (TBA searchers); under
 `train.max_staleness=auto` the trainer moves it each step (`set_bound`, common/runtime/staleness_control.py).
 Concurrency: `Control.t` is a shared int64 tensor; claims and quota changes happen under
 `Control.lock` (a few integer ops), the trainer is the only writer of version/quota.
@@ -96,16 +97,23 @@ class Control:
         self.stats = torch.zeros(n_generators, len(self.STAT_FIELDS), dtype=torch.float64).share_memory_()
         self.lock = ctx.Lock()
         self.prompts_per_version, self.max_staleness = prompts_per_version, max_staleness
+        self.dropped = 0  # trainer-side: groups given back (set_version)
         self.set_version(0)
 
-    def set_version(self, v: int, started: int | None = None) -> None:
-        """Trainer only: new published version -> new quota. `started` restores it on resume."""
+    def set_version(self, v: int, started: int | None = None, dropped: int | None = None) -> None:
+        """Trainer only: new published version -> new quota. `started` restores it on resume.
+        `dropped`: groups the trainer's staleness filter has dropped so far; each gives its place
+        back (it was counted as started but never trained: without this, every drop would narrow
+        the window for good, and after eta x prompts_per_version of them no batch could ever fill)."""
         with self.lock:
             self.t[self.VERSION] = v
             if started is not None:
                 self.t[self.STARTED] = started
+            if dropped is not None:
+                self.dropped = dropped
             eta = self.max_staleness
-            self.t[self.QUOTA] = _UNBOUNDED if eta is None else (eta + v + 1) * self.prompts_per_version
+            self.t[self.QUOTA] = (_UNBOUNDED if eta is None else
+                                  (eta + v + 1) * self.prompts_per_version + self.dropped)
 
     def set_bound(self, eta: Optional[int]) -> None:
         """Trainer only: a new staleness bound (`train.max_staleness=auto`) at the current version. A

@@ -175,7 +175,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                         version += 1
                         group.publish(version)
                         link.publish(version)  # other nodes have it before the quota moves
-                        control.set_version(version)
+                        control.set_version(version, dropped=buffer.n_dropped_stale // cfg.gen.n)  # their places back
                         publish_s = time.perf_counter() - t2
                     check()
                 finally:

@@ -57,8 +57,8 @@ class StoreControl(Control):
         super().__init__(ctx, prompts_per_version, max_staleness, n_generators)
         self._mirror = True
 
-    def set_version(self, v: int, started: int | None = None) -> None:
-        super().set_version(v, started)
+    def set_version(self, v: int, started: int | None = None, dropped: int | None = None) -> None:
+        super().set_version(v, started, dropped)
         if self._mirror:
             if started is not None:
                 self.node.put_text("started", f"{started} trainer")
