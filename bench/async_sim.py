@@ -5,7 +5,7 @@ Run in-process by bench/staleness_judge.py and tests; nothing here spawns proces
 What is real: the policy (embeddings of (prompt id, previous token) -> MLP -> logits over `vocab`
 tokens, shared parameters, AdamW), sampling at temperature 1, the reward (fraction of answer tokens
 in a prompt's target set of `target` tokens: a random policy scores target / vocab), the admission
-rule (`common.runtime.generator.Control`: started < (eta + v + 1) x P), the trainer's oldest-first
+rule (`common.runtime.generator.Control`: started < (eta + v + 1) x P + dropped groups), the trainer's oldest-first
 filter (a row whose oldest token is more than filter_eta versions old is dropped), the prox pass,
 `areal.loss.behaviour_stats`, group-normalised advantages, `split_by_tokens` minibatches and the
 loss (`decoupled_ppo_loss` or `ppo_loss`), and the staleness controller.
@@ -117,7 +117,8 @@ def run_arm(c: SimConfig, arm, seed: int, settings: ControlSettings | None = Non
     if (settings.ceiling if auto else eta) > c.max_eta:
         raise ValueError(f"arm {arm!r}: eta or ceiling above max_eta={c.max_eta}")
     # one size for every arm, so that claim s gets the same prompt, lengths and uniforms in each
-    max_claims = (c.max_eta + c.steps + 2) * P
+    # the quota's claims, with room for the groups the filter drops (each gives its place back)
+    max_claims = 2 * (c.max_eta + c.steps + 2) * P
     prompt_of = torch.randint(0, c.task_prompts, (max_claims,), generator=g).repeat_interleave(n)
     z = torch.randn(max_claims * n, generator=g, dtype=torch.float64)
     length = (c.len_mu + c.len_sigma * z).exp().ceil().clamp(1, c.max_len).long()
@@ -163,7 +164,7 @@ def run_arm(c: SimConfig, arm, seed: int, settings: ControlSettings | None = Non
                 if arm == "auto+lr":
                     for pg in opt.param_groups:
                         pg["lr"] = c.lr * ctl.lr_scale()
-            control.set_version(version)
+            control.set_version(version, dropped=dropped // n)  # dropped groups give their places back, as in the runtime
             row.update(time=now, eta_next=eta)
             rows.append(row)
             idle_since = now
@@ -183,6 +184,9 @@ def run_arm(c: SimConfig, arm, seed: int, settings: ControlSettings | None = Non
                 s = control.claim()
                 if s is None:
                     break
+                if s >= max_claims:
+                    raise RuntimeError(f"arm {arm!r}, seed {seed}: more than {max_claims} claims (drops gave "
+                                       f"back more places than max_claims allows for): raise it")
                 left[s] = n
                 active.extend(range(s * n, s * n + n))
             if active:

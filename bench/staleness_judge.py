@@ -34,11 +34,12 @@ from bench.async_sim import SimConfig, run_arm  # noqa: E402
 
 FIXED = [0, 1, 2, 4, 8]
 ARMS = FIXED + ["auto", "auto+lr"]
-# chosen from the fixed arms alone (what each wants, at equal time): large eta / 0 / 1
+# chosen from the fixed arms alone (what each wants at equal time): large eta / 0-1 / 1 / 0
 SETTINGS = {
     "gen_bound": dict(loss="decoupled", lr=1e-2, train_c0=10.0, train_c1=0.02),
     "naive_big_lr": dict(loss="naive", lr=3e-2, train_c0=60.0, train_c1=0.05),
     "train_bound_big_lr": dict(loss="decoupled", lr=2e-2, train_c0=40.0, train_c1=0.05),
+    "naive_train_bound": dict(loss="naive", lr=3e-2, train_c0=150.0, train_c1=0.05),
 }
 COLLAPSE_MARGIN, COLLAPSE_TAIL, THRESHOLD_FRAC = 0.1, 5, 0.75
 
