@@ -181,11 +181,21 @@ def convert_gguf(gguf_dir: Path, gguf_file: str, out_dir: Path) -> Path:
     ours = model.state_dict()  # the checkpoint's names and layouts mapped as at load (Gemma's norms: + 1)
     state = {k: t for key, v in hf.state_dict().items() for k, t in (to_ours(model.cfg, key, v) or []) if k in ours}
     model.load_state_dict(state, strict=not model.cfg.tie_word_embeddings)
+
+    def write(tmp: Path) -> None:
+        tok.save_pretrained(tmp)
+        save_pretrained(model, tmp, tokenizer=tok)
+    return build_dir(out_dir, write)
+
+
+def build_dir(out_dir: Path, write) -> Path:
+    """`write(tmp)` into a fresh folder beside out_dir, then renamed to it: a crash never leaves a
+    half-written model where a later run would load it, and when another process built out_dir
+    meanwhile, theirs is kept."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
     try:
-        tok.save_pretrained(tmp)
-        save_pretrained(model, tmp, tokenizer=tok)
+        write(tmp)
         if out_dir.exists():  # another process won the race; keep theirs
             shutil.rmtree(tmp)
         else:

@@ -17,15 +17,13 @@ published shapes, before these are built.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download  # a dependency of transformers: always there
 from safetensors.torch import save_file
 
-from common.engine.hf_io import DEFAULT_MODEL, cache_root, has_tokenizer, resolve_checkpoint
+from common.engine.hf_io import DEFAULT_MODEL, build_dir, cache_root, has_tokenizer, resolve_checkpoint
 from common.errors import UserError
 
 _LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -150,21 +148,13 @@ def random_model_dir(hub_id: str, seed: int = 0) -> Path:
         cfg["bos_token_id"], cfg["eos_token_id"] = tok.bos_token_id, tok.eos_token_id  # the ids its tokenizer has
     cfg["asyncrl_random"] = {"hub_id": hub_id, "seed": seed, "tokenizer": str(tok_dir),
                              "published_vocab_size": published["vocab_size"]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=out.name + ".tmp"))
-    try:
-        print(f"[asyncrl] building a random {hub_id} ({_params(cfg) / 1e9:.2f}B parameters, bf16) in {out} (once)")
+    print(f"[asyncrl] building a random {hub_id} ({_params(cfg) / 1e9:.2f}B parameters, bf16) in {out} (once)")
+
+    def write(tmp: Path) -> None:
         _write_weights(cfg, tmp, seed)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str) + "\n")
         tok.save_pretrained(str(tmp))
-        if (out / "config.json").exists():  # another process built it meanwhile: keep theirs
-            shutil.rmtree(tmp)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return build_dir(out, write)
 
 
 def _meta_model(cfg: dict):
