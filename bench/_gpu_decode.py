@@ -93,6 +93,7 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
     sync(ctx.device)
     b2b = 1e3 * (time.perf_counter() - t) / a.decode_steps
     acts = [ProfilerActivity.CUDA] if ctx.cuda else [ProfilerActivity.CPU]  # CUDA: device events only (cheap to collect)
+    own0 = s.stats["live_own_cols"]
     with profile(activities=acts) as prof:
         for _ in range(a.decode_profile):
             assert s.num_active == rows, (s.num_active, rows)
@@ -106,6 +107,9 @@ def decode_one(ctx: Ctx, model, kw: dict) -> dict:
            "gpu_ms_source": "union of CUDA kernel/memcpy intervals (torch profiler)" if ctx.cuda else
            "CPU: summed self time of aten ops (torch profiler)", "device_events_per_step": n_ev / a.decode_profile,
            "steps_timed": a.decode_steps, "steps_profiled": a.decode_profile,
+           # the live K/V the profiled steps read: each prompt once (shared by its samples), each row's own columns
+           "prompt_tokens_live": sum(map(len, ctx.prompts)),
+           "own_cols_profiled": (s.stats["live_own_cols"] - own0) / a.decode_profile,
            # a timed step whose cache columns crossed into a new bucket captured a graph (~20x a replay)
            "captures_in_timed_steps": None if caps0 is None else caps1 - caps0,
            "captures_in_back_to_back_steps": None if caps1 is None else _captures(s) - caps1,

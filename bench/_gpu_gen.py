@@ -253,6 +253,11 @@ def _ratios(out: dict, prefix: str = "ours") -> None:
                     out[f"{k}_over_{name}"] = out[k]["tok_s"] / out[name]["tok_s"]
 
 
+# the section's parts (`--sampler-parts`): the default workload, then the same with every sample its
+# own request (engine against engine), then the GSM8K-shaped one
+SAMPLER_PARTS = ("default", "engine", "gsm8k")
+
+
 def sampler_section(ctx: Ctx) -> dict:
     a = ctx.args
     wls = workloads(ctx)
@@ -262,22 +267,26 @@ def sampler_section(ctx: Ctx) -> dict:
                         "max_new_tokens": d.max_new, "temperature": a.temperature, "stop_tokens": None},
            "sampler_has_cuda_graphs": has_cuda_graphs(), **_ours(ctx, model, d)}
     # engine against engine: every sample its own request (no prompt sharing), same rows and lengths
+    parts = getattr(a, "sampler_parts", SAMPLER_PARTS)
     distinct = replace(d, name="default_no_sharing", prompts=[p for p in d.prompts for _ in range(d.n)], n=1)
     eng = {"ours_no_sharing": run_ours(ctx, model, variants(ctx)[out["ours_best"]], distinct),
-           "variant": out["ours_best"]}
+           "variant": out["ours_best"]} if "engine" in parts else None
     gsm = {"workload": {"prompts": len(g.prompts), "n": g.n, "prompt_len": [a.gsm8k_prompt_min, a.gsm8k_prompt_max],
-                        "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)}
+                        "max_new_tokens": g.max_new, "stop_ids": len(g.stops)}, **_ours(ctx, model, g)} \
+        if "gsm8k" in parts else None
     del model
     free_memory(ctx.device)
     out.update(_hf_runs(ctx, d, a.hf_settings))
     _ratios(out)
-    for name in HF_SETTINGS:
-        if "tok_s" in out.get(name, {}):
-            eng[f"ours_no_sharing_over_{name}"] = eng["ours_no_sharing"]["tok_s"] / out[name]["tok_s"]
-    out["engine"] = eng
-    gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in a.hf_settings]))
-    _ratios(gsm)
-    out["gsm8k"] = gsm
+    if eng is not None:
+        for name in HF_SETTINGS:
+            if "tok_s" in out.get(name, {}):
+                eng[f"ours_no_sharing_over_{name}"] = eng["ours_no_sharing"]["tok_s"] / out[name]["tok_s"]
+        out["engine"] = eng
+    if gsm is not None:
+        gsm.update(_hf_runs(ctx, g, [h for h in ("hf_static", "hf_static_compiled") if h in a.hf_settings]))
+        _ratios(gsm)
+        out["gsm8k"] = gsm
     out["ratios"] = {"ours_over_hf_*": "system (prompt sharing and slot refill included)",
                      "engine.ours_no_sharing_over_hf_*": "engine (no sharing, equal rows and lengths)"}
     return out

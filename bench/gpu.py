@@ -27,6 +27,11 @@ bench/_gpu_train.py (trainer, ipc, async).
     python bench/gpu.py --only sampler,decode             # some sections: sampler,decode,trainer,ipc,async,long
     python bench/gpu.py --smoke --device cpu              # tiny shapes, no torch.compile: tests the code path
     python bench/gpu.py --smoke --device cuda --hf-compile --strict   # every CUDA call, tiny, ~1 min
+    python bench/gpu.py --arch rho-1b --only trainer       # a paper's shape (pythia-1b, rho-1b, r1-qwen-1.5b)
+
+`--arch` builds a random checkpoint of a published shape (bench/_gpu_paper.py; common/engine/shapes.py)
+in `--workdir`, reused by later runs there, and adds the decode step against its bandwidth floor and
+the trainer's MFU (`paper`), with their targets; with `--smoke`, its family at tiny sizes.
 
 `--out` is rewritten after every finished part of a section (a sampler setting, a decode variant),
 so a run cut short keeps what it measured (marked `partial`). A section
@@ -55,7 +60,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read when huggingface_hub is imp
 import torch  # noqa: E402
 
 from bench._gpu_decode import decode_section  # noqa: E402
-from bench._gpu_gen import HF_SETTINGS, VARIANTS, sampler_section  # noqa: E402
+from bench._gpu_gen import HF_SETTINGS, SAMPLER_PARTS, VARIANTS, sampler_section  # noqa: E402
+from bench._gpu_paper import ALIASES, ARCH_DEFAULTS, arch_config, build_arch, hub_id  # noqa: E402
+from bench._gpu_targets import WAS, targets  # noqa: E402
 from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa: E402
 from bench.long_outputs import measure as long_measure, parse_args as long_args  # noqa: E402
 from bench._gpu_util import (SMOLLM2_135M, TINY, Ctx, build_checkpoint, free_memory, machine,  # noqa: E402
@@ -75,10 +82,6 @@ def long_section(ctx) -> dict:
 
 SECTIONS = {"sampler": sampler_section, "decode": decode_section, "trainer": trainer_section,
             "ipc": ipc_section, "async": async_section, "long": long_section}
-# BENCHMARKS.md, "One H100, measured by hand": one H100 80 GB, torch 2.11 + CUDA 13, transformers 5.17, 2026-11-23, code of 2026-11-22
-WAS = {"ours_tok_s": 3573, "hf_dynamic_tok_s": 2153, "hf_static_tok_s": 7361, "hf_static_compiled_tok_s": 21322,
-       "decode_wall_ms": 84.0, "decode_gpu_ms": 16.5, "trainer_step_s": 0.22, "trainer_tok_s": 138000,
-       "trainer_peak_gib": 47.5, "ipc_publish_ms": 5.5, "ipc_apply_ms": 5.4}
 SMOKE = dict(prompts=4, n=2, prompt_min=5, prompt_max=12, max_new=16, max_batch=8, hf_batch=8, hf_compile=False,
              gsm8k_prompts=3, gsm8k_n=3, gsm8k_prompt_min=4, gsm8k_prompt_max=12, gsm8k_stops=20,
              decode_warmup=1, decode_steps=3, decode_profile=2, train_rows=4, train_tokens=48, train_prompt=16, train_group=2,
@@ -97,6 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--seed", type=int, default=0, help="checkpoint weights and prompts")
     arg("--workdir", default=None, help="checkpoint and run directory (default: a temp dir, removed at the end)")
     arg("--strict", action="store_true", help="stop at the first section that raises")
+    arg("--arch", default=None, help=f"a paper's model shape instead of SmolLM2's (random weights): one of "
+        f"{sorted(ALIASES)} or a hub id of common/engine/shapes.py; with --smoke its family at tiny sizes")
+    arg("--mem-bw-tbs", type=float, default=None, help="the card's memory bandwidth, TB/s (default: from its name)")
+    arg("--peak-tflops", type=float, default=None, help="the card's peak dense bf16 TFLOP/s (default: from its name)")
     g = ap.add_argument_group("sampler workload")
     g.add_argument("--prompts", type=int, default=64)
     g.add_argument("--n", type=int, default=4, help="samples per prompt")
@@ -115,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--gsm8k-prompt-min", type=int, default=80)
     g.add_argument("--gsm8k-prompt-max", type=int, default=250)
     g.add_argument("--gsm8k-stops", type=int, default=200, help="stop ids (random weights: ~this / vocab per token)")
+    g.add_argument("--sampler-parts", default=",".join(SAMPLER_PARTS),
+                   help=f"the sampler section's parts, of {list(SAMPLER_PARTS)}")
     g.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="run the static cache + torch.compile setting (off in --smoke unless given)")
     g = ap.add_argument_group("decode step")
@@ -138,9 +147,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--async-prompts", type=int, default=256, help="random prompts in the async run's set")
     g.add_argument("--async-buffer", type=int, default=4096, help="replay buffer rows (the preset: 65536)")
     g.add_argument("--async-modes", default="async", help="train.mode runs of the async section: async, sync or both")
-    if ap.parse_args(argv).smoke:  # smoke sizes are defaults: flags given still win
+    first = ap.parse_args(argv)
+    if first.smoke:  # smoke sizes are defaults: flags given still win
         ap.set_defaults(**SMOKE)
+    elif first.arch:  # the paper shapes' defaults (bench/_gpu_paper.py: ARCH_DEFAULTS)
+        ap.set_defaults(**ARCH_DEFAULTS)
     a = ap.parse_args(argv)
+    if a.arch:
+        try:
+            hub_id(a.arch)
+        except ValueError as e:
+            ap.error(str(e))
+    a.sampler_parts = [p.strip() for p in a.sampler_parts.split(",") if p.strip()]
+    if "default" not in a.sampler_parts or any(p not in SAMPLER_PARTS for p in a.sampler_parts):
+        ap.error(f"--sampler-parts: default and any of {list(SAMPLER_PARTS)}")
     a.only = [s.strip() for s in a.only.split(",") if s.strip()]
     bad = [s for s in a.only if s not in SECTIONS]
     if bad:
@@ -160,62 +180,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < a.ipc_publishes <= 127:
         ap.error("--ipc-publishes must be in 1..127 (fill values are versions mod 128)")
     return a
-
-
-def targets(res: dict) -> dict:
-    """The GPU path's targets as ratios, from whatever sections ran."""
-    t = {"comparable": not res["smoke"] and res["machine"]["device"].startswith("cuda")}
-    s = res.get("sampler", {})
-    for wl, d in (("default", s), ("gsm8k", s.get("gsm8k", {}))):
-        if "ours_over_hf_static_compiled" in d:
-            v = d["ours_over_hf_static_compiled"]
-            t[f"sampler_over_hf_static_compiled_{wl}"] = {"value": v, "need": ">= 2", "met": v >= 2,
-                                                          "ours": d.get("ours_best"), "kind": "system"}
-    e = s.get("engine", {})
-    if "ours_no_sharing_over_hf_static_compiled" in e:
-        v = e["ours_no_sharing_over_hf_static_compiled"]
-        t["engine_over_hf_static_compiled"] = {"value": v, "need": ">= 1.5", "met": v >= 1.5, "ours": e.get("variant"),
-                                               "kind": "engine (no sharing)"}
-    d = res.get("decode", {})
-    c = d.get("ours_cuda_graphs", {})
-    if c.get("kernels_per_layer") is not None:
-        t["decode_kernels_per_layer"] = {"value": c["kernels_per_layer"], "need": "<= 15", "met": c["kernels_per_layer"] <= 15}
-    if c.get("gpu_ms") is not None and c.get("rows") == 256:
-        t["decode_gpu_ms_256_rows"] = {"value": c["gpu_ms"], "need": "<= 3.0", "met": c["gpu_ms"] <= 3.0}
-    if "captured_over_live_gpu" in d.get("gsm8k_schedule", {}):
-        v = d["gsm8k_schedule"]["captured_over_live_gpu"]
-        t["captured_over_live_gpu"] = {"value": v, "need": "<= 1.3", "met": v <= 1.3}
-    # the step as a run takes it (back to back, no sync between steps), overlap first where it ran;
-    # a tree without that measurement: each step synced before and after
-    for k, m in (("ours_overlap", "back_to_back_over_gpu"), ("ours_cuda_graphs", "back_to_back_over_gpu"),
-                 ("ours_cuda_graphs", "wall_over_gpu"), ("ours_eager", "wall_over_gpu")):
-        if d.get(k, {}).get(m) is not None:
-            v = d[k][m]
-            t["decode_wall_over_gpu"] = {"value": v, "need": "<= 1.2", "met": v <= 1.2, "variant": k, "kind": m}
-            break
-    tr = res.get("trainer", {})
-    for k in ("no_checkpointing", "checkpointing", "shared_prompts", "shared_prompts_checkpointing"):
-        if "peak_gib" in tr.get(k, {}):
-            x = tr[k]
-            t[f"trainer_{k}"] = {"peak_gib": x["peak_gib"], "tok_s": x["tok_s"],
-                                 "need": "peak <= 12 GiB, tok/s >= 138k",
-                                 "met": x["peak_gib"] <= 12 and x["tok_s"] >= WAS["trainer_tok_s"]}
-    a = res.get("async", {})
-    if "wait_frac" in a:
-        t["async_trainer_wait"] = {"value": a["wait_frac"], "need": "< 0.1", "met": a["wait_frac"] < 0.1}
-    if "async_over_sync" in a:
-        t["one_gpu_async_over_sync"] = {"value": a["async_over_sync"], "need": "measured (the one-GPU default follows it)",
-                                        "met": True}
-    lo = res.get("long", {})
-    for key, need in (("rows_paged_over_static", 5), ("sampler_paged_over_static", 3), ("trainer_packed_over_padded", 1.5),
-                      ("short_paged_over_static", 0.95)):
-        if lo.get(key) is not None:
-            t[f"long_{key}"] = {"value": lo[key], "need": f">= {need}", "met": lo[key] >= need}
-    ipc = res.get("ipc", {})
-    if "publish_ms" in ipc:
-        t["ipc"] = {"publish_ms": ipc["publish_ms"], "apply_ms": ipc["apply_ms"], "torn_reads": ipc["torn_reads"],
-                    "was_ms": [WAS["ipc_publish_ms"], WAS["ipc_apply_ms"]], "met": ipc["torn_reads"] == 0}
-    return t
 
 
 def merge(into: dict, new: dict) -> dict:
@@ -242,13 +206,18 @@ def main(argv=None) -> dict:
     work = Path(a.workdir or tempfile.mkdtemp(prefix="asyncrl_gpu_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     prec = resolve(PrecisionConfig(dtype=a.dtype), str(device)).apply()
-    shape = TINY if a.smoke else SMOLLM2_135M
+    shape = arch_config(a.arch, a.smoke) if a.arch else TINY if a.smoke else SMOLLM2_135M
     res = {"bench": "gpu", "smoke": a.smoke, "sections": a.only, "machine": machine(device),
            "precision": {k: getattr(prec, k) for k in ("dtype", "kv", "gemm", "why")}, "was": WAS}
     print(f"[gpu] {res['machine']} precision {prec.summary()}; workdir {work}", file=sys.stderr)
     try:
-        ckpt = work / "model"
-        res["model"] = {"shape": shape, **build_checkpoint(ckpt, shape, seed=a.seed)}
+        if a.arch:  # one checkpoint per shape and seed in --workdir, reused by the next section's process
+            ckpt = work / f"model-{a.arch.replace('/', '__')}{'-smoke' if a.smoke else ''}-seed{a.seed}"
+            res["model"] = {"arch": a.arch, "hub_id": hub_id(a.arch), "shape": shape,
+                            **build_arch(ckpt, shape, device, seed=a.seed)}
+        else:
+            ckpt = work / "model"
+            res["model"] = {"shape": shape, **build_checkpoint(ckpt, shape, seed=a.seed)}
         prompts = random_prompts(a.prompts, a.prompt_min, a.prompt_max, shape["vocab_size"], a.seed)
         ctx = Ctx(a, device, prec, str(ckpt), shape, prompts, work)
         res["section_s"] = {}
@@ -279,7 +248,7 @@ def main(argv=None) -> dict:
                   file=sys.stderr)
             if a.out:
                 write_json(a.out, {**res, "complete": False})
-        res["targets"] = targets(res)
+        res["targets"] = targets(res, a)
         res["wall_s"] = round(time.perf_counter() - t_start, 2)
         res["complete"] = True
         if a.out:

@@ -7,10 +7,11 @@
 #
 #   bash bench/gpu_check.sh                                   # tests, smoke, decode/trainer/ipc (limits: <= 17 min; docs/gpu.md splits it)
 #   SECTIONS=async,sampler TESTS=0 SMOKE=0 T_sampler=200 ARGS_async="--async-steps 6" bash bench/gpu_check.sh
+#   TESTS=0 SMOKE=0 HOSTCPU=0 SECTIONS= PAPER=1 bash bench/gpu_check.sh   # the papers' shapes alone, <= 8 min
 #
 # Variables: TESTS / SMOKE / HOSTCPU = 0 to skip a phase, HOSTDECODE = 1 to add one (the host CPU's
 # decode choice: python -m common.runtime.measure_decode), MEMPLAN = 1 another (bench/memory_plan.py with
-# MEMPLAN_ARGS, default TBA's GSM8K preset); TEST_K (pytest -k); SECTIONS (bench/gpu.py
+# MEMPLAN_ARGS, default TBA's GSM8K preset), PAPER = 1 another (below); TEST_K (pytest -k); SECTIONS (bench/gpu.py
 # sections, comma-separated, each its own process; empty: none); BENCH_ARGS (flags for every
 # section), ARGS_<section> (for one); T_TESTS / T_SMOKE / T_BENCH / T_<section> (seconds).
 set -u
@@ -78,6 +79,41 @@ if [ "${MEMPLAN:-0}" = 1 ]; then  # off by default: the memory plan against meas
   echo "memplan rc=$?"; tail -3 "$OUT/memplan.log"
 fi
 
+# the papers' shapes (bench/gpu.py --arch, random weights): each section of PAPER_SECTIONS for each
+# shape of PAPER_ARCHS, trainer (MFU) first, then decode (against its bandwidth floor), then the sampler
+# (against transformers' static + compiled generate: its compile dominates), each its own process under
+# T_paper_<section> and the whole phase under PAPER_BUDGET seconds (what is left when a process starts
+# caps its limit); JSON to $OUT/paper-<shape>-<section>.json as each part finishes. The checkpoints
+# (GBs, one per shape, shared by its sections) go to PAPER_WORK, outside $OUT. PAPER_MEMPLAN = 1: then
+# bench/memory_plan.py at each shape's preset, in the budget left (T_MEMPLAN each).
+if [ "${PAPER:-0}" = 1 ]; then
+  pw=${PAPER_WORK:-/tmp/asyncrl_paper}; mkdir -p "$pw"
+  pend=$(( $(date +%s) + ${PAPER_BUDGET:-480} ))
+  left() { echo $(( pend - $(date +%s) )); }
+  for s in $(echo "${PAPER_SECTIONS:-trainer,decode,sampler}" | tr ',' ' '); do
+    for m in $(echo "${PAPER_ARCHS:-rho-1b,r1-qwen-1.5b,pythia-1b}" | tr ',' ' '); do
+      case $s in trainer) d=75 ;; decode) d=100 ;; *) d=150 ;; esac
+      lim="T_paper_$s"; lim=${!lim:-$d}; l=$(left)
+      if [ "$l" -lt 30 ]; then stamp "paper $m $s: skipped, ${l} s of PAPER_BUDGET left"; continue; fi
+      [ "$lim" -le "$l" ] || lim=$l
+      stamp "paper $m $s (limit $lim s)"
+      timeout -k 10 "$lim" $PY bench/gpu.py --arch "$m" --only "$s" --workdir "$pw" ${PAPER_ARGS:-} \
+        --out "$OUT/paper-$m-$s.json" > /dev/null 2>> "$OUT/paper.log"
+      echo "paper $m $s rc=$?"
+    done
+  done
+  if [ "${PAPER_MEMPLAN:-0}" = 1 ]; then
+    for t in "gsm8k --preset paper" "gsm8k --preset areal_long" "tldr --preset paper"; do
+      l=$(left); lim=${T_MEMPLAN:-300}; [ "$lim" -le "$l" ] || lim=$l
+      if [ "$l" -lt 30 ]; then stamp "memplan $t: skipped, ${l} s left"; continue; fi
+      f="memplan-$(echo "$t" | tr -c 'a-z0-9\n' '_').json"
+      stamp "memory plan vs peaks (--task $t, limit $lim s)"
+      timeout -k 10 "$lim" $PY bench/memory_plan.py --task $t > "$OUT/$f" 2>> "$OUT/memplan.log"
+      echo "memplan $t rc=$?"; tail -c 600 "$OUT/$f"
+    done
+  fi
+fi
+
 # one bench/gpu.py process per section, each under its own limit (T_<section>; default below) with
 # its own flags (ARGS_<section>, after BENCH_ARGS): a section that hangs costs only its own time
 for s in $(echo "${SECTIONS=decode,trainer,ipc}" | tr ',' ' '); do
@@ -99,10 +135,19 @@ import json, sys
 from pathlib import Path
 for p in sorted(Path(sys.argv[1]).glob("*.json")):
     name = p.name
-    r = json.loads(p.read_text())
+    try:
+        r = json.loads(p.read_text())
+    except ValueError:  # a record cut short before its first write (memory_plan.py's stdout)
+        print(f"== {name}: not JSON ({p.stat().st_size} bytes)")
+        continue
     if r.get("bench") != "gpu":  # bench/gpu.py's records only (hostdecode.json is printed above)
         continue
     print(f"== {name}: complete={r.get('complete')} section_s={r.get('section_s')}")
+    if r.get("model", {}).get("arch"):  # a paper shape: its size, what it took to build, floor / MFU
+        m = r["model"]
+        print(f"  {m['arch']}: {m['params'] / 1e9:.3f}B params, build {m.get('build_s')} s (reused {m.get('reused')})")
+        if r.get("paper"):
+            print(f"  paper: {json.dumps({k: v for k, v in r['paper'].items() if k != 'card'})[:600]}")
     for s in r.get("sections", []):
         d = r.get(s)
         if isinstance(d, dict) and "error" in d:
