@@ -51,11 +51,12 @@ def test_a_high_capped_fraction_alone_degrades():
 
 
 def test_state_round_trips_through_json_and_decides_the_same():
+    """Through the checkpoint's counters (numbers in meta.json), as a resumed run reads them."""
     s = ControlSettings(start=3, window=3, hold=1)
     stream = [(*HEALTHY, 0.5)] * 5 + [(*SICK, 0.0)] * 9 + [(*HEALTHY, 0.4)] * 7
     a = StalenessController(s)
     _run(a, stream[:8])
-    b = StalenessController.from_state(json.loads(json.dumps(a.state_dict())))
+    b = StalenessController.from_counters(s, json.loads(json.dumps(a.counters())))
     assert _run(a, stream[8:]) == _run(b, stream[8:])
 
 

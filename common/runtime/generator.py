@@ -11,8 +11,9 @@ Admission (`Control.claim`), AReaL's staleness rule counted in prompts:
     started < quota,  quota = (max_staleness + v + 1) * prompts_per_version + dropped
 v is the trainer's published version; started counts every prompt ever claimed (accepted +
 running); dropped counts the groups the trainer's staleness filter dropped (started, never
-trained: they give their places back). max_staleness = 0 is synchronous lock-step; None is unbounded (TBA searchers); under
-`train.max_staleness=auto` the trainer moves it each step (`set_bound`, common/runtime/staleness_control.py).
+trained: they give their places back). max_staleness = 0 is synchronous lock-step; None is
+unbounded (TBA searchers); under `train.max_staleness=auto` the trainer moves it each step
+(`set_bound`, common/runtime/staleness_control.py).
 Concurrency: `Control.t` is a shared int64 tensor; claims and quota changes happen under
 `Control.lock` (a few integer ops), the trainer is the only writer of version/quota.
 """

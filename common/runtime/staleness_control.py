@@ -1,7 +1,7 @@
-"""A controller for the staleness bound eta (`--train.max_staleness=auto`): it moves eta between 0 and a ceiling from the run's own off-policy measures. Runs in the
-trainer process, called once per trainer step with that step's measures; it only ever changes the
-admission bound (generators pause at it), never drops a row already sampled: dropping rows biases
-the batch toward short answers.
+"""A controller for the staleness bound eta (`--train.max_staleness=auto`): it moves eta between 0
+and a ceiling from the run's own off-policy measures. Runs in the trainer process, called once per
+trainer step with that step's measures; it only ever changes the admission bound (generators pause
+at it), never drops a row already sampled: dropping rows biases the batch toward short answers.
 
 Rules (windowed means over the last `window` steps, AIMD like TCP's congestion window):
   degraded  the importance weights are unhealthy: the mean ESS fraction (`behav_ess`, areal/loss.py:
@@ -13,15 +13,15 @@ Rules (windowed means over the last `window` steps, AIMD like TCP's congestion w
   hold      after any change, no other for `hold` steps (the measures lag eta: rows admitted under
             the old bound are still being trained on).
 Every decision is recorded (`last`: eta, the measures behind it, why), for the run's metrics.
-The state is a small dict (`state_dict`); `counters()` flattens it into the numbers a checkpoint
-keeps (common/runtime/checkpoint.py), `from_counters` restores it.
+The state is a few numbers, `counters()`, which a checkpoint keeps (common/runtime/checkpoint.py);
+`from_counters` restores it.
 `lr_scale()` (`train.lr_by_ess`): sqrt of the window's mean ESS fraction, the factor VCPO
 (arXiv 2602.17616) scales the learning rate by; 1 before any measure.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 @dataclass
@@ -76,10 +76,6 @@ class StalenessController:
         self.last = {"eta": self.eta, "eta_ess": ess, "eta_capped": capped, "eta_wait": wait, "eta_why": why}
         return self.eta
 
-    def state_dict(self) -> dict:
-        return {"settings": asdict(self.s), "eta": self.eta, "measures": list(self.measures),
-                "since_change": self.since_change, "degraded_windows": self.degraded_windows, "steps": self.steps}
-
     def lr_scale(self) -> float:
         """The learning-rate factor for the next step: sqrt(mean ESS fraction over the window)."""
         if not self.measures:
@@ -107,14 +103,6 @@ class StalenessController:
         c.since_change, c.degraded_windows, c.steps = int(g("since_change")), int(g("degraded_windows")), int(g("steps"))
         c.measures.extend((float(g(f"m{i}_ess")), float(g(f"m{i}_capped")), float(g(f"m{i}_wait")))
                           for i in range(int(g("n_measures"))))
-        return c
-
-    @classmethod
-    def from_state(cls, state: dict) -> "StalenessController":
-        c = cls(ControlSettings(**state["settings"]))
-        c.eta, c.since_change = state["eta"], state["since_change"]
-        c.degraded_windows, c.steps = state["degraded_windows"], state["steps"]
-        c.measures.extend(tuple(m) for m in state["measures"])
         return c
 
 

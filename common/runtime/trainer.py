@@ -121,8 +121,8 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
         def checkpoint():  # the current step, everything needed to resume
             if stream is not None:
                 stream.sync()  # a checkpoint never claims steps its stream lacks
-            return group.save(run_dir, step, sched, counters={"version": version, **bound.counters()}, config=cfg, buffer=buffer,
-                              tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
+            return group.save(run_dir, step, sched, counters={"version": version, **bound.counters()}, config=cfg,
+                              buffer=buffer, tokenizer=tok, keep_last=tc.keep_checkpoints, generation=generation)
 
         def run_eval(tag):
             return evaluate_now(evaluate, group, prec, tok, logger, cfg, step, tag)
@@ -161,9 +161,10 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                 # versions behind the weights that train on it (0 = on-policy)
                 stale, multi_version = staleness(batch, version)
                 rec = stream.capture(batch) if stream is not None else None  # before the update: as drawn
-                stats, gnorm = group.update(batch, step, group.opt.param_groups[0]["lr"], tc.grad_clip)
+                lr = group.opt.param_groups[0]["lr"]  # the schedule's, x auto's ESS factor with train.lr_by_ess
+                stats, gnorm = group.update(batch, step, lr, tc.grad_clip)
                 if stream is not None:  # record_bytes, record_s into the metrics
-                    stats.update(stream.write(step + 1, version, group.opt.param_groups[0]["lr"], rec,
+                    stats.update(stream.write(step + 1, version, lr, rec,
                                               {**stats, "grad_norm": gnorm}))
                 sched.step()  # once per trainer step, however many minibatch updates it made
                 step += 1
