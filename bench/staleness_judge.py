@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench.async_sim import SimConfig, run_arm  # noqa: E402
+from common.evaluate import bootstrap_mean  # noqa: E402
 
 FIXED = [0, 1, 2, 4, 8]
 ARMS = FIXED + ["auto", "auto+lr"]
@@ -42,18 +43,12 @@ SETTINGS = {
     "naive_train_bound": dict(loss="naive", lr=3e-2, train_c0=150.0, train_c1=0.05),
 }
 COLLAPSE_MARGIN, COLLAPSE_TAIL, THRESHOLD_FRAC = 0.1, 5, 0.75
+BOOT = 2000  # bootstrap resamples of a mean over seeds (95% percentile interval, fixed resampling seed)
 
 
 def reward_at(evals: list, t: float) -> float:
     """The evaluated reward of the last weights published at or before t."""
     return evals[bisect.bisect_right([e[0] for e in evals], t) - 1][2]
-
-
-def boot_ci(vals, reps: int = 2000) -> list[float]:
-    """95% percentile bootstrap interval of the mean over seeds (fixed resampling seed)."""
-    v = np.asarray(vals, dtype=float)
-    idx = np.random.default_rng(0).integers(0, len(v), (reps, len(v)))
-    return [float(x) for x in np.percentile(v[idx].mean(1), [2.5, 97.5])]
 
 
 def collapsed(evals: list) -> bool:
@@ -70,8 +65,8 @@ def judge_setting(cfg: SimConfig, seeds: list[int]) -> tuple[dict, dict]:
     for a in ARMS:
         rs = runs[a]
         fin, eq = [r["final_reward"] for r in rs], [reward_at(r["evals"], t_eq[i]) for i, r in enumerate(rs)]
-        arms[str(a)] = {"final": float(np.mean(fin)), "final_ci": boot_ci(fin),
-                        "equal_time": float(np.mean(eq)), "equal_time_ci": boot_ci(eq),
+        arms[str(a)] = {"final": float(np.mean(fin)), "final_ci": list(bootstrap_mean(fin, BOOT)),
+                        "equal_time": float(np.mean(eq)), "equal_time_ci": list(bootstrap_mean(eq, BOOT)),
                         "end_time": float(np.mean([r["end_time"] for r in rs])),
                         "collapses": sum(collapsed(r["evals"]) for r in rs),
                         "stalled": sum(r["stalled"] for r in rs), "dropped": sum(r["dropped"] for r in rs),

@@ -80,13 +80,19 @@ def win_vector(scores: list[float], baseline: list[float], texts: list[str] | No
     return out
 
 
+def bootstrap_mean(values, n_boot: int = 10000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """The percentile bootstrap interval of mean(values) (resampling seeded: deterministic)."""
+    v = np.asarray(values, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, v.size, size=(n_boot, v.size))
+    lo, hi = np.quantile(v[idx].mean(1), [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def bootstrap_diff(before, after, n_boot: int = 10000, seed: int = 0, level: float = 0.95) -> dict:
     """mean(after) - mean(before) over the same prompts, with a paired bootstrap interval."""
     a, b = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
     if a.shape != b.shape or a.size == 0:
         raise ValueError(f"bootstrap_diff: need two equal-length non-empty vectors, got {a.shape} and {b.shape}")
-    idx = np.random.default_rng(seed).integers(0, a.size, size=(n_boot, a.size))
-    diffs = b[idx].mean(1) - a[idx].mean(1)
-    lo, hi = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
+    lo, hi = bootstrap_mean(b - a, n_boot, seed, level)  # paired: each prompt's difference resampled
     return {"before": float(a.mean()), "after": float(b.mean()), "diff": float(b.mean() - a.mean()),
             "ci_low": float(lo), "ci_high": float(hi), "n": int(a.size), "level": level}
