@@ -21,13 +21,13 @@ ratios are None.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from common.engine.hf_io import build_dir
 from common.engine.model_config import ModelConfig
 from common.engine.shapes import SHAPES, hf_config
 
@@ -89,12 +89,10 @@ def build_arch(path: Path, cfg: dict, device: torch.device, seed: int = 0) -> di
                 if dev.type == "cpu":
                     raise
                 print(f"[gpu] building on {dev} failed ({type(e).__name__}: {e}); on the CPU", file=sys.stderr)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        m.save_pretrained(str(tmp))
+        build_dir(path, lambda tmp: m.save_pretrained(str(tmp)))
         del m
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-        os.replace(tmp, path)
     cfg = json.loads((path / "config.json").read_text())
     with torch.device("meta"):
         m = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
