@@ -25,6 +25,15 @@ from common.errors import UserError
 MODEL_FIELDS = ("model", "ref_model", "gold_model")
 
 
+class UnknownShape(UserError):
+    """A model the plan needs is neither on disk nor in the shapes table (a hub id a run would fetch)."""
+
+    def __init__(self, key: str, name: str):
+        self.key, self.name = key, name
+        super().__init__(f"memory plan: --{key}={name} is not on disk and has no published shape in "
+                         f"common/engine/shapes.py; pass a local checkpoint, or --memory_check=false")
+
+
 def model_fields(cfg, prefix: str = ""):
     """(dotted key, section object, field name, value) of every model a config names."""
     for f in dataclasses.fields(cfg):
@@ -74,8 +83,7 @@ def model_config(name: str, key: str = "model") -> dict:
         return read_hf_config(d)
     if name in SHAPES:
         return hf_config(name)
-    raise UserError(f"memory plan: --{key}={name} is not on disk and has no published shape in "
-                    f"common/engine/shapes.py; pass a local checkpoint, or --memory_check=false")
+    raise UnknownShape(key, name)
 
 
 def _planned(key: str, value: str) -> bool:
@@ -109,8 +117,16 @@ def parse_gpus(value: str) -> list[int]:
 def check_memory(cfg, show: bool = False, gpus: list | None = None) -> None:
     """`--print-memory`: print the plan and exit (0 when it fits or cannot be judged here, 2 when
     not). Otherwise, before a run loads anything: stop with one line naming what to change when the
-    plan does not fit (unknown GPU memory, as on a machine without CUDA, is not judged)."""
-    p = plan_of(cfg, gpus)
+    plan does not fit (what it cannot know is not judged: unknown GPU memory, as on a machine without
+    CUDA, or a hub model not downloaded yet and not in the shapes table, which the run may fetch)."""
+    try:
+        p = plan_of(cfg, gpus)
+    except UnknownShape as e:
+        if show:
+            raise
+        print(f"[asyncrl] memory plan not checked: --{e.key}={e.name} is neither on disk nor in "
+              f"common/engine/shapes.py (the run fetches it)", file=sys.stderr)
+        return
     if show:
         print(p.report())
         sys.exit(0 if p.fits else 2)

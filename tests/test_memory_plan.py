@@ -24,7 +24,7 @@ from common.engine.sampling import SamplingParams
 from common.engine.shapes import param_count
 from common.errors import UserError
 from common.ops import token_logp
-from common.preflight import plan_of
+from common.preflight import UnknownShape, check_memory, plan_of
 from common.runtime.step import make_optimizer
 from tests import tiny
 
@@ -111,3 +111,13 @@ def test_the_gpu_check_runs_its_parts_on_a_cpu(tmp_path):
                       "--set", "train.micro_batch_tokens=512", "--set", "gen.max_new_tokens=16", "--set", "gen.max_batch=4"])
     for part in ("trainer", "generator"):
         assert res[part]["planned"] > 0 and res[part]["measured"] >= 0 and "error" not in res[part], res[part]
+
+
+def test_a_hub_model_neither_on_disk_nor_in_the_table_is_not_judged_before_a_run(capsys):
+    """The run would fetch it (with the hub): the check before loading cannot plan it and lets the
+    run go on, saying so; `--print-memory`, asked for the plan, refuses with what to do."""
+    cfg = run_gsm8k.make_config(["--model=someone/unknown-model"])
+    check_memory(cfg)  # no error: not judged
+    assert "memory plan not checked: --model=someone/unknown-model" in capsys.readouterr().err
+    with pytest.raises(UnknownShape, match=r"--model=someone/unknown-model is not on disk .* --memory_check=false"):
+        check_memory(cfg, show=True)
