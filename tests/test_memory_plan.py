@@ -19,6 +19,7 @@ import run_gsm8k
 from bench import memory_plan as plan_bench
 from common.engine import memory_plan
 from common.engine.hf_io import load_model, read_hf_config
+from common.engine.kv_budget import kv_bytes_per_token
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.engine.shapes import param_count
@@ -78,7 +79,7 @@ def test_trainer_state_and_kv_pool_match_their_tensors(tmp_path):
     s = Sampler(model, max_batch=4, max_seq_len=64, kv_tokens=640, page_size=64)
     s.generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=0.0))
     pool = sum(t.nbytes for t in s.cache.stores)
-    per = memory_plan.kv_per_token(model.cfg, 4)
+    per = kv_bytes_per_token(model.cfg, 4)
     assert pool == (640 // 64 + 1) * 64 * per  # whole pages and the scratch page, as the plan counts them
 
 

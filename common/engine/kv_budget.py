@@ -15,6 +15,20 @@ PAGE_SIZE = {"cpu": 64, "cuda": 256}  # tokens per KV page by device (BENCHMARKS
 KV_FRACTION = 0.5  # CUDA: the share of free memory (after the model) a default pool takes; the trainer may share it
 
 
+def kv_bytes_per_token(cfg, nbytes: int) -> int:
+    """Bytes one token's K and V take in every layer, at `nbytes` per value (`cfg`: a ModelConfig)."""
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * nbytes
+
+
+def static_kv_tokens(max_batch: int, max_seq_len: int, max_prompt_len: int, page_size: int) -> int:
+    """What the static cache holds, in whole pages (every slot at full length, every prompt entry
+    full), plus the admission watermark's share on top."""
+    def pages(n):
+        return -(-n // page_size)
+    held = max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)
+    return (math.ceil(held / (1 - WATERMARK)) + 1) * page_size
+
+
 def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_prompt_len: int, page_size: int) -> int:
     """The paged pool's budget when none is given. On CPU what the static cache holds, in whole pages
     (every slot at full length, every prompt entry full), plus the admission watermark's share on
@@ -22,13 +36,10 @@ def default_kv_tokens(cfg, device, dtype, max_batch: int, max_seq_len: int, max_
     pages are never committed: the pool is taken from the lowest pages up). On CUDA, where memory
     is committed at allocation, `KV_FRACTION` of the free memory (within this process's cap,
     `--gen.memory_fraction`, where one is set), at most that."""
-    def pages(n):
-        return -(-n // page_size)
-    held = max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(max_prompt_len)
-    full = (math.ceil(held / (1 - WATERMARK)) + 1) * page_size
+    full = static_kv_tokens(max_batch, max_seq_len, max_prompt_len, page_size)
     if torch.device(device).type != "cuda":
         return full
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    per_token = kv_bytes_per_token(cfg, torch.empty(0, dtype=dtype).element_size())
     free, total = torch.cuda.mem_get_info(device)
     get_cap = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # --gen.memory_fraction's cap
     if get_cap is not None:

@@ -25,8 +25,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from common.engine.kv_budget import KV_FRACTION, PAGE_SIZE
-from common.engine.kv_paged import WATERMARK
+from common.engine.kv_budget import KV_FRACTION, PAGE_SIZE, kv_bytes_per_token, static_kv_tokens
 from common.engine.model_config import ModelConfig
 
 GiB = 2**30
@@ -128,17 +127,6 @@ def head_bytes(m: ModelConfig, tokens: int) -> int:
     return 2 * min(tokens * m.vocab_size * 4, LOGIT_BUDGET)
 
 
-def kv_per_token(m: ModelConfig, nbytes: int) -> int:
-    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * nbytes
-
-
-def static_kv_tokens(max_batch: int, max_seq_len: int, prompt: int, page: int) -> int:
-    """kv_budget.py's CPU default: what static slots hold, in pages, plus the watermark's share."""
-    pages = lambda n: -(-n // page)  # noqa: E731
-    held = max_batch * pages(max_seq_len + 1) + (max_batch + 1) * pages(prompt)
-    return (math.ceil(held / (1 - WATERMARK)) + 1) * page
-
-
 def half_precision(cfg) -> bool:
     """bf16 compute: asked for, or `auto` on CUDA (on a CPU `auto` is measured at start: planned as fp32)."""
     return cfg.precision.dtype == "bf16" or (cfg.precision.dtype == "auto" and cfg.train.device.startswith("cuda"))
@@ -210,7 +198,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
 
 
 def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda: bool) -> None:
-    per = kv_per_token(m, kvb)
+    per = kv_bytes_per_token(m, kvb)
     need = -(-(seq + 1) // page) * page + -(-PROMPT_TOKENS // page) * page  # one full-length sample and its prompt
     if g.kv_tokens:
         tokens, how = g.kv_tokens, "gen.kv_tokens"
