@@ -210,7 +210,9 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
         return
     else:
         free = (p.caps[(d, who)] - p.used(d, who, allocator=True)) if (d, who) in p.caps else p.capacity[d] - p.used(d)
-        tokens, how = max(0, int(free * KV_FRACTION)) // per, "half the free memory"
+        full = static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page)  # kv_budget caps it there, as the runtime does
+        tokens = max(page, min(full, max(0, int(free * KV_FRACTION)) // per))
+        how = "half the free memory" if tokens < full else "what static slots hold (below half the free memory)"
     p.kv_tokens[who] = tokens
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
     if tokens < need:
