@@ -384,7 +384,6 @@ Every setting above was found in TBA's code. Not reproduced: the cosine decay, A
 24 samples per prompt of which 20 are trained, TBA's grader (the last number only), its 3 searchers
 on their own GPUs (here one generator per GPU the trainer leaves, sharing one GPU when alone). Needs
 the hub (or the checkpoint by path) and a GPU; `--random_weights` builds the model's shape locally."""
-    cfg = gpu_preset(cfg)
     cfg.model, cfg.ref_model, cfg.name = RHO_1B_SFT, None, "gsm8k_paper"
     cfg.data.prompt_style = "paper"
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7, top_p=1.0, top_k=0)
