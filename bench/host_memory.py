@@ -34,8 +34,14 @@ from common.runtime.process import set_process_defaults  # noqa: E402
 POLICIES = ("keep", "system")
 
 
+def rss_bytes() -> int:
+    """This process's resident set now (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _rss_gib() -> float:
-    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return rss_bytes() / 2**30
 
 
 def one(args) -> dict:

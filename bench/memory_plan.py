@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.host_memory import rss_bytes  # noqa: E402
 from common import preflight  # noqa: E402
 from common.engine.memory_plan import CONTEXT, PROMPT_TOKENS  # noqa: E402
 from common.engine.precision import resolve  # noqa: E402
@@ -65,11 +66,11 @@ class Meter:
             torch.cuda.reset_peak_memory_stats(dev)
             self.start = torch.cuda.memory_allocated(dev)
         else:
-            self.start = rss()
+            self.start = rss_bytes()
 
     def sample(self):
         if self.dev.type != "cuda":
-            self.samples.append(rss() - self.start)
+            self.samples.append(rss_bytes() - self.start)
 
     def peak(self) -> int:
         if self.dev.type == "cuda":
@@ -77,11 +78,6 @@ class Meter:
             return torch.cuda.max_memory_allocated(self.dev)
         self.sample()
         return max(self.samples)
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def trainer_part(cfg, dev) -> int:
