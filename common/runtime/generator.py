@@ -89,9 +89,9 @@ class Control:
     """Shared admission gate and generator statistics (see module docstring)."""
     VERSION, STARTED, QUOTA, DONE_GROUPS = 0, 1, 2, 3
     STAT_FIELDS = ("tokens", "busy_s", "groups", "sync_s", "syncs", "reward_errors", "interrupts", "preemptions",
-                   "reprefill_tokens", "kv_occupancy")
+                   "reprefill_tokens", "kv_occupancy", "cuda_peak_bytes")
     (TOKENS, BUSY_S, GROUPS, SYNC_S, SYNCS, REWARD_ERRORS, INTERRUPTS, PREEMPTIONS, REPREFILL_TOKENS,
-     KV_OCCUPANCY) = range(10)  # columns of `stats`
+     KV_OCCUPANCY, CUDA_PEAK_BYTES) = range(11)  # columns of `stats`
 
     def __init__(self, ctx, prompts_per_version: int, max_staleness: Optional[int], n_generators: int = 1):
         self.t = torch.zeros(4, dtype=torch.int64).share_memory_()
@@ -262,3 +262,5 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
         row[Control.PREEMPTIONS] = sampler.stats["preemptions"]  # the paged KV pool (`common/engine/preempt.py`)
         row[Control.REPREFILL_TOKENS] = sampler.stats["reprefill_tokens"]
         row[Control.KV_OCCUPANCY] = sampler.stats["kv_occupancy"]
+        if dev.type == "cuda":  # the memory plan's generator line, measured (a cheap counter read)
+            row[Control.CUDA_PEAK_BYTES] = torch.cuda.max_memory_allocated(dev)

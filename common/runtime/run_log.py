@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import torch
+
 from common.batch import Batch
 from common.config import save_config
 from common.runtime.buffer import ReplayBuffer
@@ -72,4 +74,7 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
                gen_preemptions=stats_of[:, Control.PREEMPTIONS].sum().item(),
                gen_reprefill_tokens=stats_of[:, Control.REPREFILL_TOKENS].sum().item(),
                kv_occupancy=stats_of[:, Control.KV_OCCUPANCY].mean().item())
+    if torch.cuda.is_initialized():  # peaks of the caching allocator: the memory plan's lines, measured
+        row["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this trainer rank's device
+        row["gen_cuda_peak_gib"] = stats_of[:, Control.CUDA_PEAK_BYTES].max().item() / 2**30  # the largest generator's
     return row, (gen_tok, now)
