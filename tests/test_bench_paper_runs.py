@@ -45,12 +45,14 @@ def test_summary_rates_are_over_the_steps_after_the_first():
 
 def test_areal_target_and_the_plan_entries():
     a = argparse.Namespace(task="gsm8k", preset="areal_long", modes=["async"])
-    res = {"config": {"max_new_tokens": 8192},
+    res = {"config": {"max_new_tokens": 8192, "device": "cuda"},
            "async": {"tok_s": 6500.0, "memory": {"trainer": {"measured_over_planned": 1.1, "within": True}}}}
     t = paper_runs.targets(a, res)
     assert t["areal_tok_s_one_gpu"]["met"] and t["plan_async_trainer"] == {"value": 1.1, "need": "within 15%", "met": True}
     res["async"]["tok_s"] = 5900.0
-    assert not paper_runs.targets(a, res)["areal_tok_s_one_gpu"]["met"]
+    assert paper_runs.targets(a, res)["areal_tok_s_one_gpu"]["met"] is False
+    res["config"]["device"] = "cpu"  # not AReaL's setting: reported, not judged
+    assert paper_runs.targets(a, res)["areal_tok_s_one_gpu"]["met"] is None
 
 
 def test_a_tiny_run_is_stopped_after_the_steps_and_measured(tmp_path):
