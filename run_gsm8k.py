@@ -349,41 +349,13 @@ RHO_1B_SFT = "realtreetune/rho-1b-sft-GSM8K"  # TBA's GSM8K policy and reference
 
 def paper_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     """TBA's GSM8K run, read from its code (github.com/bbartoldson/TBA: configs/tba_rho1b_gsm8k.yml,
-    launch_training_gsm8k.sh, tba_gsm8k.py, src/tba_trainer_gsm8k.py, src/gsm8k_utils.py,
-    src/buffer_utils.py, and the TRL 0.9.4 RLOOConfig / transformers defaults it inherits).
-    setting           TBA's code                                      here
-    policy = ref      realtreetune/rho-1b-sft-GSM8K, bf16             --model, ref_model = the initial policy
-    data              openai/gsm8k main, train / test                 data/gsm8k (the same rows, offline)
-    prompt            "[MATH TASK] Problem:\\n{q}\\n\\nSolution:\\n",  data.prompt_style paper (BOS kept:
-                      tokenised with the tokenizer's BOS              add_special_tokens for this style)
-    batch             7 prompts x K = 20 (20 per micro-batch x 7      prompts_per_step 7, gen.n 20
-                      accumulated, one optimizer step)
-    steps             98,000 episodes / 140 = 700 (launch script;     700
-                      the yml's 140,000 would be 1,000)
-    sampling          T = 0.7 (TRL default), top-p 1, <= 512 tokens,  gen: 0.7, top-p 1, 512
-                      EOS stops, no penalty without EOS
-    lr                1e-5, warmup-stable-decay: 50 warm-up (ratio    lr 1e-5, warmup 50, then flat, then
-                      0.0714 x 700), 350 stable, cosine decay over    linear to 0 over the last 300
-                      600 cut at step 700 (lr 5e-6 at the end)        (decay_steps 300; not the cosine)
-    optimizer         AdamW, weight decay 0, betas (0.9, 0.999), no   weight decay 0, grad_clip 0; our
-                      grad clipping (its own loop calls step())       betas (0.9, 0.95)
-    beta (kl_coef)    0.014 -> 0.004 linearly over 500 steps (launch  tba.beta 0.014 -> 0.004 over 500
-                      script; its config and the paper: 0.012)
-    sync k            every 2 trainer steps (sync_interval)           train.sync_every 2
-    replay            m = 0.95 (on_policy_prob); other slots: a seen  tba.m 0.95, uniform (inv_temp 0),
-                      prompt, uniform over its newest <= 100          max_per_group 100
-    buffer start      500 samples before training                     train.min_buffer 500
-    searchers         24 samples per prompt (1.2 x K), trainer takes  gen.n 20 (one count for both)
-                      20; 3 vLLM searchers + 1 trainer, 4 A100
-    reward            1 if the last number of the completion equals   run_gsm8k's reward: '####' or
-                      the gold one                                    \\boxed first, then the last number
-    evaluation        greedy, 512 tokens, the whole test set (1,319), eval before and after (eval_every 0),
-                      at the end                                      greedy, 512 tokens, 1,319
-    checkpoints       every 25% of the run (save_steps 0.25)          checkpoint_every 175
-Every setting above was found in TBA's code. Not reproduced: the cosine decay, AdamW's beta2 0.999,
-24 samples per prompt of which 20 are trained, TBA's grader (the last number only), its 3 searchers
-on their own GPUs (here one generator per GPU the trainer leaves, sharing one GPU when alone). Needs
-the hub (or the checkpoint by path) and a GPU; `--random_weights` builds the model's shape locally."""
+    launch_training_gsm8k.sh and the TRL 0.9.4 defaults it inherits): RhoMath-1B SFT as policy and
+    reference, the "[MATH TASK]" prompt, 7 prompts x K = 20, 700 steps, T = 0.7 and <= 512 tokens, lr
+    1e-5 (50 warm-up, linear decay over the last 300), beta 0.014 -> 0.004 over 500 steps, k = 2, m =
+    0.95 with uniform replay over a prompt's newest 100, 500 samples before training, greedy eval on
+    the 1,319 test problems. Each setting beside TBA's, and what is not reproduced: docs/tasks.md,
+    "Paper presets". Needs the hub (or the checkpoint by path) and a GPU; `--random_weights` builds
+    the model's shape locally."""
     cfg.model, cfg.ref_model, cfg.name = RHO_1B_SFT, None, "gsm8k_paper"
     cfg.data.prompt_style = "paper"
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7, top_p=1.0, top_k=0)
