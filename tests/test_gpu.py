@@ -245,6 +245,25 @@ def test_compiled_live_decode_down_to_a_single_row(tmp_path):
     _assert_logp_equals_trainer(model, outs)
 
 
+@pytest.mark.parametrize("arch", ["llama_tied", "neox_parallel_rot25", "gpt2", "gemma3"])
+@pytest.mark.parametrize("kv_layout", ["static", "paged"])
+def test_every_family_through_the_fused_cuda_step(tmp_path, arch, kv_layout):
+    """The papers' families beside Qwen (TBA's Pythia is GPT-NeoX: parallel residual, a quarter
+    rotary; its red-teaming attacker GPT-2: learned positions, tied head; Gemma 3: sliding-window and
+    full layers with their own RoPE, within the window) through the CUDA step the generators run: bf16, the compiled
+    layer body, captured graphs, flash decode attention where the family takes it, both KV layouts
+    (the paged pool small enough to preempt). Each recorded log-prob equals the trainer's."""
+    save_hf(arch, tmp_path)
+    model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
+    paged = dict(page_size=16, kv_tokens=320) if kv_layout == "paged" else {}
+    s = Sampler(model, max_batch=16, max_seq_len=64, cuda_graphs=True, kv_layout=kv_layout, **paged)
+    prompts = [list(range(5, 5 + L)) for L in (3, 17, 8, 30, 12, 5)]
+    outs = s.generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.7, n=4, seed=0))
+    assert s.graphed.stats["replays"] > 0 and len(outs) == 24
+    assert kv_layout == "static" or s.stats["preemptions"] > 0
+    _assert_logp_equals_trainer(model, outs)
+
+
 def test_paged_kv_under_cuda_graphs_and_preemption(tmp_path):
     """The paged cache on CUDA, decoding through captured graphs with overlap and the flash kernel over
     gathered pages, in a pool small enough to preempt: the static cache's greedy tokens."""
