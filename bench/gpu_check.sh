@@ -37,7 +37,7 @@ if [ "${TESTS:-1}" = 1 ]; then
   # time is compiling on the host's CPUs, so two halve the phase on a 16-core lent machine
   stamp "gpu tests (${TEST_PROCS:-2} processes)"
   per_test=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 120")  # a hung test fails alone
-  files="tests/test_gpu.py tests/test_weights.py tests/test_prefix.py tests/test_overlap.py"
+  files=$(grep -l "mark\.gpu" tests/test_*.py)  # every file with a `gpu` test (collecting all would import every test)
   ids=$($PY -m pytest -q -m gpu --collect-only -p no:cacheprovider ${TEST_K:+-k "$TEST_K"} $files 2>/dev/null | grep "::")
   for i in $(seq 0 $(( ${TEST_PROCS:-2} - 1 ))); do
     mine=$(echo "$ids" | awk -v n="${TEST_PROCS:-2}" -v i="$i" 'NF && (NR - 1) % n == i')
