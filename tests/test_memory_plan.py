@@ -12,6 +12,8 @@ figure, checked by the first case (all within 4% here). The trainer's state: par
 after one optimizer step. The sampler: its paged KV pool's tensors after a call. Tolerance: 5%
 (the plan leaves out a few values per token: masks, positions, the head's row indices).
 """
+import re
+
 import pytest
 import torch
 
@@ -91,6 +93,27 @@ def test_plans_fit_or_say_what_to_change(tmp_path):
     advice = plan_of(run_gsm8k.make_config(["--preset=paper", "--train.activation_checkpointing=false"]),
                      gpus=[24e9]).advice()
     assert "--train.activation_checkpointing=true" in advice and "--train.micro_batch_tokens=" in advice
+
+
+def test_one_gpus_shares_suggested_from_the_plan():
+    """AReaL's long preset on one GPU: on 141 GB the trainer's fixed 0.6 share is far above its plan,
+    and the plan names the shares that move the spare to the generator and what its pool then holds;
+    re-planned with them, the pool holds that. On 80 GB the trainer fits within the plan's tolerance
+    of its share, which the plan says, with the share that keeps the margin."""
+    argv = ["--preset=areal_long", "--gen.max_new_tokens=8192"]
+    big = plan_of(run_gsm8k.make_config(argv), gpus=[141e9])
+    note = next(n for n in big.notes if "would hold" in n)
+    t, g, n = re.search(r"--train.memory_fraction=([\d.]+) --gen.memory_fraction=([\d.]+) .* would hold ([\d,]+)", note).groups()
+    before = big.kv_tokens["generator 0"]
+    cfg = run_gsm8k.make_config(argv + [f"--train.memory_fraction={t}", f"--gen.memory_fraction={g}"])
+    again = plan_of(cfg, gpus=[141e9])
+    seq = memory_plan.PROMPT_TOKENS + 8192
+    assert again.fits and again.kv_tokens["generator 0"] // seq == int(n.replace(",", "")) > before // seq
+    # the suggested trainer share keeps the margin: its plan x 1.15 <= the share
+    assert again.used("cuda:0", "trainer", allocator=True) * 1.15 <= float(t) * 141e9
+    small = plan_of(run_gsm8k.make_config(["--preset=areal_long"]), gpus=[80e9])
+    assert small.fits and any(n.startswith("trainer: planned") and "--train.memory_fraction=0.69" in n for n in small.notes)
+    assert not any("would hold" in n for n in small.notes)  # no spare share to move on 80 GB
 
 
 def test_a_run_that_does_not_fit_stops_before_loading(tmp_path):

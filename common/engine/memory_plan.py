@@ -33,6 +33,7 @@ CONTEXT = GiB // 2            # a CUDA context (allowance)
 GRAPH_POOL = 256 * 2**20      # CUDA graphs beyond their largest bucket (allowance)
 LOGIT_BUDGET = 512 * 2**20    # common/engine/head.py: LOGIT_BUDGET_BYTES
 PROMPT_TOKENS = 512           # prompt length the plan assumes (data are not read before loading)
+SHARE_MARGIN = 0.15           # a suggested share keeps this much above the plan (the plan's checked tolerance)
 
 
 @dataclass
@@ -193,6 +194,13 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     for r in range(n_gen):  # the pool last: on CUDA it takes half of what is free when the generator starts
         d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
         _kv(p, d, f"generator {r}", g, mp, kvb, seq, page, cuda)
+    for (d, who), cap in p.caps.items():  # fits, but closer to its cap than the plan's tolerance
+        need, total = p.used(d, who, allocator=True), p.capacity[d]
+        if cap >= need > cap / (1 + SHARE_MARGIN) and not who.startswith("generator"):  # a generator's pool fills its share
+            key = "train" if who.startswith("trainer") else "gen"
+            p.notes.append(f"{who}: planned {gb(need)} of its {gb(cap)} share of {d}, within the plan's {SHARE_MARGIN:.0%} "
+                           f"tolerance of it (--{key}.memory_fraction={math.ceil(100 * need * (1 + SHARE_MARGIN) / total) / 100:g} "
+                           f"keeps that margin)")
     _fixes(p, cfg, mp, P, cuda, n_gpu)
     return p
 
@@ -214,6 +222,7 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
         tokens = max(page, min(full, max(0, int(free * KV_FRACTION)) // per))
         how = "half the free memory" if tokens < full else "what static slots hold (below half the free memory)"
     p.kv_tokens[who] = tokens
+    hint = _share_hint(p, d, who, g, per, seq, page) if cuda and not g.kv_tokens and tokens // seq < g.max_batch else ""
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
     if tokens < need:
         p.errors.append(f"{who}'s KV pool holds {tokens:,} tokens, less than one full-length sample ({need:,}: "
@@ -222,7 +231,26 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
             p.fixes.append((f"--gen.kv_tokens={need}", "one full-length sample"))
     else:
         p.notes.append(f"{who}: the KV pool holds {tokens // seq:,} full-length samples ({seq:,} tokens, prompts "
-                       f"<= {PROMPT_TOKENS}); gen.max_batch = {g.max_batch} (more rows are preempted, not refused)")
+                       f"<= {PROMPT_TOKENS}); gen.max_batch = {g.max_batch} (more rows are preempted, not refused)" + hint)
+
+
+def _share_hint(p: Plan, d, who, g, per: int, seq: int, page: int) -> str:
+    """One GPU shared under fixed shares: the trainer's share beyond its plan plus `SHARE_MARGIN`,
+    moved to the generator, and the full-length samples its pool (sized as the runtime sizes it:
+    half the free memory of its share) would hold then; "" where that gains nothing."""
+    tr = next((k for k in p.caps if k[0] == d and k[1].startswith("trainer")), None)
+    if tr is None or (d, who) not in p.caps:
+        return ""
+    total = p.capacity[d]
+    new_t = math.ceil(100 * p.used(d, tr[1], allocator=True) * (1 + SHARE_MARGIN) / total) / 100
+    moved = p.caps[tr] / total - new_t
+    if moved < 0.02:
+        return ""
+    new_g = math.floor(100 * (p.caps[(d, who)] / total + moved)) / 100
+    free = new_g * total - p.used(d, who, allocator=True)  # before its pool's line
+    tokens = min(static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page), int(free * KV_FRACTION) // per)
+    return (f"; with --train.memory_fraction={new_t:g} --gen.memory_fraction={new_g:g} (the trainer's plan + "
+            f"{SHARE_MARGIN:.0%}) it would hold {tokens // seq:,}")
 
 
 def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> None:
