@@ -22,7 +22,7 @@ bandwidth). Prints one JSON line.
     python bench/sampler.py --arch pythia-160m  # a random GPT-NeoX of Pythia-160M's shape (bench/_arch.py)
 
 `--arch` runs another family on the same workload: a random model of that published shape built
-locally, the prompts tokenised with the default model's tokenizer (such a model has none).
+locally (common/engine/shapes.py), the prompts tokenised with the default model's tokenizer.
 
 Host work per decode step (`host_ms_per_step`, in every run): the time `Sampler.step` spends
 outside the model (planning, bookkeeping, recording), measured as step time minus the time in

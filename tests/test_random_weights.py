@@ -39,7 +39,7 @@ def test_every_hub_id_a_preset_names_has_a_shape(module, preset):
 @pytest.mark.parametrize("hub_id, billions", [("realtreetune/rho-1b-sft-GSM8K", 1.100),
                                               ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1.777),
                                               ("mnoukhov/pythia1b-sft-tldr", 1.012), ("EleutherAI/pythia-6.9b-deduped", 6.857),
-                                              ("gpt2", 0.124), ("meta-llama/Llama-3.2-1B", 1.236),
+                                              ("gpt2", 0.124), ("EleutherAI/pythia-160m", 0.162), ("meta-llama/Llama-3.2-1B", 1.236),
                                               ("meta-llama/Llama-3.1-8B-Instruct", 8.030)])
 def test_shapes_are_the_published_sizes(hub_id, billions):
     cfg = shapes.hf_config(hub_id)

@@ -65,6 +65,7 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
     **{f"mnoukhov/pythia{s}-rm-tldr6.9b": ("gpt_neox", "classifier", _pythia(*d))  # their reward models
        for s, d in (("410m", (1024, 24, 16)), ("1b", (2048, 16, 8)), ("2.8b", (2560, 32, 32)))},
     "cleanrl/EleutherAI_pythia-6.9b-deduped__reward__tldr": ("gpt_neox", "classifier", _pythia(4096, 32, 32, 50432)),
+    "EleutherAI/pythia-160m": ("gpt_neox", "causal", _pythia(768, 12, 12)),  # the CPU benchmarks' GPT-NeoX (bench/_arch.py)
     "EleutherAI/pythia-1b-deduped": ("gpt_neox", "causal", _pythia(2048, 16, 8)),
     "EleutherAI/pythia-6.9b-deduped": ("gpt_neox", "causal", _pythia(4096, 32, 32, 50432)),
     "gpt2": ("gpt2", "causal", _gpt2(768, 12, 12)),  # red-teaming's attacker
