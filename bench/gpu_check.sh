@@ -91,7 +91,7 @@ if [ -n "${PRESETS:-}" ]; then
   for tp in $PRESETS; do
     t=${tp%%:*}; p=${tp#*:}; lim=${T_PRESET:-420}
     stamp "preset $t $p end to end (limit $lim s)"
-    timeout -k 10 "$lim" $PY bench/paper_runs.py --task "$t" --preset "$p" --timeout $(( lim - 60 )) \
+    timeout -k 10 "$lim" $PY bench/paper_runs.py --task "$t" --preset "$p" --budget $(( lim - 20 )) \
       --workdir "${PAPER_WORK:-/tmp/asyncrl_paper}/runs-$t-$p-$(date +%s)" ${PRESET_ARGS:-} \
       --out "$OUT/preset-$t-$p.json" > /dev/null 2>> "$OUT/presets.log"
     echo "preset $t $p rc=$?"

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -85,8 +86,10 @@ def planned(a, mode: str) -> dict:
     return {w: p.used(next(x.device for x in p.lines if x.process == w), w, allocator=True) for w in procs}
 
 
-def run(a, mode: str, work: Path) -> tuple[list[dict], dict]:
-    """One mode's run until it has logged `steps + 1` steps (or --timeout): its step rows, and how it ended."""
+def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
+    """One mode's run until it has logged `steps + 1` steps (or `timeout` s): its step rows, and how
+    it ended. The run's process group is killed on the way out, however this process leaves (a
+    SIGTERM from an outer time limit included: main turns it into SystemExit)."""
     root = work / "runs"
     cmd = [sys.executable, str(ROOT / f"run_{a.task}.py")] + argv_of(a, mode, root)
     metrics, log = root / f"{a.preset}_{mode}" / "metrics.jsonl", work / f"{a.preset}_{mode}.log"
@@ -95,18 +98,20 @@ def run(a, mode: str, work: Path) -> tuple[list[dict], dict]:
     with open(log, "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         rows, end = [], None
-        while end is None:
-            time.sleep(1.0)
-            rows = [r for r in read_metrics(metrics) if "step_s" in r] if metrics.exists() else []
-            if len(rows) > a.steps:
-                end = "stopped after the steps measured (no final checkpoint)"
-            elif p.poll() is not None:
-                end = f"exited {p.returncode} after {len(rows)} steps"
-            elif time.perf_counter() - t0 > a.timeout:
-                end = f"timed out at {a.timeout} s after {len(rows)} steps"
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)  # the run and every worker it spawned
-            p.wait()
+        try:
+            while end is None:
+                time.sleep(1.0)
+                rows = [r for r in read_metrics(metrics) if "step_s" in r] if metrics.exists() else []
+                if len(rows) > a.steps:
+                    end = "stopped after the steps measured (no final checkpoint)"
+                elif p.poll() is not None:
+                    end = f"exited {p.returncode} after {len(rows)} steps"
+                elif time.perf_counter() - t0 > timeout:
+                    end = f"timed out at {timeout:.0f} s after {len(rows)} steps"
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)  # the run and every worker it spawned
+                p.wait()
     tail = log.read_text(errors="replace")[-1500:] if p.returncode not in (0, -signal.SIGKILL) else None
     return rows, {"cmd": " ".join(cmd[1:]), "end": end, "wall_s": time.perf_counter() - t0, "log": str(log),
                   **({"log_tail": tail} if tail else {})}
@@ -170,6 +175,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--no-lease", dest="lease", action="store_false", help="not LEASE's changes: the preset as it is")
     ap.add_argument("--no-random-weights", dest="random_weights", action="store_false", help="the config's models as named")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mode before its run is stopped")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole bench: each mode gets at most an equal share of what is left")
     ap.add_argument("--workdir", default=None, help="run folders and logs (default: a new temporary folder)")
     ap.add_argument("--out", default=None, help="also write the JSON here, after each mode")
     a = ap.parse_args(argv)
@@ -184,14 +191,16 @@ def main(argv=None) -> dict:
            "config": {"model": cfg.model, "algo": cfg.algo, "prompts_per_step": cfg.train.prompts_per_step, "n": cfg.gen.n,
                       "max_new_tokens": cfg.gen.max_new_tokens, "device": cfg.train.device, "max_batch": cfg.gen.max_batch},
            "date": time.strftime("%Y-%m-%d"), "complete": False}
-    t = time.perf_counter()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer limit's SIGTERM: run()'s cleanup runs
+    t = start = time.perf_counter()
     try:
         plan = planned(a, a.modes[0])
     except Exception as e:  # noqa: BLE001 - the runs still measure; the plan's failure is reported
         plan, res["plan_error"] = {}, f"{type(e).__name__}: {e}"
     res["plan_gib"], res["plan_s"] = {k: v / GiB for k, v in plan.items()}, time.perf_counter() - t
-    for mode in a.modes:
-        rows, how = run(a, mode, work)
+    for i, mode in enumerate(a.modes):
+        left = a.budget - (time.perf_counter() - start) if a.budget else math.inf
+        rows, how = run(a, mode, work, min(a.timeout, left / (len(a.modes) - i)))
         s = summarise(rows)
         res[mode] = {**s, **how, "memory": memory(s, plan)}
         if "async" in res and "sync" in res and "tok_s" in res["async"] and "tok_s" in res["sync"]:

@@ -5,6 +5,11 @@ its figures are the metrics' arithmetic (rates after the first step, peaks again
 import argparse
 import importlib
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +71,44 @@ def test_a_tiny_run_is_stopped_after_the_steps_and_measured(tmp_path):
     rows = [r for r in read_metrics(tmp_path / "runs" / "cpu_async" / "metrics.jsonl") if "step_s" in r]
     assert len(rows) == 2 and x["tok_s"] == pytest.approx(
         rows[1]["trainer_tok_s"] * rows[1]["train_s"] / (rows[1]["time"] - rows[0]["time"]))
+
+
+def _group(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (zombies left out: they hold nothing)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+        except (OSError, ValueError):
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if d.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(d.name))
+    return out
+
+
+def _cmdline(d: Path) -> bytes:
+    try:
+        return (d / "cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def test_a_sigterm_to_the_bench_stops_the_run_and_its_workers(tmp_path):
+    """An outer time limit (bench/gpu_check.sh's `timeout`) stops the bench with SIGTERM; the run it
+    started in its own process group must not outlive it on a lent GPU the next phase needs."""
+    p = subprocess.Popen([sys.executable, "bench/paper_runs.py", "--task", "gsm8k", "--preset", "cpu", "--no-random-weights",
+                          "--steps", "500", "--set", "model=tiny", "--set", "data.eval_size=0", "--workdir", str(tmp_path)],
+                         cwd=Path(paper_runs.ROOT), stdout=subprocess.DEVNULL)
+    metrics, t = tmp_path / "runs" / "cpu_async" / "metrics.jsonl", time.time()
+    while not metrics.exists() and time.time() - t < 300 and p.poll() is None:
+        time.sleep(0.5)
+    run = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
+           and f"--run_root={tmp_path}".encode() in _cmdline(d)]
+    assert metrics.exists() and len(run) == 1 and len(_group(run[0])) >= 2  # the trainer and its generator
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 143
+    t = time.time()
+    while _group(run[0]) and time.time() - t < 10:
+        time.sleep(0.2)
+    assert _group(run[0]) == []
