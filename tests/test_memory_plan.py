@@ -87,7 +87,14 @@ def test_trainer_state_and_kv_pool_match_their_tensors(tmp_path):
 
 def test_plans_fit_or_say_what_to_change(tmp_path):
     cfg = run_gsm8k.make_config(["--preset=paper"])
-    assert plan_of(cfg, gpus=[141e9]).fits  # TBA's GSM8K run on one H200-sized GPU
+    big = plan_of(cfg, gpus=[141e9])
+    assert big.fits  # TBA's GSM8K run on one H200-sized GPU
+    act = {x.what: x.nbytes for x in big.lines if x.what.startswith("activations")}
+    assert len(act) == 1 and "checkpointed" in next(iter(act))  # the preset's setting, the other beside it:
+    off = next(n for n in big.notes if "without checkpointing" in n)
+    cfg_off = run_gsm8k.make_config(["--preset=paper", "--train.activation_checkpointing=false"])
+    assert memory_plan.gb(next(x.nbytes for x in plan_of(cfg_off, gpus=[141e9]).lines
+                               if x.what.startswith("activations"))) in off
     small = plan_of(cfg, gpus=[24e9])
     assert not small.fits and "cuda:0 needs" in small.report()
     advice = plan_of(run_gsm8k.make_config(["--preset=paper", "--train.activation_checkpointing=false"]),

@@ -165,6 +165,10 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
             p.add(d, who, "autocast's bf16 copies of the weights", 2 * P / N)
         ck = "checkpointed" if t.activation_checkpointing else "no checkpointing"
         p.add(d, who, f"activations, {T:,} tokens a micro-batch, {ck}", activation_bytes(mp, T, t.activation_checkpointing, half))
+        if r == 0:  # the other setting beside it
+            other = not t.activation_checkpointing
+            p.notes.append(f"{who}: activations {gb(activation_bytes(mp, T, other, half))} "
+                           f"{'with' if other else 'without'} checkpointing (--train.activation_checkpointing={str(other).lower()})")
         p.add(d, who, "head: one chunk of logits and its backward", head_bytes(mp, T))
         if cuda:
             p.add(d, who, "CUDA context (allowance)", CONTEXT)
