@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.leaks import group_alive, wait_until  # noqa: E402
 from common import preflight  # noqa: E402
 from common.engine.memory_plan import GiB  # noqa: E402
 from common.log import read_metrics  # noqa: E402
@@ -89,7 +90,7 @@ def planned(a, mode: str) -> dict:
 def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
     """One mode's run until it has logged `steps + 1` steps (or `timeout` s): its step rows, and how
     it ended. The run's process group is killed on the way out, however this process leaves (a
-    SIGTERM from an outer time limit included: main turns it into SystemExit)."""
+    SIGTERM from an outer time limit included: main turns it into SystemExit): `stop`."""
     root = work / "runs"
     cmd = [sys.executable, str(ROOT / f"run_{a.task}.py")] + argv_of(a, mode, root)
     metrics, log = root / f"{a.preset}_{mode}" / "metrics.jsonl", work / f"{a.preset}_{mode}.log"
@@ -110,11 +111,20 @@ def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
                     end = f"timed out at {timeout:.0f} s after {len(rows)} steps"
         finally:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the run and every worker it spawned
-                p.wait()
+                stop(p)
     tail = log.read_text(errors="replace")[-1500:] if p.returncode not in (0, -signal.SIGKILL) else None
     return rows, {"cmd": " ".join(cmd[1:]), "end": end, "wall_s": time.perf_counter() - t0, "log": str(log),
                   **({"log_tail": tail} if tail else {})}
+
+
+def stop(p: subprocess.Popen) -> None:
+    """SIGKILL the run's main process: its workers follow by PDEATHSIG and multiprocessing's resource
+    tracker unlinks their semaphores (a SIGKILL to the whole group would leave them in /dev/shm for
+    good); whatever of its group is alive 15 s later is killed with the group."""
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    if not wait_until(lambda: not group_alive(p.pid), 15.0, 0.1):
+        os.killpg(p.pid, signal.SIGKILL)
 
 
 def summarise(rows: list[dict]) -> dict:

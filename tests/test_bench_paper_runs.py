@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import paper_runs
+from bench.leaks import leaked, shm_entries, wait_until
 from common.engine.memory_plan import GiB
 from common.log import read_metrics
 
@@ -61,6 +62,7 @@ def test_areal_target_and_the_plan_entries():
 
 
 def test_a_tiny_run_is_stopped_after_the_steps_and_measured(tmp_path):
+    before = shm_entries()
     res = paper_runs.main(["--task", "gsm8k", "--preset", "cpu", "--no-random-weights", "--steps", "1",
                            "--set", "model=tiny", "--set", "gen.max_new_tokens=16", "--set", "data.eval_size=0",
                            "--workdir", str(tmp_path), "--out", str(tmp_path / "r.json")])
@@ -71,6 +73,7 @@ def test_a_tiny_run_is_stopped_after_the_steps_and_measured(tmp_path):
     rows = [r for r in read_metrics(tmp_path / "runs" / "cpu_async" / "metrics.jsonl") if "step_s" in r]
     assert len(rows) == 2 and x["tok_s"] == pytest.approx(
         rows[1]["trainer_tok_s"] * rows[1]["train_s"] / (rows[1]["time"] - rows[0]["time"]))
+    assert wait_until(lambda: not leaked(before), 10)  # the run's semaphores unlinked by its resource tracker
 
 
 def _group(pgid: int) -> list[int]:
@@ -97,6 +100,7 @@ def _cmdline(d: Path) -> bytes:
 def test_a_sigterm_to_the_bench_stops_the_run_and_its_workers(tmp_path):
     """An outer time limit (bench/gpu_check.sh's `timeout`) stops the bench with SIGTERM; the run it
     started in its own process group must not outlive it on a lent GPU the next phase needs."""
+    before = shm_entries()
     p = subprocess.Popen([sys.executable, "bench/paper_runs.py", "--task", "gsm8k", "--preset", "cpu", "--no-random-weights",
                           "--steps", "500", "--set", "model=tiny", "--set", "data.eval_size=0", "--workdir", str(tmp_path)],
                          cwd=Path(paper_runs.ROOT), stdout=subprocess.DEVNULL)
@@ -111,4 +115,4 @@ def test_a_sigterm_to_the_bench_stops_the_run_and_its_workers(tmp_path):
     t = time.time()
     while _group(run[0]) and time.time() - t < 10:
         time.sleep(0.2)
-    assert _group(run[0]) == []
+    assert _group(run[0]) == [] and wait_until(lambda: not leaked(before), 10)  # nothing left in /dev/shm either
