@@ -76,10 +76,10 @@ def gpu_memory() -> list[int] | None:
         return None
 
 
-def planned(a, mode: str) -> dict:
+def planned(a, mode: str, run_root: Path) -> dict:
     """The memory plan's allocator bytes per process of the run's config on this machine's GPUs
     (random models built here first, once: the run then finds them cached)."""
-    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, mode, Path(tempfile.gettempdir())))
+    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, mode, run_root))
     if a.random_weights:
         preflight.use_random_weights(cfg)
     p = preflight.plan_of(cfg, gpu_memory())
@@ -195,7 +195,7 @@ def main(argv=None) -> dict:
         ap.error("--steps >= 1; --modes: async, sync or async,sync")
     work = Path(a.workdir or tempfile.mkdtemp(prefix="asyncrl_paper_runs_"))
     work.mkdir(parents=True, exist_ok=True)
-    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, "async", work))
+    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, "async", work / "runs"))
     res = {"bench": "paper_runs", "task": a.task, "preset": a.preset, "steps": a.steps, "modes": a.modes,
            "lease": LEASE.get((a.task, a.preset), []) if a.lease else [], "set": a.set, "random_weights": a.random_weights,
            "config": {"model": cfg.model, "algo": cfg.algo, "prompts_per_step": cfg.train.prompts_per_step, "n": cfg.gen.n,
@@ -204,7 +204,7 @@ def main(argv=None) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer limit's SIGTERM: run()'s cleanup runs
     t = start = time.perf_counter()
     try:
-        plan = planned(a, a.modes[0])
+        plan = planned(a, a.modes[0], work / "runs")
     except Exception as e:  # noqa: BLE001 - the runs still measure; the plan's failure is reported
         plan, res["plan_error"] = {}, f"{type(e).__name__}: {e}"
     res["plan_gib"], res["plan_s"] = {k: v / GiB for k, v in plan.items()}, time.perf_counter() - t

@@ -30,6 +30,15 @@ def test_the_lease_flags_are_valid_for_every_preset(task, preset):
         assert (cfg.algo, cfg.gen.max_new_tokens, cfg.train.prompts_per_step * cfg.gen.n) == ("areal", 8192, 64)
 
 
+def test_the_plan_of_a_cuda_preset_is_read_per_process(tmp_path):
+    """The plan's allocator bytes of each CUDA process, here without a GPU (its memory unknown: the
+    lines are still planned; the KV pool, sized from free memory, is left out)."""
+    a = argparse.Namespace(task="gsm8k", preset="areal_long", lease=True, random_weights=False, set=["model=tiny"], steps=3)
+    plan = paper_runs.planned(a, "async", tmp_path / "runs")
+    assert set(plan) == {"trainer", "generator 0"} and plan["trainer"] > plan["generator 0"] > 0
+    assert not (tmp_path / "runs").exists()  # planning made no run folder
+
+
 def _row(step, t, **kw):
     return {"step": step, "time": t, "step_s": 1.0, "train_s": 0.5, "wait_s": 0.1, "trainer_tok_s": 100.0,
             "batch_tokens": 80, "gen_tok_s": 300.0, "staleness_mean": 1.0, "comp_len_mean": 20.0, "gen_interrupts": 2,
