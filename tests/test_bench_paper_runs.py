@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from bench import paper_runs
-from bench.leaks import leaked, shm_entries, wait_until
+from bench.leaks import group_alive, leaked, shm_entries, wait_until
 from common.engine.memory_plan import GiB
 from common.log import read_metrics
 
@@ -85,20 +85,6 @@ def test_a_tiny_run_is_stopped_after_the_steps_and_measured(tmp_path):
     assert wait_until(lambda: not leaked(before), 10)  # the run's semaphores unlinked by its resource tracker
 
 
-def _group(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` (zombies left out: they hold nothing)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        try:
-            stat = (d / "stat").read_text()
-        except (OSError, ValueError):
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if d.name.isdigit() and int(fields[2]) == pgid and fields[0] != "Z":
-            out.append(int(d.name))
-    return out
-
-
 def _cmdline(d: Path) -> bytes:
     try:
         return (d / "cmdline").read_bytes()
@@ -118,10 +104,10 @@ def test_a_sigterm_to_the_bench_stops_the_run_and_its_workers(tmp_path):
         time.sleep(0.5)
     run = [int(d.name) for d in Path("/proc").iterdir() if d.name.isdigit()
            and f"--run_root={tmp_path}".encode() in _cmdline(d)]
-    assert metrics.exists() and len(run) == 1 and len(_group(run[0])) >= 2  # the trainer and its generator
+    assert metrics.exists() and len(run) == 1 and len(group_alive(run[0])) >= 2  # the trainer and its generator
     p.send_signal(signal.SIGTERM)
     assert p.wait(60) == 143
     t = time.time()
-    while _group(run[0]) and time.time() - t < 10:
+    while group_alive(run[0]) and time.time() - t < 10:
         time.sleep(0.2)
-    assert _group(run[0]) == [] and wait_until(lambda: not leaked(before), 10)  # nothing left in /dev/shm either
+    assert group_alive(run[0]) == [] and wait_until(lambda: not leaked(before), 10)  # nothing left in /dev/shm either
