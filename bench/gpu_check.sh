@@ -164,7 +164,7 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
         for m in r.get("modes", []):
             x = r.get(m, {})
             keys = ("steps", "tok_s", "batch_tok_s", "step_s", "wait_frac", "gen_tok_s", "trainer_tok_s",
-                    "cuda_peak_gib", "gen_cuda_peak_gib", "first_step_at_s")
+                    "mfu", "prompt_share", "cuda_peak_gib", "gen_cuda_peak_gib", "first_step_at_s")
             print(f"  {m}: " + " ".join(f"{k}={x[k]:.4g}" for k in keys if isinstance(x.get(k), (int, float)))
                   + f" | {x.get('end')} {x.get('error', '')}")
             if x.get("log_tail"):

@@ -7,6 +7,10 @@ buffer's fill):
   tok_s          completion tokens trained per second of wall (AReaL's throughput: 6.0k per GPU,
                  its appendix, 47.8k on 8 GPUs at 1.5B and 8k context; prompts are not counted)
   batch_tok_s    the trained batches' tokens (rows x width) per second of wall
+  mfu            6 x parameters x the batches' own tokens (prompt + completion) / train_s / the
+                 card's peak dense bf16 FLOP/s (bench/_gpu_paper.py's count and cards; AReaL's
+                 recomputed proximal log-probs not counted; where the trainer computes each prompt
+                 once for its group it computes fewer: `prompt_share` bounds the overstatement)
   step_s, wait_frac, trainer_tok_s, gen_tok_s, staleness, interrupts, preemptions: as logged
   memory        each process's CUDA allocator peak (`cuda_peak_gib`, `gen_cuda_peak_gib`) against
                  the memory plan's line for it (common/engine/memory_plan.py, this config, this card),
@@ -40,9 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._gpu_paper import card, mfu  # noqa: E402
 from bench.leaks import group_alive, wait_until  # noqa: E402
 from common import preflight  # noqa: E402
 from common.engine.memory_plan import GiB  # noqa: E402
+from common.engine.shapes import param_count  # noqa: E402
 from common.log import read_metrics  # noqa: E402
 
 TOLERANCE = 0.15
@@ -76,15 +82,24 @@ def gpu_memory() -> list[int] | None:
         return None
 
 
-def planned(a, mode: str, run_root: Path) -> dict:
+def planned(a, mode: str, run_root: Path) -> tuple[dict, int]:
     """The memory plan's allocator bytes per process of the run's config on this machine's GPUs
-    (random models built here first, once: the run then finds them cached)."""
+    (random models built here first, once: the run then finds them cached), and the policy's parameters."""
     cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, mode, run_root))
     if a.random_weights:
         preflight.use_random_weights(cfg)
     p = preflight.plan_of(cfg, gpu_memory())
     procs = dict.fromkeys(x.process for x in p.lines if x.device.startswith("cuda"))
-    return {w: p.used(next(x.device for x in p.lines if x.process == w), w, allocator=True) for w in procs}
+    return ({w: p.used(next(x.device for x in p.lines if x.process == w), w, allocator=True) for w in procs},
+            param_count(preflight.model_config(cfg.model)))
+
+
+def gpu_name() -> str | None:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30, check=True).stdout.splitlines()[0].strip()
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
 
 
 def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
@@ -127,8 +142,9 @@ def stop(p: subprocess.Popen) -> None:
         os.killpg(p.pid, signal.SIGKILL)
 
 
-def summarise(rows: list[dict]) -> dict:
-    """The figures of a run's step rows, over the steps after the first (module docstring)."""
+def summarise(rows: list[dict], params: int | None = None, peak: float | None = None) -> dict:
+    """The figures of a run's step rows, over the steps after the first (module docstring); MFU
+    with the policy's `params` and the card's `peak` FLOP/s."""
     if len(rows) < 2:
         return {"steps": len(rows), "error": "fewer than 2 steps logged: no rate"}
     after, span = rows[1:], rows[-1]["time"] - rows[0]["time"]
@@ -139,6 +155,11 @@ def summarise(rows: list[dict]) -> dict:
            **{k: statistics.mean(r[k] for r in after) for k in ("trainer_tok_s", "gen_tok_s", "train_s",
                                                                 "staleness_mean", "comp_len_mean")},
            **{k: rows[-1][k] for k in ("gen_interrupts", "gen_preemptions", "dropped_stale", "version")}}
+    if "batch_seq_tokens" in rows[-1]:
+        seq = sum(r["batch_seq_tokens"] for r in after)
+        out["seq_tok_s_training"] = seq / sum(r["train_s"] for r in after)  # the trainer's rate while it trains
+        out["prompt_share"] = 1 - trained / seq
+        out["mfu"] = mfu(params, out["seq_tok_s_training"], peak) if params else None
     for k in ("cuda_peak_gib", "gen_cuda_peak_gib"):
         if k in rows[-1]:
             out[k] = max(r[k] for r in rows)
@@ -204,14 +225,15 @@ def main(argv=None) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer limit's SIGTERM: run()'s cleanup runs
     t = start = time.perf_counter()
     try:
-        plan = planned(a, a.modes[0], work / "runs")
+        plan, params = planned(a, a.modes[0], work / "runs")
     except Exception as e:  # noqa: BLE001 - the runs still measure; the plan's failure is reported
-        plan, res["plan_error"] = {}, f"{type(e).__name__}: {e}"
-    res["plan_gib"], res["plan_s"] = {k: v / GiB for k, v in plan.items()}, time.perf_counter() - t
+        plan, params, res["plan_error"] = {}, None, f"{type(e).__name__}: {e}"
+    res["plan_gib"], res["plan_s"], res["params"] = {k: v / GiB for k, v in plan.items()}, time.perf_counter() - t, params
+    res["card"] = c = card(gpu_name())
     for i, mode in enumerate(a.modes):
         left = a.budget - (time.perf_counter() - start) if a.budget else math.inf
         rows, how = run(a, mode, work, min(a.timeout, left / (len(a.modes) - i)))
-        s = summarise(rows)
+        s = summarise(rows, params, c["peak_flops"])
         res[mode] = {**s, **how, "memory": memory(s, plan)}
         if "async" in res and "sync" in res and "tok_s" in res["async"] and "tok_s" in res["sync"]:
             res["async_over_sync_tok_s"] = res["async"]["tok_s"] / res["sync"]["tok_s"]

@@ -34,23 +34,26 @@ def test_the_plan_of_a_cuda_preset_is_read_per_process(tmp_path):
     """The plan's allocator bytes of each CUDA process, here without a GPU (its memory unknown: the
     lines are still planned; the KV pool, sized from free memory, is left out)."""
     a = argparse.Namespace(task="gsm8k", preset="areal_long", lease=True, random_weights=False, set=["model=tiny"], steps=3)
-    plan = paper_runs.planned(a, "async", tmp_path / "runs")
+    plan, params = paper_runs.planned(a, "async", tmp_path / "runs")
     assert set(plan) == {"trainer", "generator 0"} and plan["trainer"] > plan["generator 0"] > 0
+    assert plan["trainer"] >= 16 * params > 0  # fp32 weights, grads and AdamW's moments at least
     assert not (tmp_path / "runs").exists()  # planning made no run folder
 
 
 def _row(step, t, **kw):
     return {"step": step, "time": t, "step_s": 1.0, "train_s": 0.5, "wait_s": 0.1, "trainer_tok_s": 100.0,
-            "batch_tokens": 80, "gen_tok_s": 300.0, "staleness_mean": 1.0, "comp_len_mean": 20.0, "gen_interrupts": 2,
+            "batch_tokens": 80, "batch_seq_tokens": 64, "gen_tok_s": 300.0, "staleness_mean": 1.0, "comp_len_mean": 20.0, "gen_interrupts": 2,
             "gen_preemptions": 0, "dropped_stale": 0, "version": step, **kw}
 
 
 def test_summary_rates_are_over_the_steps_after_the_first():
     rows = [_row(1, 10.0, cuda_peak_gib=3.0, gen_cuda_peak_gib=1.0), _row(2, 12.0, cuda_peak_gib=4.0, gen_cuda_peak_gib=1.5),
             _row(3, 14.0, cuda_peak_gib=3.5, gen_cuda_peak_gib=1.2)]
-    s = paper_runs.summarise(rows)
+    s = paper_runs.summarise(rows, params=1000, peak=6e6)
     # steps 2 and 3: 2 x (100 tok/s x 0.5 s) completion tokens and 2 x 80 batch tokens in the 4 s after step 1
     assert (s["tok_s"], s["batch_tok_s"], s["step_s"], s["wait_frac"]) == (25.0, 40.0, 2.0, 0.05)
+    # 2 x 64 own tokens in 2 x 0.5 s of training, 50 of each 64 completions: MFU 6 x 1000 x 128 / 6e6
+    assert (s["seq_tok_s_training"], s["prompt_share"], s["mfu"]) == (128.0, pytest.approx(14 / 64), pytest.approx(0.128))
     assert (s["cuda_peak_gib"], s["gen_cuda_peak_gib"], s["first_step_at_s"]) == (4.0, 1.5, 10.0)
     assert "error" in paper_runs.summarise(rows[:1])
     m = paper_runs.memory(s, {"trainer": 4.4 * GiB, "generator 0": 1.0 * GiB})

@@ -62,7 +62,8 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
     row = dict(version=version, **{**stats, "reward_mean": batch.reward.mean().item()}, grad_norm=gnorm, lr=lr,
                wait_s=t1 - t0, train_s=t2 - t1, step_s=now - t0, publish_s=publish_s,
                trainer_tok_s=int(batch.loss_mask.sum()) / (t2 - t1),
-               batch_tokens=batch.tokens.numel(),  # rows x padded width: what the update computes over
+               batch_tokens=batch.tokens.numel(),  # rows x padded width: what a padded update computes over
+               batch_seq_tokens=int((batch.prompt_lens + batch.comp_lens).sum()),  # the rows' own tokens (MFU's count)
                gen_tok_s=(gen_tok - gen_prev[0]) / (now - gen_prev[1]), buffer_fill=len(buffer),
                staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
                staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
