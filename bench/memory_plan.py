@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from bench.host_memory import rss_bytes  # noqa: E402
 from common import preflight  # noqa: E402
-from common.engine.memory_plan import CONTEXT, PROMPT_TOKENS  # noqa: E402
+from common.engine.memory_plan import CONTEXT, PROMPT_TOKENS, TOLERANCE  # noqa: E402
 from common.engine.precision import resolve  # noqa: E402
 from common.engine.sampler import Sampler  # noqa: E402
 from common.engine.sampling import SamplingParams  # noqa: E402
@@ -43,7 +43,6 @@ from common.runtime.step import make_optimizer  # noqa: E402
 from common.runtime.weights import WeightStore  # noqa: E402
 
 PARTS = ("trainer", "generator")
-TOLERANCE = 0.15
 
 
 def config(a):
@@ -120,11 +119,6 @@ def generator_part(cfg, dev, kv_tokens: int, decode_tokens: int) -> int:
     return m.peak()
 
 
-def planned(plan, who: str) -> int:
-    """The plan's bytes for one process, its CUDA context allowance left out (the allocator does not see it)."""
-    return sum(x.nbytes for x in plan.lines if x.process == who and not x.what.startswith("CUDA context"))
-
-
 def run_part(a) -> dict:
     cfg = config(a)
     dev = torch.device("cuda:0" if cfg.train.device.startswith("cuda") else "cpu")
@@ -136,7 +130,7 @@ def run_part(a) -> dict:
     else:
         who = "generator 0"
         got = generator_part(cfg, dev, plan.kv_tokens.get(who) or cfg.gen.kv_tokens or 0, a.decode_tokens)
-    want = planned(plan, who)
+    want = plan.used(str(dev), who, allocator=True)  # the CUDA context allowance left out: the allocator does not see it
     return {"part": a.part, "planned": want, "measured": got, "ratio": round(got / max(want, 1), 4),
             "within": abs(got / max(want, 1) - 1) <= TOLERANCE, "seconds": round(time.perf_counter() - t, 1),
             "peak": "max_memory_allocated" if dev.type == "cuda" else "resident set growth, sampled (rough)", "model": cfg.model}

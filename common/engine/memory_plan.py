@@ -33,7 +33,8 @@ CONTEXT = GiB // 2            # a CUDA context (allowance)
 GRAPH_POOL = 256 * 2**20      # CUDA graphs beyond their largest bucket (allowance)
 LOGIT_BUDGET = 512 * 2**20    # common/engine/head.py: LOGIT_BUDGET_BYTES
 PROMPT_TOKENS = 512           # prompt length the plan assumes (data are not read before loading)
-SHARE_MARGIN = 0.15           # a suggested share keeps this much above the plan (the plan's checked tolerance)
+TOLERANCE = 0.15              # a measured peak within this of the plan passes (bench/memory_plan.py, bench/paper_runs.py);
+                              # a suggested share keeps this margin above the plan
 
 
 @dataclass
@@ -96,6 +97,11 @@ class Plan:
     def advice(self) -> str:
         return ("memory plan: " + "; ".join(self.over()) + " (python <script> ... --print-memory shows each part). "
                 + self.advice_tail() + "; or --memory_check=false to start anyway")
+
+
+def share(nbytes: float, total: float) -> float:
+    """The memory_fraction, in hundredths rounded up, that holds `nbytes` of `total`."""
+    return math.ceil(100 * nbytes / total) / 100
 
 
 def gb(n) -> str:
@@ -200,10 +206,10 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
         _kv(p, d, f"generator {r}", g, mp, kvb, seq, page, cuda)
     for (d, who), cap in p.caps.items():  # fits, but closer to its cap than the plan's tolerance
         need, total = p.used(d, who, allocator=True), p.capacity[d]
-        if cap >= need > cap / (1 + SHARE_MARGIN) and not who.startswith("generator"):  # a generator's pool fills its share
+        if cap >= need > cap / (1 + TOLERANCE) and not who.startswith("generator"):  # a generator's pool fills its share
             key = "train" if who.startswith("trainer") else "gen"
-            p.notes.append(f"{who}: planned {gb(need)} of its {gb(cap)} share of {d}, within the plan's {SHARE_MARGIN:.0%} "
-                           f"tolerance of it (--{key}.memory_fraction={math.ceil(100 * need * (1 + SHARE_MARGIN) / total) / 100:g} "
+            p.notes.append(f"{who}: planned {gb(need)} of its {gb(cap)} share of {d}, within the plan's {TOLERANCE:.0%} "
+                           f"tolerance of it (--{key}.memory_fraction={share(need * (1 + TOLERANCE), total):g} "
                            f"keeps that margin)")
     _fixes(p, cfg, mp, P, cuda, n_gpu)
     return p
@@ -239,14 +245,14 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
 
 
 def _share_hint(p: Plan, d, who, g, per: int, seq: int, page: int) -> str:
-    """One GPU shared under fixed shares: the trainer's share beyond its plan plus `SHARE_MARGIN`,
+    """One GPU shared under fixed shares: the trainer's share beyond its plan plus `TOLERANCE`,
     moved to the generator, and the full-length samples its pool (sized as the runtime sizes it:
     half the free memory of its share) would hold then; "" where that gains nothing."""
     tr = next((k for k in p.caps if k[0] == d and k[1].startswith("trainer")), None)
     if tr is None or (d, who) not in p.caps:
         return ""
     total = p.capacity[d]
-    new_t = math.ceil(100 * p.used(d, tr[1], allocator=True) * (1 + SHARE_MARGIN) / total) / 100
+    new_t = share(p.used(d, tr[1], allocator=True) * (1 + TOLERANCE), total)
     moved = p.caps[tr] / total - new_t
     if moved < 0.02:
         return ""
@@ -254,7 +260,7 @@ def _share_hint(p: Plan, d, who, g, per: int, seq: int, page: int) -> str:
     free = new_g * total - p.used(d, who, allocator=True)  # before its pool's line
     tokens = min(static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page), int(free * KV_FRACTION) // per)
     return (f"; with --train.memory_fraction={new_t:g} --gen.memory_fraction={new_g:g} (the trainer's plan + "
-            f"{SHARE_MARGIN:.0%}) it would hold {tokens // seq:,}")
+            f"{TOLERANCE:.0%}) it would hold {tokens // seq:,}")
 
 
 def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> None:
@@ -295,7 +301,7 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None
         need, total = p.used(d, who, allocator=True), p.capacity[d]
         if need > cap and p.used(d) <= total:
             key = "train" if who.startswith("trainer") else "gen"
-            p.fixes.append((f"--{key}.memory_fraction={math.ceil(100 * need / total) / 100:g}",
+            p.fixes.append((f"--{key}.memory_fraction={share(need, total):g}",
                             f"{gb(need - cap)} more for {who} on {d}"))
     if cfg.gen.kv_tokens:
         p.fixes.append((f"--gen.kv_tokens={cfg.gen.kv_tokens // 2}", "half the KV pool"))
