@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from common.engine import kv_budget
 from common.engine.hf_io import build_dir
 from common.engine.model_config import ModelConfig
 from common.engine.shapes import SHAPES, hf_config
@@ -119,9 +120,8 @@ def card(gpu_name: str | None, mem_bw_tbs: float | None = None, peak_tflops: flo
 
 
 def kv_bytes_per_token(cfg: dict, itemsize: int = 2) -> int:
-    """K and V of one cached position over every layer."""
-    m = ModelConfig.from_hf(cfg)
-    return 2 * m.num_hidden_layers * m.num_key_value_heads * m.head_dim * itemsize
+    """K and V of one cached position over every layer, of a config.json dict (kv_budget's count)."""
+    return kv_budget.kv_bytes_per_token(ModelConfig.from_hf(cfg), itemsize)
 
 
 def decode_floor(weight_bytes: int, kv_bytes: int, mem_bw: float | None, flops: float = 0.0,

@@ -24,7 +24,7 @@ import torch
 from huggingface_hub import snapshot_download  # a dependency of transformers: always there
 from safetensors.torch import save_file
 
-from common.engine.hf_io import DEFAULT_MODEL, build_dir, cache_root, has_tokenizer, resolve_checkpoint
+from common.engine.hf_io import DEFAULT_MODEL, build_dir, cache_root, has_tokenizer, load_tokenizer, resolve_checkpoint
 from common.errors import UserError
 
 _LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -143,8 +143,7 @@ def default_tokenizer_dir() -> Path:
 
 def save_default_tokenizer(out: str | Path) -> Path:
     """Write the default model's tokenizer files alone to `out`, for `$ASYNCRL_TOKENIZER` elsewhere."""
-    from transformers import AutoTokenizer  # lazy: slow import
-    AutoTokenizer.from_pretrained(str(resolve_checkpoint(DEFAULT_MODEL))).save_pretrained(str(out))
+    load_tokenizer(resolve_checkpoint(DEFAULT_MODEL)).save_pretrained(str(out))
     return Path(out)
 
 
