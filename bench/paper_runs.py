@@ -47,11 +47,10 @@ sys.path.insert(0, str(ROOT))
 from bench._gpu_paper import card, mfu  # noqa: E402
 from bench.leaks import group_alive, wait_until  # noqa: E402
 from common import preflight  # noqa: E402
-from common.engine.memory_plan import GiB  # noqa: E402
+from common.engine.memory_plan import TOLERANCE, GiB  # noqa: E402
 from common.engine.shapes import param_count  # noqa: E402
 from common.log import read_metrics  # noqa: E402
 
-TOLERANCE = 0.15
 AREAL_TOK_S_PER_GPU = 6000.0  # AReaL's appendix: 47.8k tokens/s on 8 GPUs (R1-Distill-Qwen-1.5B, 8k context)
 LEASE = {  # preset -> what a few-minute run changes (no evaluation; AReaL: 4 prompts x 16 at 8k context)
     ("gsm8k", "areal_long"): ["gen.max_new_tokens=8192", "train.prompts_per_step=4", "train.min_buffer=64",
@@ -71,35 +70,28 @@ def argv_of(a, mode: str, run_root: Path) -> list[str]:
             + [f"--train.mode={mode}", f"--train.steps={a.steps + 1}", f"--run_root={run_root}", f"--name={a.preset}_{mode}"])
 
 
-def gpu_memory() -> list[int] | None:
-    """Each GPU's memory from nvidia-smi, read without a CUDA context in this process (its ~0.5 GB
-    would shrink the KV pool a generator sizes from the free memory)."""
+def gpus() -> list[tuple[str, int]]:
+    """Each GPU's name and memory (bytes) from nvidia-smi, read without a CUDA context in this
+    process (its ~0.5 GB would shrink the KV pool a generator sizes from the free memory); [] where
+    there is none."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30, check=True).stdout
-        return [int(x) * 2**20 for x in out.split()]
+        return [(name.strip(), int(mib) * 2**20) for name, mib in (x.rsplit(",", 1) for x in out.splitlines() if x.strip())]
     except (OSError, subprocess.SubprocessError, ValueError):
-        return None
+        return []
 
 
-def planned(a, mode: str, run_root: Path) -> tuple[dict, int]:
-    """The memory plan's allocator bytes per process of the run's config on this machine's GPUs
-    (random models built here first, once: the run then finds them cached), and the policy's parameters."""
-    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, mode, run_root))
+def planned(a, cfg, memories: list[int] | None) -> tuple[dict, int]:
+    """The memory plan's allocator bytes per process of the run's config `cfg` on GPUs of these
+    `memories` (random models built here first, once: the run then finds them cached), and the
+    policy's parameters."""
     if a.random_weights:
         preflight.use_random_weights(cfg)
-    p = preflight.plan_of(cfg, gpu_memory())
+    p = preflight.plan_of(cfg, memories)
     procs = dict.fromkeys(x.process for x in p.lines if x.device.startswith("cuda"))
     return ({w: p.used(next(x.device for x in p.lines if x.process == w), w, allocator=True) for w in procs},
             param_count(preflight.model_config(cfg.model)))
-
-
-def gpu_name() -> str | None:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30, check=True).stdout.splitlines()[0].strip()
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return None
 
 
 def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
@@ -216,7 +208,7 @@ def main(argv=None) -> dict:
         ap.error("--steps >= 1; --modes: async, sync or async,sync")
     work = Path(a.workdir or tempfile.mkdtemp(prefix="asyncrl_paper_runs_"))
     work.mkdir(parents=True, exist_ok=True)
-    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, "async", work / "runs"))
+    cfg = importlib.import_module(f"run_{a.task}").make_config(argv_of(a, a.modes[0], work / "runs"))
     res = {"bench": "paper_runs", "task": a.task, "preset": a.preset, "steps": a.steps, "modes": a.modes,
            "lease": LEASE.get((a.task, a.preset), []) if a.lease else [], "set": a.set, "random_weights": a.random_weights,
            "config": {"model": cfg.model, "algo": cfg.algo, "prompts_per_step": cfg.train.prompts_per_step, "n": cfg.gen.n,
@@ -224,12 +216,13 @@ def main(argv=None) -> dict:
            "date": time.strftime("%Y-%m-%d"), "complete": False}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # an outer limit's SIGTERM: run()'s cleanup runs
     t = start = time.perf_counter()
+    smi = gpus()
     try:
-        plan, params = planned(a, a.modes[0], work / "runs")
+        plan, params = planned(a, cfg, [m for _, m in smi] or None)
     except Exception as e:  # noqa: BLE001 - the runs still measure; the plan's failure is reported
         plan, params, res["plan_error"] = {}, None, f"{type(e).__name__}: {e}"
     res["plan_gib"], res["plan_s"], res["params"] = {k: v / GiB for k, v in plan.items()}, time.perf_counter() - t, params
-    res["card"] = c = card(gpu_name())
+    res["card"] = c = card(smi[0][0] if smi else None)
     for i, mode in enumerate(a.modes):
         left = a.budget - (time.perf_counter() - start) if a.budget else math.inf
         rows, how = run(a, mode, work, min(a.timeout, left / (len(a.modes) - i)))

@@ -34,7 +34,8 @@ def test_the_plan_of_a_cuda_preset_is_read_per_process(tmp_path):
     """The plan's allocator bytes of each CUDA process, here without a GPU (its memory unknown: the
     lines are still planned; the KV pool, sized from free memory, is left out)."""
     a = argparse.Namespace(task="gsm8k", preset="areal_long", lease=True, random_weights=False, set=["model=tiny"], steps=3)
-    plan, params = paper_runs.planned(a, "async", tmp_path / "runs")
+    cfg = importlib.import_module("run_gsm8k").make_config(paper_runs.argv_of(a, "async", tmp_path / "runs"))
+    plan, params = paper_runs.planned(a, cfg, None)
     assert set(plan) == {"trainer", "generator 0"} and plan["trainer"] > plan["generator 0"] > 0
     assert plan["trainer"] >= 16 * params > 0  # fp32 weights, grads and AdamW's moments at least
     assert not (tmp_path / "runs").exists()  # planning made no run folder
