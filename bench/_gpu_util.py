@@ -1,4 +1,4 @@
-"""Helpers of `bench/gpu.py`: the random SmolLM2-shaped checkpoint, the seeded workload, timing,
+"""Helpers of `bench/gpu.py`: the SmolLM2-shaped default model's config, the seeded workload, timing,
 the machine description and the async section's toy reward.
 
 No slow import at module level: the async section's spawned generator imports this module for
@@ -51,20 +51,12 @@ class Ctx:
         return self.device.type == "cuda"
 
 
-def build_checkpoint(path: Path, shape: dict, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """A Llama checkpoint of `shape` with transformers' random init (seeded), saved in `dtype`
-    with `save_pretrained` (no tokenizer: our loaders and the benchmark use token ids).
-    Returns what was built: parameter count and bytes, seconds."""
-    from transformers import AutoModelForCausalLM, LlamaConfig  # lazy: slow import, only the main process builds
-    t = time.perf_counter()
-    cfg = LlamaConfig(**shape, **SPECIAL_IDS)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(dtype)
-    model.save_pretrained(str(path))
-    n = sum(p.numel() for p in model.parameters())  # tied embedding counted once
-    return {"path": str(path), "params": n, "param_bytes": n * dtype.itemsize,
-            "dtype": str(dtype).replace("torch.", ""),
-            "seed": seed, "build_s": round(time.perf_counter() - t, 2)}
+def default_config(smoke: bool = False) -> dict:
+    """The config.json dict of the default workload's model: SmolLM2-135M's shape, or TINY with --smoke."""
+    from transformers import LlamaConfig  # lazy: slow import, only the main process builds
+    cfg = LlamaConfig(**(TINY if smoke else SMOLLM2_135M), **SPECIAL_IDS)
+    cfg.architectures = ["LlamaForCausalLM"]
+    return cfg.to_dict()
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:

@@ -65,7 +65,7 @@ from bench._gpu_paper import ALIASES, ARCH_DEFAULTS, arch_config, build_arch, hu
 from bench._gpu_targets import WAS, targets  # noqa: E402
 from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa: E402
 from bench.long_outputs import measure as long_measure, parse_args as long_args  # noqa: E402
-from bench._gpu_util import (SMOLLM2_135M, TINY, Ctx, build_checkpoint, free_memory, machine,  # noqa: E402
+from bench._gpu_util import (Ctx, default_config, free_memory, machine,  # noqa: E402
                              random_prompts, write_json)
 from common.engine.precision import PrecisionConfig, resolve  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
@@ -206,18 +206,15 @@ def main(argv=None) -> dict:
     work = Path(a.workdir or tempfile.mkdtemp(prefix="asyncrl_gpu_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     prec = resolve(PrecisionConfig(dtype=a.dtype), str(device)).apply()
-    shape = arch_config(a.arch, a.smoke) if a.arch else TINY if a.smoke else SMOLLM2_135M
+    shape = arch_config(a.arch, a.smoke) if a.arch else default_config(a.smoke)
     res = {"bench": "gpu", "smoke": a.smoke, "sections": a.only, "machine": machine(device),
            "precision": {k: getattr(prec, k) for k in ("dtype", "kv", "gemm", "why")}, "was": WAS}
     print(f"[gpu] {res['machine']} precision {prec.summary()}; workdir {work}", file=sys.stderr)
     try:
-        if a.arch:  # one checkpoint per shape and seed in --workdir, reused by the next section's process
-            ckpt = work / f"model-{a.arch.replace('/', '__')}{'-smoke' if a.smoke else ''}-seed{a.seed}"
-            res["model"] = {"arch": a.arch, "hub_id": hub_id(a.arch), "shape": shape,
-                            **build_arch(ckpt, shape, device, seed=a.seed)}
-        else:
-            ckpt = work / "model"
-            res["model"] = {"shape": shape, **build_checkpoint(ckpt, shape, seed=a.seed)}
+        # one checkpoint per shape and seed in --workdir, reused by the next section's process
+        ckpt = work / f"model-{(a.arch or 'smollm2-135m').replace('/', '__')}{'-smoke' if a.smoke else ''}-seed{a.seed}"
+        named = {"arch": a.arch, "hub_id": hub_id(a.arch)} if a.arch else {}
+        res["model"] = {**named, "shape": shape, **build_arch(ckpt, shape, device, seed=a.seed)}
         prompts = random_prompts(a.prompts, a.prompt_min, a.prompt_max, shape["vocab_size"], a.seed)
         ctx = Ctx(a, device, prec, str(ckpt), shape, prompts, work)
         res["section_s"] = {}
