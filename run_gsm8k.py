@@ -9,11 +9,11 @@
     python run_gsm8k.py --help                       # every config key with its comment
 
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
-(final answer: the later of the last '####' and the last \\boxed{...}, else after "answer is",
-else the last number; compared numerically, math-verify as a fallback; exactly 1 or 0), the
-dataset (`--data.source`: local jsonl, a `datasets` folder or the hub's openai/gsm8k; default:
-the repository's copy in data/gsm8k), the config presets, the evaluation (greedy pass@1 on a
-fixed test subset) and main(reward=, loss=). The trainer runs in this process; the generators get
+(`reward_correct`, common/math_answer.py: the final answer, the later of the last '####' and the
+last \\boxed{...}, compared numerically, math-verify as a fallback; exactly 1 or 0), the dataset
+(`--data.source`: local jsonl, a `datasets` folder or the hub's openai/gsm8k; default: the
+repository's copy in data/gsm8k), the config presets, the evaluation (greedy pass@1 on a fixed
+test subset) and main(reward=, loss=). The trainer runs in this process; the generators get
 `reward_fn` by reference when this module was imported (they import it), by value when it runs as
 the main script (common/runtime/pickling.py).
 
@@ -23,10 +23,7 @@ text after the last '####' with thousands separators removed ("1,200" -> "1200")
 """
 from __future__ import annotations
 
-import logging
 import math
-import re
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
@@ -39,11 +36,10 @@ from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
 from common.engine.hf_save import tokenizer_stop_ids
 from common.evaluate import greedy_pass_at_1
+from common.math_answer import extract_answer, normalise_number, reward_correct  # extract_answer: run_gsm8k's API too
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
-
-log = logging.getLogger("asyncrl.gsm8k")
 
 PAPER_TEMPLATE = "[MATH TASK] Problem:\n{question}\n\nSolution:\n"
 INSTRUCTION = "\nSolve step by step and give the final answer as a number after '####'."
@@ -78,7 +74,7 @@ def example_from_row(row, where: str) -> GSM8KExample:
     answer = row["answer"]
     if "####" not in answer:
         raise ValueError(f"{where}: answer has no '####' gold marker")
-    gold = _normalise_number(answer.rsplit("####", 1)[1].strip())
+    gold = normalise_number(answer.rsplit("####", 1)[1].strip())
     if not gold:
         raise ValueError(f"{where}: empty gold answer after '####'")
     return GSM8KExample(question=row["question"], answer=answer, gold=gold)
@@ -110,157 +106,6 @@ def format_prompt(question: str, tokenizer=None, style: str = "chat") -> str:
         return tokenizer.apply_chat_template([{"role": "user", "content": question + INSTRUCTION}],
                                              add_generation_prompt=True, tokenize=False)
     raise ValueError(f"format_prompt: unknown style {style!r}, expected one of {PROMPT_STYLES}")
-
-
-# ---------------------------------------------------------------------------------------------
-# answer extraction
-
-# a number: optional sign (not when it is a binary minus like "3-5"), optional $, then either
-# comma-grouped thousands "1,234,567" or plain digits, optional decimals, or a bare ".5"
-_NUM = re.compile(r"(?:(?<![\w)\]])-\s?)?\$?\s?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
-_ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
-
-
-def _normalise_number(s: str) -> str:
-    """'$1,200.' -> '1200', '- 3' -> '-3'; other text is returned stripped."""
-    s = s.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
-    return s
-
-
-def _first_number(text: str) -> str | None:
-    m = _NUM.search(text)
-    return _normalise_number(m.group(0)) if m else None
-
-
-# \boxed{...} (R1-Distill / DeepScaleR-style reasoning models), \fbox{...} alike; its braces may nest
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_MAX_BOX_CHARS = 256  # a box holding more is not a final answer
-_BRACE = re.compile(r"(?<!\\)[{}]")  # a brace; "\{" and "\}" are literal braces in LaTeX
-_TEXT_CMD = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
-_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\left|\\right|\\\$|\\%")  # thin spaces ("1\,234"), \left( , \$, \%
-_FRACTION = re.compile(r"(-?)\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}|(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)")
-
-
-def _boxed_value(content: str) -> str | None:
-    """The number a \\boxed{...} holds: "1,234" -> "1234", "\\$18" -> "18", "\\text{42}" -> "42",
-    "x = 5" -> "5" (after the last '='), "\\frac{3}{4}" or "3/4" -> "3/4" (compared by math-verify),
-    "5 \\text{ apples}" -> "5" (its first number); None when it holds none."""
-    s = content
-    for _ in range(3):  # \text{\textbf{42}}: nested wrappers, innermost first
-        s = _TEXT_CMD.sub(r" \1 ", s)
-    s = _LATEX_NOISE.sub("", s.replace("{,}", ","))
-    s = s.rsplit("=", 1)[-1]
-    frac = _FRACTION.fullmatch(s.replace(" ", "").replace("$", ""))
-    if frac:
-        sign, num, den = frac.groups()[:3] if frac.group(2) else ("", *frac.groups()[3:])
-        return f"{sign}{num}/{den}"
-    return _first_number(s)
-
-
-def _last_boxed(text: str) -> tuple[int, str] | None:
-    """(where it starts, its number) of the last complete \\boxed{...} in `text` that holds a number,
-    or None. Braces are matched once over the text (linear time, whatever the nesting); a box
-    left open (a completion cut at max_new_tokens) is skipped, and so is one holding more than
-    _MAX_BOX_CHARS characters (not a final answer; boxes nested in boxes stay linear)."""
-    boxes = list(_BOXED.finditer(text))
-    if not boxes:
-        return None
-    closing, stack = {}, []
-    for m in _BRACE.finditer(text, boxes[0].end() - 1):
-        if m.group(0) == "{":
-            stack.append(m.start())
-        elif stack:
-            closing[stack.pop()] = m.start()
-    for box in reversed(boxes):
-        end = closing.get(box.end() - 1)
-        if end is not None and end - box.end() <= _MAX_BOX_CHARS:
-            value = _boxed_value(text[box.end():end])
-            if value is not None:
-                return box.start(), value
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    """Final numeric answer of a completion: the number in its last \\boxed{...} or after its last
-    '####', whichever comes later in the text (the LAST box that holds a number: nested braces,
-    '$' and thousands commas handled); else the number after the last "answer is"; else the last
-    number in the text; None when there is no number."""
-    if not text:
-        return None
-    marker = text.rfind("####")
-    boxed = _last_boxed(text)
-    if boxed is not None and boxed[0] > marker:
-        return boxed[1]
-    if marker >= 0:
-        ans = _first_number(text[marker + 4:])
-        if ans is not None:
-            return ans
-    if boxed is not None:
-        return boxed[1]
-    hits = list(_ANSWER_IS.finditer(text))
-    if hits:
-        ans = _first_number(text[hits[-1].end():])
-        if ans is not None:
-            return ans
-    last = None
-    for last in _NUM.finditer(text):  # keep only the final match
-        pass
-    return _normalise_number(last.group(0)) if last else None
-
-
-# ---------------------------------------------------------------------------------------------
-# reward
-
-_warned = False  # warn once per process: a systematic failure would otherwise spam every sample
-
-
-def _to_float(s: str) -> float | None:
-    try:
-        x = float(_normalise_number(s))
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
-def _math_verify_equal(gold: str, pred: str) -> bool:
-    import math_verify  # lazy: sympy import costs ~1 s and most rewards never get here
-
-    # math_verify's default timeout uses signal.alarm, which raises outside the main thread;
-    # our inputs are short number strings, so running without a timeout there is safe
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    return bool(math_verify.verify(math_verify.parse(gold, parsing_timeout=timeout),
-                                   math_verify.parse(pred, parsing_timeout=timeout),
-                                   timeout_seconds=timeout))
-
-
-def reward_correct(completion_text: str, gold: str, use_math_verify: bool = True) -> float:
-    """1.0 if the completion's extracted answer equals `gold`, else 0.0. Never raises.
-
-    Numeric comparison first ("18.00" == "18", "1,200" == "1200"); if that fails and
-    use_math_verify, math_verify decides (e.g. "0.5" vs "1/2"). Timed on this machine:
-    ~0.5-2 ms per call on short number strings (~30 ms on the very first, warm-up call), so it
-    stays on by default. Any exception -> 0.0 and one logged warning per process.
-    """
-    global _warned
-    try:
-        pred = extract_answer(completion_text)
-        if pred is None:
-            return 0.0
-        g, p = _to_float(gold), _to_float(pred)
-        if g is not None and p is not None and math.isclose(g, p, rel_tol=1e-9, abs_tol=1e-9):
-            return 1.0
-        # a huge digit string is garbage, and sympy on it could be slow: don't hand it over
-        if use_math_verify and len(pred) <= 64:
-            return 1.0 if _math_verify_equal(_normalise_number(gold), pred) else 0.0
-        return 0.0
-    except Exception as e:  # noqa: BLE001 - a reward must never kill a generator
-        if not _warned:
-            log.warning("reward_correct: %s: %s; returning 0.0 (further failures logged at DEBUG)",
-                        type(e).__name__, e)
-            _warned = True
-        else:
-            log.debug("reward_correct failed: %r", e)
-        return 0.0
 
 
 def reward_fn(completion_text: str, gold: str) -> float:

@@ -1,10 +1,11 @@
-"""Tests for tasks/gsm8k.py: loading (real files + malformed ones), prompts, answer extraction
-and the 0/1 reward (including that it never raises)."""
+"""Tests for run_gsm8k.py and common/math_answer.py: loading (real files + malformed ones), prompts,
+answer extraction and the 0/1 reward (including that it never raises)."""
 import json
 import logging
 
 import pytest
 
+import common.math_answer as math_answer
 import run_gsm8k as gsm
 from common.data import REPO_DATA
 from run_gsm8k import (PAPER_TEMPLATE, GSM8KExample, default_data_dir, extract_answer,
@@ -174,10 +175,10 @@ def test_reward_never_raises(caplog, monkeypatch):
 
     def boom(*a, **k):
         raise RuntimeError("sympy exploded")
-    monkeypatch.setattr(gsm, "_math_verify_equal", boom)
-    monkeypatch.setattr(gsm, "_warned", False)
+    monkeypatch.setattr(math_answer, "_math_verify_equal", boom)
+    monkeypatch.setattr(math_answer, "_warned", False)
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tasks.gsm8k"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.math_answer"):
         assert reward_correct("#### 5", "6") == 0.0
         assert reward_correct("#### 7", "6") == 0.0
     warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
