@@ -1,6 +1,7 @@
-"""What a run does before it loads a model: `--random_weights` (every model the config names by hub id
-becomes a local random model of its published shape) and `--print-memory` / the memory check (the
-plan of common/engine/memory_plan.py against this machine's devices, from the configs alone).
+"""What a run does before it loads a model: the devices it names checked against this machine,
+`--random_weights` (every model the config names by hub id becomes a local random model of its
+published shape) and `--print-memory` / the memory check (the plan of common/engine/memory_plan.py
+against this machine's devices, from the configs alone).
 
 Runs in the launching (trainer) process, from `task.setup`, before any worker starts, so workers
 and reward workers only ever see local paths. The models a config names are its fields called
@@ -42,6 +43,38 @@ def model_fields(cfg, prefix: str = ""):
             yield from model_fields(v, f"{prefix}{f.name}.")
         elif f.name in MODEL_FIELDS and isinstance(v, str):
             yield f"{prefix}{f.name}", cfg, f.name, v
+
+
+def device_fields(cfg, prefix: str = ""):
+    """(dotted key, value) of every device a config names: its fields called `device`, in any section."""
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from device_fields(v, f"{prefix}{f.name}.")
+        elif f.name == "device" and isinstance(v, str):
+            yield f"{prefix}{f.name}", v
+
+
+def check_devices(cfg) -> None:
+    """Every device the config names, against this machine, before anything is built or loaded: a
+    name torch cannot read, a kind other than cpu and cuda, a CUDA one where there is no GPU (a GPU
+    preset on a CPU machine) or not that many GPUs: refused in one line naming what to change."""
+    gpus, cuda = torch.cuda.device_count(), []
+    for key, value in device_fields(cfg):
+        try:
+            dev = torch.device(value)
+        except (RuntimeError, ValueError):
+            raise UserError(f"--{key}={value}: not a device; use cpu, cuda or cuda:N") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise UserError(f"--{key}={value}: runs take cpu or cuda devices only")
+        if dev.type == "cuda":
+            cuda.append(key)
+            if gpus and dev.index is not None and dev.index >= gpus:
+                raise UserError(f"--{key}={value}: this machine has {gpus} GPU(s), cuda:0 to cuda:{gpus - 1}")
+    if cuda and not gpus:
+        why = "a torch built without CUDA" if not torch.backends.cuda.is_built() else "no GPU is visible"
+        raise UserError(f"this machine has no CUDA GPU ({why}), and {', '.join('--' + k for k in cuda)} ask for one "
+                        f"(the GPU presets set them); on the CPU instead: {' '.join(f'--{k}=cpu' for k in cuda)}")
 
 
 def _hub_id(name: str) -> bool:

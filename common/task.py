@@ -46,7 +46,7 @@ from common.engine.hf_io import check_model, load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig
 from common.errors import UserError, debug
 from common.plots import plot_metrics
-from common.preflight import check_memory, parse_gpus, use_random_weights
+from common.preflight import check_devices, check_memory, parse_gpus, use_random_weights
 from common.runtime.generator import GenConfig
 from common.runtime.process import set_process_defaults
 from common.runtime.run_dir import check_name, check_run_dir
@@ -222,8 +222,9 @@ def user_error(e: UserError) -> int:
 
 
 def setup(cfg: RunConfig) -> None:
-    """Per-process torch defaults (one CPU thread) and the run's seed; `--random_weights`' local
-    models and the memory check (common/preflight.py)."""
+    """The devices the run names, checked; per-process torch defaults (one CPU thread) and the run's
+    seed; `--random_weights`' local models and the memory check (common/preflight.py)."""
+    check_devices(cfg)  # first: a GPU preset on a CPU machine stops here, before a model is built
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
     if cfg.memory_check:  # before anything loads or is built: a plan that does not fit stops here, naming what to change

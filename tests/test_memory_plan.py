@@ -123,6 +123,19 @@ def test_one_gpus_shares_suggested_from_the_plan():
     assert not any("would hold" in n for n in small.notes)  # no spare share to move on 80 GB
 
 
+def test_a_cpu_kv_pool_past_the_memory_suggests_a_paged_budget_that_fits(monkeypatch):
+    """On a CPU the default pool holds every slot at full length: long outputs outgrow the memory, and
+    the fix is the pool's budget, not the trainer's micro-batch: the plan names it first, and
+    re-planned with it the run fits and its pool still holds full-length samples."""
+    monkeypatch.setattr(memory_plan, "ram_bytes", lambda: 2e9)
+    argv = ["--model=tiny", "--algo=areal", "--gen.kv_layout=static", "--gen.max_new_tokens=16384", "--gen.max_batch=256"]
+    p = plan_of(run_gsm8k.make_config(argv))
+    assert not p.fits and p.fixes[0][0].startswith("--gen.kv_layout=paged --gen.kv_tokens=")
+    again = plan_of(run_gsm8k.make_config(argv + p.fixes[0][0].split()))
+    assert again.fits and again.kv_tokens["generator 0"] // (memory_plan.PROMPT_TOKENS + 16384) >= 1
+    assert f"a pool of {again.kv_tokens['generator 0'] // (memory_plan.PROMPT_TOKENS + 16384)} full-length" in p.advice()
+
+
 def test_a_run_that_does_not_fit_stops_before_loading(tmp_path):
     tiny.save_hf("llama_tied", tmp_path / "m")
     tiny.tokenizer().save_pretrained(tmp_path / "m")

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import run_redteam
 from common.errors import UserError
+from common.preflight import check_devices
 from common.task import script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +33,7 @@ def runs(tmp_path_factory):
     (foreign / "metrics.jsonl").write_text("{}\n")
     (foreign / "notes.txt").write_text("mine")
     root = f"--run_root={tmp / 'runs'}"
+    ON_CPU = ["--train.device=cpu", "--memory_check=false"]
     cases = {
         "missing_model": (["--model=/nonexistent/model", "--name=x", root], {}),
         "missing_model_debug": (["--model=/nonexistent/model", "--name=x", root], {"ASYNCRL_DEBUG": "1"}),
@@ -39,10 +42,15 @@ def runs(tmp_path_factory):
         "empty_data": ([f"--data.source={tmp / 'empty_data'}", "--name=x", root], {}),
         "foreign_overwrite": (["--model=tiny", "--name=foreign", "--overwrite", root], {}),
         # a preset's hub model, offline and not cached (an empty cache of our own: never a download)
-        "hub_model_offline": (["--algo=areal", "--preset=areal_long", "--name=x", root], {
+        # (on the CPU, where the devices and the memory plan are checked first: these test the model)
+        "hub_model_offline": (["--algo=areal", "--preset=areal_long", *ON_CPU, "--name=x", root], {
             "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "HF_HUB_CACHE": str(tmp / "hf" / "hub")}),
-        "paper_offline": (["--preset=paper", "--name=x", root], {
+        "paper_offline": (["--preset=paper", *ON_CPU, "--name=x", root], {
             "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf"), "HF_HUB_CACHE": str(tmp / "hf" / "hub")}),
+        # a GPU preset where no GPU is visible: refused before its 1.1B random model is built
+        "gpu_preset_no_gpu": (["--preset=paper", "--random_weights", "--name=x", root], {
+            "CUDA_VISIBLE_DEVICES": "", "ASYNCRL_CACHE": str(tmp / "cache")}),
+        "not_a_device": (["--model=tiny", "--train.device=gpu", "--name=x", root], {}),
     }
     env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_DEBUG"}
     procs = {name: subprocess.Popen([sys.executable, "run_gsm8k.py", *argv], cwd=ROOT, env={**env, **extra},
@@ -53,6 +61,7 @@ def runs(tmp_path_factory):
         _, err = p.communicate(timeout=300)
         out[name] = (p.returncode, err)
     out["foreign_left"] = (foreign / "notes.txt").read_text()
+    out["cache_left"] = sorted(p.name for p in (tmp / "cache").rglob("*")) if (tmp / "cache").exists() else []
     return out
 
 
@@ -80,6 +89,30 @@ def test_a_presets_hub_model_offline_is_one_line(runs):
     assert "local checkpoint" in line  # the fix: --model=<a folder with it>
     line = _one_line(runs["paper_offline"])  # TBA's GSM8K preset: its RhoMath-1B SFT policy
     assert "cannot resolve model 'realtreetune/rho-1b-sft-GSM8K'" in line and "local checkpoint" in line
+
+
+def test_a_gpu_preset_without_a_gpu_is_one_line_before_anything_is_built(runs):
+    line = _one_line(runs["gpu_preset_no_gpu"])
+    assert "this machine has no CUDA GPU" in line and "on the CPU instead: --train.device=cpu" in line
+    assert runs["cache_left"] == []  # no random model was built first
+    assert "--train.device=gpu: not a device; use cpu, cuda or cuda:N" in _one_line(runs["not_a_device"])
+
+
+def test_every_device_setting_is_checked_against_the_machine(monkeypatch):
+    """Each section's `device` (the trainer's, the victim's), whatever this machine has: GPUs counted 0 and 2."""
+    cfg = run_redteam.make_config(["--train.device=cuda:1", "--victim.device=cuda"])
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 0)
+    with pytest.raises(UserError, match=r"no CUDA GPU .*--train.device, --victim.device ask for one.*"
+                                        r"--train.device=cpu --victim.device=cpu$"):
+        check_devices(cfg)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 2)
+    check_devices(cfg)  # cuda:1 of two
+    cfg.victim.device = "cuda:2"
+    with pytest.raises(UserError, match=r"^--victim.device=cuda:2: this machine has 2 GPU\(s\), cuda:0 to cuda:1$"):
+        check_devices(cfg)
+    cfg.victim.device = "mps"
+    with pytest.raises(UserError, match=r"^--victim.device=mps: runs take cpu or cuda devices only$"):
+        check_devices(cfg)
 
 
 def test_a_run_name_outside_run_root_is_one_line(runs):

@@ -1,6 +1,7 @@
 """A run's memory per device before anything loads (`--print-memory`, and the check every run makes):
 each process's weights, gradients, AdamW state, activations, KV pool and allowances, from the models'
-config.json alone, against the device's memory (CUDA: its total; CPU: the machine's RAM).
+config.json alone, against the device's memory (CUDA: its total; CPU: the machine's RAM); where it
+does not fit, what to change and what each change saves (`_fixes`).
 
 Runs in the launching process (common/preflight.py). The arithmetic, per parameter P and token:
   trainer rank   fp32 weights 4P/N + fp32 grads 4P/N + AdamW moments 8P/N (N = train.trainer_devices,
@@ -54,6 +55,7 @@ class Plan:
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)     # what cannot run whatever the memory
     kv_tokens: dict = field(default_factory=dict)  # process -> its KV pool's tokens
+    kv_token_bytes: int = 0                        # K and V of one pooled token, every layer
 
     def add(self, device, process, what, nbytes):
         self.lines.append(Line(device, process, what, int(nbytes)))
@@ -231,7 +233,7 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
         full = static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page)  # kv_budget caps it there, as the runtime does
         tokens = max(page, min(full, max(0, int(free * KV_FRACTION)) // per))
         how = "half the free memory" if tokens < full else "what static slots hold (below half the free memory)"
-    p.kv_tokens[who] = tokens
+    p.kv_tokens[who], p.kv_token_bytes = tokens, per
     hint = _share_hint(p, d, who, g, per, seq, page) if cuda and not g.kv_tokens and tokens // seq < g.max_batch else ""
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
     if tokens < need:
@@ -283,9 +285,18 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None
     """What to change, with what each saves, where the plan does not fit."""
     if p.fits:
         return
-    t = cfg.train
+    t, g = cfg.train, cfg.gen
     d0 = "cuda:0" if cuda else "cpu"
     half = half_precision(cfg)
+    if not cuda and not g.kv_tokens and p.kv_tokens:  # the CPU's default pool: every slot at full length
+        pools, page, seq = len(p.kv_tokens), g.kv_page_size or PAGE_SIZE["cpu"], PROMPT_TOKENS + g.max_new_tokens
+        pool_bytes = sum(x.nbytes for x in p.lines if x.what.startswith("KV pool"))
+        free = p.capacity["cpu"] - (p.used("cpu") - pool_bytes)  # what the rest of the plan leaves
+        tokens = int(free * KV_FRACTION / pools) // p.kv_token_bytes // page * page  # half of it, as CUDA sizes it
+        if tokens >= seq + PROMPT_TOKENS:
+            paged = "--gen.kv_layout=paged " if g.kv_layout == "static" else ""
+            p.fixes.append((f"{paged}--gen.kv_tokens={tokens}", f"saves {gb(pool_bytes - pools * tokens * p.kv_token_bytes)}"
+                            f" on cpu: a pool of {tokens // seq:,} full-length samples a generator, past which rows wait"))
     act = activation_bytes(m, t.micro_batch_tokens, t.activation_checkpointing, half)
     if not t.activation_checkpointing:
         p.fixes.append(("--train.activation_checkpointing=true",
@@ -303,8 +314,8 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None
             key = "train" if who.startswith("trainer") else "gen"
             p.fixes.append((f"--{key}.memory_fraction={share(need, total):g}",
                             f"{gb(need - cap)} more for {who} on {d}"))
-    if cfg.gen.kv_tokens:
-        p.fixes.append((f"--gen.kv_tokens={cfg.gen.kv_tokens // 2}", "half the KV pool"))
+    if g.kv_tokens:
+        p.fixes.append((f"--gen.kv_tokens={g.kv_tokens // 2}", "half the KV pool"))
     for key, section in (("reward", getattr(cfg, "reward", None)), ("victim", getattr(cfg, "victim", None))):
         if getattr(section, "device", "cpu").startswith("cuda"):
             p.fixes.append((f"--{key}.device=cpu", f"saves {gb(p.used('cuda:0', 'reward workers'))} on cuda:0"))
