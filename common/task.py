@@ -83,6 +83,9 @@ class RunConfig:
 
     CHECKS = {  # ranges (common/config_check.py), and rules across sections
         "seed": at_least(0),
+        "gen.n": relation(lambda v, c: v >= 2 or (c.algo == "areal" and c.areal.adv_norm == "batch"),
+                          ">= 2 with --algo={s.algo} (a prompt's samples are scored against each other: a group of one "
+                          "learns nothing; --algo=areal --areal.adv_norm=batch takes 1)"),
         "train.buffer_capacity": relation(lambda v, c: v >= c.train.prompts_per_step * c.gen.n,
                                           ">= {p}train.prompts_per_step x {p}gen.n ({s.train.prompts_per_step} x "
                                           "{s.gen.n}: one batch fits the ring)"),

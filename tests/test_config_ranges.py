@@ -130,10 +130,17 @@ def test_the_message_of_a_zero_size():
     (["--dist.ship_every=400"], r"^--dist\.ship_every=400\.0: must be < --dist\.timeout=300"),
     (["--train.n_generators=100000"], r"^--train\.n_generators=100000: must be in \[0, 1024\]"),
     (["--gen.top_p=0"], r"^--gen\.top_p=0\.0: must be in \(0, 1\]"),
+    (["--gen.n=1"], r"^--gen\.n=1: must be >= 2 with --algo=tba \(a prompt's samples are scored against each other"),
+    (["--gen.n=1", "--algo=grpo"], r"^--gen\.n=1: must be >= 2 with --algo=grpo"),
+    (["--gen.n=1", "--algo=areal"], r"^--gen\.n=1: must be >= 2 with --algo=areal .*--areal\.adv_norm=batch takes 1\)$"),
 ])
 def test_rules_across_fields_and_sections(argv, match):
     with pytest.raises(ConfigError, match=match):
         run_gsm8k.make_config(argv)
+
+
+def test_one_sample_a_prompt_only_where_the_batch_normalises():
+    assert run_gsm8k.make_config(["--gen.n=1", "--algo=areal", "--areal.adv_norm=batch"]).gen.n == 1
 
 
 @pytest.mark.parametrize("task", TASKS, ids=lambda m: m.__name__)
