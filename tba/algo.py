@@ -83,6 +83,8 @@ class TBA(_Base):
     def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
         if sync:
             return self.on_policy(buffer, version)
+        if len(buffer) == 0:  # nothing to replay yet (--train.min_buffer=0): the trainer waits
+            return None
         c = self.cfg
         return buffer.sample_tba_batch(self.P, self.K, c.m, version, c.sampling, c.inv_temp,
                                        self.generator, c.max_per_group)

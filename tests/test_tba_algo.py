@@ -73,9 +73,10 @@ def test_tba_next_batch_async_and_sync():
                         b.behav_logp[i, int(b.prompt_lens[i]):int(b.prompt_lens[i] + b.comp_lens[i])],
                         torch.zeros(int(b.comp_lens[i]), dtype=torch.long), float(b.reward[i]), int(b.group_id[i]))
              for i in range(len(b))]
+    algo = TBA(TBAConfig(m=1.0), 2, 3, 0.7, 1000)
+    assert algo.next_batch(buf, 0, 0, sync=False) is None  # an empty buffer (--train.min_buffer=0): wait
     for g in range(4):
         buf.add(trajs[3 * g:3 * g + 3], trainer_version=0)
-    algo = TBA(TBAConfig(m=1.0), 2, 3, 0.7, 1000)
     a = algo.next_batch(buf, 0, 0, sync=False)
     assert len(a) == 6 and len(set(a.group_id.tolist())) == 2
     assert len(buf) == 12  # replay: nothing consumed
