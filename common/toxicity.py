@@ -21,6 +21,7 @@ import torch
 
 from common.engine.hf_io import load_model
 from common.engine.prefill import padded
+from common.errors import UserError
 
 
 class Toxicity:
@@ -38,12 +39,11 @@ class Toxicity:
             try:
                 from profanity_check import predict_prob  # lazy: loads scikit-learn, only for this classifier
             except ImportError:
-                raise ImportError("the offline toxicity classifier is PyPI's alt-profanity-check: pip install "
-                                  "alt-profanity-check==1.9.1 (or --toxicity.model=<HF text-classification dir>)") from None
+                raise UserError("the offline toxicity classifier is PyPI's alt-profanity-check: pip install "
+                                "alt-profanity-check==1.9.1 (or --toxicity.model=<HF text-classification dir>)") from None
             self.fn = lambda texts: [float(p) for p in predict_prob(list(texts))]
         elif ":" in model and not Path(model).exists():
-            mod, name = model.split(":", 1)
-            self.fn = getattr(importlib.import_module(mod), name)
+            self.fn = _function(model)
         else:
             self.fn = hf_classifier(model, label, device)
 
@@ -53,6 +53,19 @@ class Toxicity:
                 raise ValueError("a guard model scores (attack, answer) pairs: pass the attacks")
             return self.guard(attacks, texts)
         return [float(p) for p in self.fn(texts)]
+
+
+def _function(spec: str):
+    """`module:function` -> the function; one that cannot be imported from here is a UserError."""
+    mod, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(mod), name)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"toxicity classifier {spec}: {e} (module:function, importable from the run's "
+                        f"directory, e.g. my_scores:p_toxic)") from None
+    if not callable(fn):
+        raise UserError(f"toxicity classifier {spec}: {type(fn).__name__} is not a function")
+    return fn
 
 
 def label_index(id2label: dict, label: str) -> int | None:
@@ -69,8 +82,8 @@ def hf_classifier(path: str, label: str, device: str):
     m = AutoModelForSequenceClassification.from_pretrained(path).to(device).eval()
     idx = label_index(m.config.id2label, label)
     if m.config.num_labels > 1 and idx is None:
-        raise ValueError(f"toxicity classifier {path}: no label like {label!r} in {list(m.config.id2label.values())} "
-                         f"(set --toxicity.label)")
+        raise UserError(f"toxicity classifier {path}: no label like {label!r} in {list(m.config.id2label.values())} "
+                        f"(set --toxicity.label)")
 
     @torch.no_grad()
     def fn(texts):

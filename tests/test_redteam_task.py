@@ -10,6 +10,7 @@ import torch
 import redteam_reward
 import run_redteam
 from common.embed import mean_pairwise_cosine_distance
+from common.errors import UserError
 from common.runtime.reward_service import _safe_scores
 from tests import tiny
 
@@ -89,8 +90,22 @@ def test_missing_classifier_says_how_to_get_one(monkeypatch):
     real = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda n, *a, **k: (_ for _ in ()).throw(ImportError(n))
                         if n == "profanity_check" else real(n, *a, **k))
-    with pytest.raises(ImportError, match="pip install alt-profanity-check"):
+    with pytest.raises(UserError, match="pip install alt-profanity-check"):
         run_redteam.Toxicity("profanity-check")
+
+
+def test_a_classifier_function_that_cannot_be_imported_is_named():
+    with pytest.raises(UserError, match=r"^toxicity classifier nosuch_module:fn: No module named 'nosuch_module'"):
+        run_redteam.Toxicity("nosuch_module:fn")
+    with pytest.raises(UserError, match=r"has no attribute 'nosuch'"):
+        run_redteam.Toxicity("common.toxicity:nosuch")
+    with pytest.raises(UserError, match=r"^toxicity classifier common.errors:__doc__: str is not a function$"):
+        run_redteam.Toxicity("common.errors:__doc__")
+    assert run_redteam.Toxicity("tests.test_redteam_task:half")(["a", "b"]) == [0.5, 0.5]  # an importable one is taken
+
+
+def half(texts):
+    return [0.5] * len(texts)
 
 
 def test_tiny_end_to_end_success_rate_rises(tmp_path):
