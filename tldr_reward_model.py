@@ -21,6 +21,7 @@ from typing import Callable
 from common.config_check import at_least, between
 from common.embed import minilm_dir
 from common.engine.hf_io import cache_root
+from common.errors import UserError
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
 
 
@@ -115,8 +116,9 @@ def resolve_rm(value: str, which: str, train: Callable[[], dict]) -> str:
     if value != "offline":
         hub_id = value.count("/") == 1 and not value.startswith((".", "/", "~")) and not Path(value).exists()
         if not (Path(value).is_dir() or hub_id):
-            raise FileNotFoundError(f"reward model {value!r} is neither a local directory nor a hub id (a Hugging "
-                                    f"Face sequence-classification checkpoint), or use 'offline' (python run_tldr.py train-rm)")
+            flag = "--reward.gold_model" if which == "gold" else "--reward.model"
+            raise UserError(f"{flag}={value}: neither a local directory nor a hub id (a Hugging Face "
+                            f"sequence-classification checkpoint); or 'offline' (python run_tldr.py train-rm)")
         return value
     d = offline_rm_dir(which)
     if not (d / "rm_report.json").is_file():

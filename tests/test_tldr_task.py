@@ -9,6 +9,7 @@ import torch
 
 import run_tldr
 import tldr_reward_model
+from common.errors import UserError
 from common.evaluate import bootstrap_diff, win_vector
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
 from tests import tiny
@@ -180,3 +181,14 @@ def test_tiny_end_to_end_run(tmp_path):
     assert last["version"] == 2 and "eval_win_rate" in last
     summary = json.loads((tmp_path / "runs" / "tldr_tba" / "eval_summary.json").read_text())
     assert summary["win_rate"]["n"] == 4 and summary["win_rate"]["ci_low"] <= summary["win_rate"]["diff"]
+
+
+def test_a_reward_model_that_is_neither_a_folder_nor_a_hub_id_names_its_flag(tmp_path):
+    def never():
+        raise AssertionError("the offline RMs are not trained for a named model")
+    with pytest.raises(UserError, match=r"^--reward\.gold_model=tiny: neither a local directory nor a hub id"):
+        tldr_reward_model.resolve_rm("tiny", "gold", never)
+    with pytest.raises(UserError, match=r"^--reward\.model=\./nowhere: neither"):
+        tldr_reward_model.resolve_rm("./nowhere", "policy", never)
+    assert tldr_reward_model.resolve_rm(str(tmp_path), "policy", never) == str(tmp_path)  # a folder, as given
+    assert tldr_reward_model.resolve_rm("owner/rm", "policy", never) == "owner/rm"        # a hub id, for transformers
