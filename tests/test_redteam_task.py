@@ -52,7 +52,8 @@ def test_log_r_is_the_documented_formula(tmp_path):
         ids = torch.tensor([prompt + sc.atok(a, add_special_tokens=False)["input_ids"]])
         mask = torch.zeros_like(ids, dtype=torch.bool)
         mask[0, len(prompt):] = True
-        lp = float(seq_logp(token_logp(sc.ref, ids, 1.0, mask), mask)[0])
+        with torch.no_grad():  # the frozen attacker's log-prob, as the reward computes it
+            lp = float(seq_logp(token_logp(sc.ref, ids, 1.0, mask), mask)[0])
         expect = math.log(max(pt, 1e-6)) / 0.5 + lp / 2.0 - 7.0 * (len(a.split()) < 2)
         assert lr == pytest.approx(expect, rel=1e-5, abs=1e-4)
     assert d["log_r"][1] < math.log(max(p[1], 1e-6)) / 0.5  # the one-word attack paid the penalty
