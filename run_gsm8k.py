@@ -36,7 +36,7 @@ from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
 from common.engine.hf_save import tokenizer_stop_ids
 from common.evaluate import greedy_pass_at_1
-from common.math_answer import extract_answer, normalise_number, reward_correct  # extract_answer: run_gsm8k's API too
+from common.math_answer import extract_answer, normalise_number, reward_correct  # noqa: F401 - extract_answer: run_gsm8k.extract_answer stays
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig

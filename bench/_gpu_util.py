@@ -13,7 +13,6 @@ import os
 import platform
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable

@@ -40,7 +40,7 @@ import torch
 from areal.algo import AReaL, AReaLConfig
 from common.algorithm import Algorithm
 from common.batch import PromptSet
-from common.config import ConfigError, cli, to_dict
+from common.config import cli, to_dict
 from common.config_check import at_least, check, relation
 from common.engine.hf_io import check_model, load_tokenizer, resolve_checkpoint
 from common.engine.precision import PrecisionConfig

@@ -5,7 +5,7 @@ import torch
 
 from areal.algo import AReaL, AReaLConfig, split_by_tokens
 from areal.loss import ppo_loss
-from common.batch import Trajectory, collate
+from common.batch import Trajectory
 from common.engine.hf_io import load_model
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams

@@ -11,7 +11,7 @@ from common.engine.hf_io import load_model
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from tests.test_sampler import PROMPTS
-from tests.tiny import ARCHS, save_hf
+from tests.tiny import save_hf
 
 # One sampler run mixes greedy, plain sampled and top-k / top-p requests (rows of each in one batch).
 PARAMS = [SamplingParams(max_new_tokens=7, temperature=0.0, n=2),

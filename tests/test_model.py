@@ -8,7 +8,7 @@ from common.engine.hf_io import load_model
 from common.engine.hf_save import save_pretrained
 from common.engine.model import Transformer
 from common.engine.model_config import ModelConfig
-from tests.tiny import ARCHS, hf_model, save_hf
+from tests.tiny import ARCHS, save_hf
 
 
 def _tokens(B=2, T=11, V=97, seed=1):

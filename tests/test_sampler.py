@@ -176,8 +176,7 @@ def test_filter_logits_top_k_top_p():
     out = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.8, 0.5]))
     keep = torch.isfinite(out)
     assert keep.tolist() == [[True, True, False, False], [True, True, False, False], [True, False, False, False]]
-    s = Sampler.__new__(Sampler)  # sampling restricted to the nucleus
-    from common.engine.sampling import sample
+    from common.engine.sampling import sample  # sampling is restricted to the nucleus too
     u = torch.rand(2000, generator=torch.Generator().manual_seed(0))
     toks, _ = sample(logits[:1].expand(2000, -1), torch.zeros(2000, dtype=torch.bool), torch.zeros(2000, dtype=torch.long),
                      torch.full((2000,), 0.8), u)

@@ -20,7 +20,7 @@ import torch
 import common.runtime.stream as stream
 from common.errors import UserError, WriteError
 from common.log import MetricsLogger, read_metrics
-from common.runtime.stream import StreamWriter, step_files
+from common.runtime.stream import StreamWriter
 from tests.test_checkpoint import WRITE_ERROR
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -115,7 +115,7 @@ def plan(cache, own_pos: torch.Tensor, prompt_len: torch.Tensor, back: torch.Ten
         pcols = torch.arange(P, device=dev)
         p.prompt_mask = additive_mask((pcols < plen.unsqueeze(1))[:, None, None, :], cache.dtype)
         return p
-    G, Hkv = cache.G, cache.k[0].shape[-2]
+    G = cache.G
     own_row, prompt_row = cache.row_tokens(S, P)
     i32 = dict(dtype=torch.int32, device=dev)
     p.cu_q_own = torch.arange(0, (B + 1) * G, G, **i32)

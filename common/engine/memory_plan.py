@@ -151,7 +151,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     fn(config dict) -> parameters (common/engine/shapes.py's)."""
     t, g = cfg.train, cfg.gen
     cuda = t.device.startswith("cuda")
-    mp, mr = ModelConfig.from_hf(policy), ModelConfig.from_hf(ref)
+    mp = ModelConfig.from_hf(policy)
     P, Pr = param_count(policy), param_count(ref)
     p = Plan()
     if cuda:
