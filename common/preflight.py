@@ -35,24 +35,20 @@ class UnknownShape(UserError):
                          f"common/engine/shapes.py; pass a local checkpoint, or --memory_check=false")
 
 
-def model_fields(cfg, prefix: str = ""):
-    """(dotted key, section object, field name, value) of every model a config names."""
+def fields_named(cfg, names: tuple, prefix: str = ""):
+    """(dotted key, section object, field name, value) of every string field of a config, in any
+    section, whose name is one of `names`."""
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
         if dataclasses.is_dataclass(v):
-            yield from model_fields(v, f"{prefix}{f.name}.")
-        elif f.name in MODEL_FIELDS and isinstance(v, str):
+            yield from fields_named(v, names, f"{prefix}{f.name}.")
+        elif f.name in names and isinstance(v, str):
             yield f"{prefix}{f.name}", cfg, f.name, v
 
 
-def device_fields(cfg, prefix: str = ""):
-    """(dotted key, value) of every device a config names: its fields called `device`, in any section."""
-    for f in dataclasses.fields(cfg):
-        v = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(v):
-            yield from device_fields(v, f"{prefix}{f.name}.")
-        elif f.name == "device" and isinstance(v, str):
-            yield f"{prefix}{f.name}", v
+def model_fields(cfg):
+    """(dotted key, section object, field name, value) of every model a config names."""
+    return fields_named(cfg, MODEL_FIELDS)
 
 
 def check_devices(cfg) -> None:
@@ -60,7 +56,7 @@ def check_devices(cfg) -> None:
     name torch cannot read, a kind other than cpu and cuda, a CUDA one where there is no GPU (a GPU
     preset on a CPU machine) or not that many GPUs: refused in one line naming what to change."""
     gpus, cuda = torch.cuda.device_count(), []
-    for key, value in device_fields(cfg):
+    for key, _, _, value in fields_named(cfg, ("device",)):
         try:
             dev = torch.device(value)
         except (RuntimeError, ValueError):

@@ -55,7 +55,6 @@ class Plan:
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)     # what cannot run whatever the memory
     kv_tokens: dict = field(default_factory=dict)  # process -> its KV pool's tokens
-    kv_token_bytes: int = 0                        # K and V of one pooled token, every layer
 
     def add(self, device, process, what, nbytes):
         self.lines.append(Line(device, process, what, int(nbytes)))
@@ -187,6 +186,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     kvb = 2 if cfg.precision.kv == "bf16" or (cfg.precision.kv == "auto" and cuda and half) else 4
     seq = PROMPT_TOKENS + g.max_new_tokens
     page = g.kv_page_size or PAGE_SIZE["cuda" if cuda else "cpu"]
+    per = kv_bytes_per_token(mp, kvb)  # a KV pool token's bytes
     ref_held = g.ref_logp and cfg.algo != "areal"
     for r in range(n_gen):
         d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
@@ -205,7 +205,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     _others(p, cfg, others, param_count, cuda, n_gpu)
     for r in range(n_gen):  # the pool last: on CUDA it takes half of what is free when the generator starts
         d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
-        _kv(p, d, f"generator {r}", g, mp, kvb, seq, page, cuda)
+        _kv(p, d, f"generator {r}", g, per, seq, page, cuda)
     for (d, who), cap in p.caps.items():  # fits, but closer to its cap than the plan's tolerance
         need, total = p.used(d, who, allocator=True), p.capacity[d]
         if cap >= need > cap / (1 + TOLERANCE) and not who.startswith("generator"):  # a generator's pool fills its share
@@ -213,12 +213,11 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
             p.notes.append(f"{who}: planned {gb(need)} of its {gb(cap)} share of {d}, within the plan's {TOLERANCE:.0%} "
                            f"tolerance of it (--{key}.memory_fraction={share(need * (1 + TOLERANCE), total):g} "
                            f"keeps that margin)")
-    _fixes(p, cfg, mp, P, cuda, n_gpu)
+    _fixes(p, cfg, mp, P, cuda, n_gpu, per, seq, page)
     return p
 
 
-def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda: bool) -> None:
-    per = kv_bytes_per_token(m, kvb)
+def _kv(p: Plan, d, who, g, per: int, seq: int, page: int, cuda: bool) -> None:
     need = -(-(seq + 1) // page) * page + -(-PROMPT_TOKENS // page) * page  # one full-length sample and its prompt
     if g.kv_tokens:
         tokens, how = g.kv_tokens, "gen.kv_tokens"
@@ -233,7 +232,7 @@ def _kv(p: Plan, d, who, g, m: ModelConfig, kvb: int, seq: int, page: int, cuda:
         full = static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page)  # kv_budget caps it there, as the runtime does
         tokens = max(page, min(full, max(0, int(free * KV_FRACTION)) // per))
         how = "half the free memory" if tokens < full else "what static slots hold (below half the free memory)"
-    p.kv_tokens[who], p.kv_token_bytes = tokens, per
+    p.kv_tokens[who] = tokens
     hint = _share_hint(p, d, who, g, per, seq, page) if cuda and not g.kv_tokens and tokens // seq < g.max_batch else ""
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
     if tokens < need:
@@ -281,21 +280,21 @@ def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> 
               f"--{key}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
 
 
-def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int) -> None:
-    """What to change, with what each saves, where the plan does not fit."""
+def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int, per: int, seq: int, page: int) -> None:
+    """What to change, with what each saves, where the plan does not fit (`per`: a KV pool token's bytes)."""
     if p.fits:
         return
     t, g = cfg.train, cfg.gen
     d0 = "cuda:0" if cuda else "cpu"
     half = half_precision(cfg)
     if not cuda and not g.kv_tokens and p.kv_tokens:  # the CPU's default pool: every slot at full length
-        pools, page, seq = len(p.kv_tokens), g.kv_page_size or PAGE_SIZE["cpu"], PROMPT_TOKENS + g.max_new_tokens
+        pools = len(p.kv_tokens)
         pool_bytes = sum(x.nbytes for x in p.lines if x.what.startswith("KV pool"))
         free = p.capacity["cpu"] - (p.used("cpu") - pool_bytes)  # what the rest of the plan leaves
-        tokens = int(free * KV_FRACTION / pools) // p.kv_token_bytes // page * page  # half of it, as CUDA sizes it
+        tokens = int(free * KV_FRACTION / pools) // per // page * page  # half of it, as CUDA sizes it
         if tokens >= seq + PROMPT_TOKENS:
             paged = "--gen.kv_layout=paged " if g.kv_layout == "static" else ""
-            p.fixes.append((f"{paged}--gen.kv_tokens={tokens}", f"saves {gb(pool_bytes - pools * tokens * p.kv_token_bytes)}"
+            p.fixes.append((f"{paged}--gen.kv_tokens={tokens}", f"saves {gb(pool_bytes - pools * tokens * per)}"
                             f" on cpu: a pool of {tokens // seq:,} full-length samples a generator, past which rows wait"))
     act = activation_bytes(m, t.micro_batch_tokens, t.activation_checkpointing, half)
     if not t.activation_checkpointing:
