@@ -21,8 +21,7 @@ from common.log import read_metrics
 
 @pytest.mark.parametrize("task, preset", sorted(paper_runs.LEASE))
 def test_the_lease_flags_are_valid_for_every_preset(task, preset):
-    a = argparse.Namespace(task=task, preset=preset, lease=True, random_weights=True,
-                                                         set=[], steps=3)
+    a = argparse.Namespace(task=task, preset=preset, lease=True, random_weights=True, set=[], steps=3)
     argv = paper_runs.argv_of(a, "async", "/tmp/runs")
     cfg = importlib.import_module(f"run_{task}").make_config(argv)  # unknown keys and bad values raise
     assert cfg.train.steps == 4 and cfg.train.mode == "async" and cfg.random_weights
