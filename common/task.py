@@ -113,6 +113,9 @@ def areal_defaults(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+_planned_gpus = 0  # --print-memory=<GB>x<N>: the N GPUs a plan is for, in place of this machine's count
+
+
 def gpu_defaults(cfg: RunConfig) -> RunConfig:
     """What every task's GPU preset shares (call it after setting the task's sections): the
     trainer on CUDA with activation checkpointing (memory: docs/gpu.md), a generator on each
@@ -120,7 +123,7 @@ def gpu_defaults(cfg: RunConfig) -> RunConfig:
     single GPU one generator shares it with the trainer; each process is capped at a share of its
     memory (trainer 0.6, generator 0.25, the rest for reward workers), so an allocation that
     outgrows its share fails in the process that made it instead of starving the others."""
-    n = torch.cuda.device_count()
+    n = _planned_gpus or torch.cuda.device_count()
     cfg.train.device, cfg.train.activation_checkpointing, cfg.train.n_generators = "cuda", True, 0
     if n <= 1:
         cfg.train.memory_fraction, cfg.gen.memory_fraction = 0.6, 0.25
@@ -152,6 +155,9 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     dry = "--print-config" in argv
     memory = next((a for a in argv if a == "--print-memory" or a.startswith("--print-memory=")), None)
     argv = [a for a in argv if a not in ("--print-config", memory)]
+    gpus = parse_gpus(memory.split("=", 1)[1]) if memory and "=" in memory else None
+    global _planned_gpus
+    _planned_gpus = len(gpus) if gpus else 0  # a preset's GPU shares follow the GPUs planned for
     preset = _flag(argv, "preset")
     if preset and preset != "cpu" and preset not in (presets or {}):
         raise ValueError(f"--preset={preset}: this task's presets are cpu, {', '.join(presets or {})}")
@@ -169,7 +175,7 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
         print(json.dumps(to_dict(cfg), indent=2))
         sys.exit(0)
     if memory is not None:  # the plan from the models' configs, nothing loaded (<GB>[x<N>]: GPUs not on this machine)
-        check_memory(cfg, show=True, gpus=parse_gpus(memory.split("=", 1)[1]) if "=" in memory else None)
+        check_memory(cfg, show=True, gpus=gpus)
     # the process that writes the run folder: an existing run or a folder not ours, refused now. Not under
     # torchrun, whose restart (--max-restarts) continues the run by itself (common/train.py): the folder
     # is checked when the run opens it, knowing that

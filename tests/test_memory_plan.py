@@ -165,3 +165,34 @@ def test_a_hub_model_neither_on_disk_nor_in_the_table_is_not_judged_before_a_run
     assert "memory plan not checked: --model=someone/unknown-model" in capsys.readouterr().err
     with pytest.raises(UnknownShape, match=r"--model=someone/unknown-model is not on disk .* --memory_check=false"):
         check_memory(cfg, show=True)
+
+
+def test_changes_that_fit_only_together_are_named_together():
+    """Red-teaming's large setup on one 80 GB GPU: two reward workers each hold both 8B models. No
+    single change is the least disruptive fit; the plan names the fewest of its changes, in its own
+    order, that re-plan to a fit (a smaller micro-batch and one reward worker, not the victim on the
+    CPU), and re-planned with exactly those the run fits."""
+    import run_redteam
+    p = plan_of(run_redteam.make_config(["--preset=paper_llama"]), gpus=[80e9])
+    assert not p.fits and "--train.reward_workers=1 (saves 32.12 GB" in p.advice()
+    settings = re.search(r"Together, (.*) fits \(cuda:0 ", p.advice()).group(1).split()
+    assert settings == ["--train.micro_batch_tokens=8192", "--train.reward_workers=1"]
+    again = plan_of(run_redteam.make_config(["--preset=paper_llama"] + settings), gpus=[80e9])
+    assert again.fits and f"cuda:0 {memory_plan.gb(again.used('cuda:0'))} of 80.00 GB" in p.advice()
+    # where no combination fits, the plan says so instead of leaving a list that reads as enough
+    small = plan_of(run_gsm8k.make_config(["--preset=paper"]), gpus=[24e9])
+    assert "With --train.micro_batch_tokens=8192 it still does not fit (cuda:0 needs" in small.advice()
+
+
+def test_a_plan_for_several_gpus_not_on_this_machine_uses_their_count(capsys):
+    """`--print-memory=<GB>x<N>` on a machine without those GPUs: a preset's shares of one shared GPU
+    (trainer 0.6, generator 0.25) apply only where one GPU is shared, so a two-GPU plan caps no
+    process (as the run on two GPUs would not); one GPU's plan does."""
+    def printed(spec):
+        with pytest.raises(SystemExit):
+            run_gsm8k.make_config(["--preset=areal_long", f"--print-memory={spec}"])
+        return capsys.readouterr().out
+    two = printed("40x2")
+    assert "share of cuda" not in two and "cuda:1:" in two
+    assert "Together, --train.micro_batch_tokens=7680 --train.trainer_devices=2 fits" in two
+    assert "planned 47.75 GB of its 48.00 GB share of cuda:0" in printed("80")

@@ -55,6 +55,7 @@ class Plan:
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)     # what cannot run whatever the memory
     kv_tokens: dict = field(default_factory=dict)  # process -> its KV pool's tokens
+    together: str = ""                             # fixes that, taken together, re-plan to a fit
 
     def add(self, device, process, what, nbytes):
         self.lines.append(Line(device, process, what, int(nbytes)))
@@ -80,6 +81,16 @@ class Plan:
     def fits(self) -> bool:
         return not self.over()
 
+    def excess(self) -> tuple:
+        """How far from fitting, to compare plans: (errors, bytes past each device's memory and each
+        process's cap)."""
+        out = sum(max(0, self.used(d) - c) for d, c in self.capacity.items() if c is not None)
+        return len(self.errors), out + sum(max(0, self.used(d, p, allocator=True) - c)
+                                           for (d, p), c in self.caps.items() if self.capacity.get(d) is not None)
+
+    def summary(self) -> str:
+        return ", ".join(f"{d} {gb(self.used(d))} of {gb(c)}" for d, c in self.capacity.items() if c is not None)
+
     def report(self) -> str:
         rows = []
         for d, cap in self.capacity.items():
@@ -93,7 +104,8 @@ class Plan:
         return "\n".join(rows)
 
     def advice_tail(self) -> str:
-        return ("Change: " + "; ".join(f"{s} ({what})" for s, what in self.fixes)) if self.fixes else ""
+        out = ("Change: " + "; ".join(f"{s} ({what})" for s, what in self.fixes)) if self.fixes else ""
+        return out + (f". {self.together}" if self.together else "")
 
     def advice(self) -> str:
         return ("memory plan: " + "; ".join(self.over()) + " (python <script> ... --print-memory shows each part). "
@@ -315,6 +327,11 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int, per: in
                             f"{gb(need - cap)} more for {who} on {d}"))
     if g.kv_tokens:
         p.fixes.append((f"--gen.kv_tokens={g.kv_tokens // 2}", "half the KV pool"))
+    w = cfg.train.reward_workers
+    held = p.used("cuda:0", "reward workers") if cuda else 0
+    if w > 1 and held:  # each reward worker holds its own copy of every reward-side model
+        p.fixes.append(("--train.reward_workers=1", f"saves {gb(held * (w - 1) / w)} on cuda:0: one copy of each "
+                                                    f"reward worker's model"))
     for key, section in (("reward", getattr(cfg, "reward", None)), ("victim", getattr(cfg, "victim", None))):
         if getattr(section, "device", "cpu").startswith("cuda"):
             p.fixes.append((f"--{key}.device=cpu", f"saves {gb(p.used('cuda:0', 'reward workers'))} on cuda:0"))
