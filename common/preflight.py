@@ -157,8 +157,9 @@ def _together(cfg, p: memory_plan.Plan, replan, rounds: int = 4) -> str:
             return f"Together, {' '.join(chosen)} fits ({p.summary()})" if len(chosen) > 1 else ""
     if not chosen:
         return ""
-    return (f"With {' '.join(chosen)} it still does not fit ({'; '.join(p.over())}): "
-            f"a larger GPU, more GPUs (--train.trainer_devices), or a smaller model")
+    more = ("a larger GPU, more GPUs (--train.trainer_devices)" if cfg.train.device.startswith("cuda")
+            else "more memory")
+    return f"With {' '.join(chosen)} it still does not fit ({'; '.join(p.over())}): {more}, or a smaller model"
 
 
 def parse_gpus(value: str) -> list[int]:

@@ -169,8 +169,8 @@ def test_a_hub_model_neither_on_disk_nor_in_the_table_is_not_judged_before_a_run
 
 def test_changes_that_fit_only_together_are_named_together():
     """Red-teaming's large setup on one 80 GB GPU: two reward workers each hold both 8B models. No
-    single change is the least disruptive fit; the plan names the fewest of its changes, in its own
-    order, that re-plan to a fit (a smaller micro-batch and one reward worker, not the victim on the
+    single change is the least disruptive fit; the plan names its changes taken in its own order,
+    each kept where it helps, until they re-plan to a fit (a smaller micro-batch and one reward worker, not the victim on the
     CPU), and re-planned with exactly those the run fits."""
     import run_redteam
     p = plan_of(run_redteam.make_config(["--preset=paper_llama"]), gpus=[80e9])
@@ -182,6 +182,7 @@ def test_changes_that_fit_only_together_are_named_together():
     # where no combination fits, the plan says so instead of leaving a list that reads as enough
     small = plan_of(run_gsm8k.make_config(["--preset=paper"]), gpus=[24e9])
     assert "With --train.micro_batch_tokens=8192 it still does not fit (cuda:0 needs" in small.advice()
+    assert "a larger GPU, more GPUs" in small.advice()
 
 
 def test_a_plan_for_several_gpus_not_on_this_machine_uses_their_count(capsys):
