@@ -79,7 +79,7 @@ from common.reward_model import RewardModel
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
-from tldr_reward_model import RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts, train_offline_rms
+from tldr_reward_model import RM_DTYPES, RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts, train_offline_rms
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
 INSTRUCTION = "Summarize this Reddit post in one sentence."
@@ -163,6 +163,7 @@ class RewardConfig:
     max_tokens: int = 128               # RM input tokens (the post is truncated first; 128 keeps the offline RM's training at minutes on a CPU)
     batch_size: int = 16                # RM batch when scoring
     device: str = "cpu"                 # where the reward models run (reward workers, evaluation's gold RM)
+    dtype: Literal["fp32", "bf16"] = "fp32"  # the reward models' weights when scoring; bf16 halves their memory (scores move by bf16's rounding)
 
     CHECKS = {"max_tokens": at_least(1), "batch_size": at_least(1)}  # ranges (common/config_check.py)
 
@@ -244,7 +245,7 @@ class Evaluator:
         c = self.cfg
         if self.gold is None:  # loaded on first use, kept for the run
             self.gold = RewardModel(self.gold_path, device=c.reward.device, max_tokens=c.reward.max_tokens,
-                                    batch_size=c.reward.batch_size, input=c.reward.input)
+                                    batch_size=c.reward.batch_size, input=c.reward.input, dtype=RM_DTYPES[c.reward.dtype])
             self.ref_model = load_model(c.ref_model or c.model, device=model.device, dtype=model.dtype,
                                         tokenizer=False)[0].eval()  # beside the policy, in its dtype
         outs = greedy_completions(model, self.prompts, c.data.eval_max_new_tokens, self.stops, c.data.eval_max_batch)
@@ -296,7 +297,8 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     stops = tokenizer_stop_ids(tok)
     evaluate = Evaluator(cfg, eval_tokens, eval_posts, [ex.summary for ex in eval_ex], stops, gold_path)
     fn, factory = task.split_reward(reward) if reward is not None else (None, functools.partial(
-        make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size, cfg.reward.device))
+        make_rm_reward, rm_path, cfg.reward.input, cfg.reward.max_tokens, cfg.reward.batch_size, cfg.reward.device,
+        cfg.reward.dtype))
     last = task.run(cfg, PromptSet(tokens, posts), fn, stops, evaluate=evaluate if cfg.data.eval_size else None,
                     reward_factory=factory, title="TL;DR", panels=PANELS, loss=loss)
     if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts

@@ -18,11 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from common.config_check import at_least, between
 from common.embed import minilm_dir
 from common.engine.hf_io import cache_root
 from common.errors import UserError
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
+
+RM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --reward.dtype
 
 
 @dataclass
@@ -38,10 +42,11 @@ class RMTrainConfig:
               "batch_size": at_least(1), "freeze_layers": between(0, 6), "eval_posts": at_least(1)}  # ranges (common/config_check.py)
 
 
-def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int, device: str = "cpu"):
-    """Reward-worker factory (common/runtime/reward_service.py): load the RM once, then score a group
-    fn(summaries, posts) in one batched call."""
-    rm = RewardModel(path, device=device, max_tokens=max_tokens, batch_size=batch_size, input=input)
+def make_rm_reward(path: str, input: str, max_tokens: int, batch_size: int, device: str = "cpu", dtype: str = "fp32"):
+    """Reward-worker factory (common/runtime/reward_service.py): load the RM once (weights in `dtype`,
+    "fp32" or "bf16"), then score a group fn(summaries, posts) in one batched call."""
+    rm = RewardModel(path, device=device, max_tokens=max_tokens, batch_size=batch_size, input=input,
+                     dtype=RM_DTYPES[dtype])
     return lambda texts, posts: rm.score(rm_prompts(rm, posts), [t.strip() for t in texts])
 
 

@@ -34,12 +34,13 @@ class RewardModel:
     """A scalar-head sequence-classification model and its tokenizer, scoring (prompt, response)."""
 
     def __init__(self, path: str, device: str = "cpu", max_tokens: int = 512, batch_size: int = 16,
-                 input: Literal["auto", "pair", "text"] = "auto", model=None, tokenizer=None):
+                 input: Literal["auto", "pair", "text"] = "auto", model=None, tokenizer=None,
+                 dtype: torch.dtype = torch.float32):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer  # lazy: slow import
         self.path, self.device, self.max_tokens, self.batch_size = str(path), device, max_tokens, batch_size
         self.tok = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(self.path)
         self.model = (model if model is not None else
-                      AutoModelForSequenceClassification.from_pretrained(self.path, dtype=torch.float32)).to(device).eval()
+                      AutoModelForSequenceClassification.from_pretrained(self.path, dtype=dtype)).to(device).eval()
         if self.model.config.num_labels != 1:
             raise ValueError(f"reward model {self.path}: a scalar head is needed (num_labels = 1), this one has "
                              f"num_labels = {self.model.config.num_labels}")

@@ -197,3 +197,15 @@ def test_a_plan_for_several_gpus_not_on_this_machine_uses_their_count(capsys):
     assert "share of cuda" not in two and "cuda:1:" in two
     assert "Together, --train.micro_batch_tokens=7680 --train.trainer_devices=2 fits" in two
     assert "planned 47.75 GB of its 48.00 GB share of cuda:0" in printed("80")
+
+
+def test_reward_models_in_bf16_are_a_change_the_plan_names():
+    """TL;DR's paper preset on a 60 GB GPU: its RMs (0.9B and the 6.9B gold one) load in fp32; the plan
+    names `--reward.dtype=bf16` with half their bytes, and re-planned with it they weigh 2 B a parameter."""
+    import run_tldr
+    p = plan_of(run_tldr.make_config(["--preset=paper"]), gpus=[60e9])
+    assert "--reward.dtype=bf16 (saves 15.12 GB on cuda:0)" in p.advice()
+    assert "Together, --train.micro_batch_tokens=8192 --reward.dtype=bf16 fits" in p.advice()
+    half = plan_of(run_tldr.make_config(["--preset=paper", "--reward.dtype=bf16"]), gpus=[80e9])
+    assert any("--reward.gold_model: 1 x 2 B x 6.651B" in x.what for x in half.lines)
+    assert "--reward.device=cpu (saves 30.24 GB" in p.advice()  # the gold RM moves with the reward section

@@ -75,6 +75,21 @@ def test_reward_model_by_path_scores_batches(tmp_path, kind):
     assert batched == pytest.approx(one, abs=1e-4)  # padding never changes a score
 
 
+def test_reward_models_score_in_bf16_when_asked(tmp_path):
+    """`--reward.dtype=bf16` (the reward worker's factory and the gold RM take it): half the weights'
+    bytes, and scores within bf16's rounding of fp32's (the ordering of clearly different scores kept)."""
+    path = tiny_llama_rm(tmp_path / "rm")
+    words = [f"w{i}" for i in range(3, 20)]
+    posts, summ = [" ".join(words[i:i + 5]) for i in range(6)], [" ".join(words[i:i + 2]) for i in range(6)]
+    full, half = RewardModel(path), RewardModel(path, dtype=torch.bfloat16)
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    a, b = full.score(posts, summ), half.score(posts, summ)
+    assert b == pytest.approx(a, abs=0.05 * max(map(abs, a)) + 1e-3)
+    fn = tldr_reward_model.make_rm_reward(path, "auto", 128, 4, "cpu", "bf16")
+    assert fn(summ[:2], posts[:2]) == pytest.approx(half.score(tldr_reward_model.rm_prompts(half, posts[:2]), summ[:2]),
+                                                    abs=1e-6)
+
+
 def test_rm_with_a_vector_head_is_refused(tmp_path):
     path = tiny_bert_rm(tmp_path / "rm", num_labels=2)  # a two-class classifier, not a reward model
     with pytest.raises(ValueError, match="num_labels = 2"):

@@ -278,8 +278,8 @@ def _share_hint(p: Plan, d, who, g, per: int, seq: int, page: int) -> str:
 
 def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> None:
     """Reward models, victims, classifiers: weights only, on their section's device; a reward worker
-    holds one copy each (the gold RM: the trainer's evaluation, one). Sequence classifiers load in
-    fp32 through transformers, causal LMs through our engine (bf16 on CUDA)."""
+    holds one copy each (the gold RM: the trainer's evaluation, one). Sequence classifiers load through
+    transformers in their section's `dtype` (fp32 unless bf16), causal LMs through our engine (bf16 on CUDA)."""
     for key, hf in others.items():
         section = getattr(cfg, key.split(".")[0], None)  # a classifier runs where the victim does
         dev = getattr(section, "device", getattr(getattr(cfg, "victim", None), "device", cfg.train.device))
@@ -287,7 +287,8 @@ def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> 
         p.capacity.setdefault(d, ram_bytes() if d == "cpu" else None)
         gold = key.endswith("gold_model")
         copies = 1 if gold else max(1, cfg.train.reward_workers)
-        nb = 4 if d == "cpu" or "SequenceClassification" in str(hf.get("architectures")) else 2
+        classifier = "SequenceClassification" in str(hf.get("architectures"))  # loads in its section's dtype
+        nb = 2 if classifier and getattr(section, "dtype", "fp32") == "bf16" else 4 if d == "cpu" or classifier else 2
         p.add(d, "trainer (eval)" if gold else "reward workers",
               f"--{key}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
 
@@ -327,11 +328,16 @@ def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int, per: in
                             f"{gb(need - cap)} more for {who} on {d}"))
     if g.kv_tokens:
         p.fixes.append((f"--gen.kv_tokens={g.kv_tokens // 2}", "half the KV pool"))
+    rm = getattr(cfg, "reward", None)
+    fp32_rms = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and " x 4 B x " in x.what)
+    if cuda and fp32_rms and getattr(rm, "dtype", None) == "fp32":  # reward models in bf16: half their bytes
+        p.fixes.append(("--reward.dtype=bf16", f"saves {gb(fp32_rms / 2)} on cuda:0"))
     w = cfg.train.reward_workers
     held = p.used("cuda:0", "reward workers") if cuda else 0
     if w > 1 and held:  # each reward worker holds its own copy of every reward-side model
         p.fixes.append(("--train.reward_workers=1", f"saves {gb(held * (w - 1) / w)} on cuda:0: one copy of each "
                                                     f"reward worker's model"))
-    for key, section in (("reward", getattr(cfg, "reward", None)), ("victim", getattr(cfg, "victim", None))):
-        if getattr(section, "device", "cpu").startswith("cuda"):
-            p.fixes.append((f"--{key}.device=cpu", f"saves {gb(p.used('cuda:0', 'reward workers'))} on cuda:0"))
+    for key, moves in (("reward", ("--reward.",)), ("victim", ("--victim.", "--toxicity."))):  # a classifier runs where the victim does
+        if getattr(getattr(cfg, key, None), "device", "cpu").startswith("cuda"):
+            moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith(moves))
+            p.fixes.append((f"--{key}.device=cpu", f"saves {gb(moved)} on cuda:0"))
