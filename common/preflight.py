@@ -17,8 +17,7 @@ import sys
 
 import torch
 
-from common.config import parse_overrides
-from common.engine import memory_plan
+from common.engine import memory_fixes, memory_plan
 from common.engine.hf_io import DEFAULT_MODEL, check_model, is_local, read_hf_config, resolve_checkpoint
 from common.engine.shapes import SHAPES, cached_dir, hf_config, own_tokenizer, param_count, random_model_dir
 from common.engine.tiny_model import TINY
@@ -129,37 +128,15 @@ def plan_of(cfg, gpus: list | None = None) -> memory_plan.Plan:
     policy = model_config(cfg.model)
     ref = model_config(cfg.ref_model, "ref_model") if cfg.ref_model else policy
     others = {key: model_config(v, key) for key, _, _, v in model_fields(cfg) if _planned(key, v)}
-    p = memory_plan.plan(cfg, policy, ref, others, gpus, param_count)
+
+    def planned(c):  # the plan of config c and, where it does not fit, what to change
+        q = memory_plan.plan(c, policy, ref, others, gpus, param_count)
+        memory_fixes.fixes(q, c)
+        return q
+    p = planned(cfg)
     if not p.fits:
-        p.together = _together(cfg, p, lambda c: memory_plan.plan(c, policy, ref, others, gpus, param_count))
+        p.together = memory_fixes.together(cfg, p, planned)
     return p
-
-
-def _together(cfg, p: memory_plan.Plan, replan, rounds: int = 4) -> str:
-    """The plan's changes in its own order (the least disruptive first), each kept when the re-planned
-    run is nearer to fitting, until it fits: a sentence naming those settings and what they give
-    ("" when the first change alone fits: the list says so already)."""
-    chosen, keys = [], set()
-    for _ in range(rounds):
-        for setting, _what in p.fixes:
-            names = {tok.partition("=")[0] for tok in setting.split()}
-            if names & keys:  # a setting already changed is not changed twice (a smaller micro-batch again)
-                continue
-            changed = parse_overrides(cfg, setting.split())
-            nxt = replan(changed)
-            if nxt.excess() < p.excess():
-                cfg, p, keys = changed, nxt, keys | names
-                chosen.append(setting)
-                break
-        else:
-            break
-        if p.fits:
-            return f"Together, {' '.join(chosen)} fits ({p.summary()})" if len(chosen) > 1 else ""
-    if not chosen:
-        return ""
-    more = ("a larger GPU, more GPUs (--train.trainer_devices)" if cfg.train.device.startswith("cuda")
-            else "more memory")
-    return f"With {' '.join(chosen)} it still does not fit ({'; '.join(p.over())}): {more}, or a smaller model"
 
 
 def parse_gpus(value: str) -> list[int]:

@@ -1,7 +1,7 @@
 """A run's memory per device before anything loads (`--print-memory`, and the check every run makes):
 each process's weights, gradients, AdamW state, activations, KV pool and allowances, from the models'
-config.json alone, against the device's memory (CUDA: its total; CPU: the machine's RAM); where it
-does not fit, what to change and what each change saves (`_fixes`).
+config.json alone, against the device's memory (CUDA: its total; CPU: the machine's RAM); what to
+change where it does not fit is common/engine/memory_fixes.py's.
 
 Runs in the launching process (common/preflight.py). The arithmetic, per parameter P and token:
   trainer rank   fp32 weights 4P/N + fp32 grads 4P/N + AdamW moments 8P/N (N = train.trainer_devices,
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from common.engine.kv_budget import KV_FRACTION, PAGE_SIZE, kv_bytes_per_token, static_kv_tokens
 from common.engine.model_config import ModelConfig
@@ -36,6 +37,15 @@ LOGIT_BUDGET = 512 * 2**20    # common/engine/head.py: LOGIT_BUDGET_BYTES
 PROMPT_TOKENS = 512           # prompt length the plan assumes (data are not read before loading)
 TOLERANCE = 0.15              # a measured peak within this of the plan passes (bench/memory_plan.py, bench/paper_runs.py);
                               # a suggested share keeps this margin above the plan
+
+
+class Sizes(NamedTuple):
+    model: ModelConfig   # the policy's
+    params: int          # the policy's parameters
+    n_gpu: int           # GPUs planned for (0: a CPU run)
+    per: int             # a KV pool token's bytes
+    seq: int             # a full-length sample: prompt + gen.max_new_tokens
+    page: int            # the KV pool's page, in tokens
 
 
 @dataclass
@@ -55,7 +65,8 @@ class Plan:
     notes: list = field(default_factory=list)
     errors: list = field(default_factory=list)     # what cannot run whatever the memory
     kv_tokens: dict = field(default_factory=dict)  # process -> its KV pool's tokens
-    together: str = ""                             # fixes that, taken together, re-plan to a fit
+    sizes: Sizes | None = None                     # what the plan was computed from (memory_fixes.py reads it)
+    together: str = ""                             # the fixes that, taken together, re-plan to a fit (or what they leave)
 
     def add(self, device, process, what, nbytes):
         self.lines.append(Line(device, process, what, int(nbytes)))
@@ -225,7 +236,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
             p.notes.append(f"{who}: planned {gb(need)} of its {gb(cap)} share of {d}, within the plan's {TOLERANCE:.0%} "
                            f"tolerance of it (--{key}.memory_fraction={share(need * (1 + TOLERANCE), total):g} "
                            f"keeps that margin)")
-    _fixes(p, cfg, mp, P, cuda, n_gpu, per, seq, page)
+    p.sizes = Sizes(mp, P, n_gpu, per, seq, page)
     return p
 
 
@@ -291,53 +302,3 @@ def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> 
         nb = 2 if classifier and getattr(section, "dtype", "fp32") == "bf16" else 4 if d == "cpu" or classifier else 2
         p.add(d, "trainer (eval)" if gold else "reward workers",
               f"--{key}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
-
-
-def _fixes(p: Plan, cfg, m: ModelConfig, P: int, cuda: bool, n_gpu: int, per: int, seq: int, page: int) -> None:
-    """What to change, with what each saves, where the plan does not fit (`per`: a KV pool token's bytes)."""
-    if p.fits:
-        return
-    t, g = cfg.train, cfg.gen
-    d0 = "cuda:0" if cuda else "cpu"
-    half = half_precision(cfg)
-    if not cuda and not g.kv_tokens and p.kv_tokens:  # the CPU's default pool: every slot at full length
-        pools = len(p.kv_tokens)
-        pool_bytes = sum(x.nbytes for x in p.lines if x.what.startswith("KV pool"))
-        free = p.capacity["cpu"] - (p.used("cpu") - pool_bytes)  # what the rest of the plan leaves
-        tokens = int(free * KV_FRACTION / pools) // per // page * page  # half of it, as CUDA sizes it
-        if tokens >= seq + PROMPT_TOKENS:
-            paged = "--gen.kv_layout=paged " if g.kv_layout == "static" else ""
-            p.fixes.append((f"{paged}--gen.kv_tokens={tokens}", f"saves {gb(pool_bytes - pools * tokens * per)}"
-                            f" on cpu: a pool of {tokens // seq:,} full-length samples a generator, past which rows wait"))
-    act = activation_bytes(m, t.micro_batch_tokens, t.activation_checkpointing, half)
-    if not t.activation_checkpointing:
-        p.fixes.append(("--train.activation_checkpointing=true",
-                        f"saves {gb(act - activation_bytes(m, t.micro_batch_tokens, True, half))} on {d0}"))
-    smaller = max(1, t.micro_batch_tokens // 4)
-    saved = (act + head_bytes(m, t.micro_batch_tokens) - activation_bytes(m, smaller, t.activation_checkpointing, half)
-             - head_bytes(m, smaller))
-    p.fixes.append((f"--train.micro_batch_tokens={smaller}", f"saves {gb(saved)} on {d0}"))
-    if cuda and n_gpu > 1 and t.trainer_devices < n_gpu:
-        k = n_gpu if t.n_generators == 0 else t.trainer_devices + 1
-        p.fixes.append((f"--train.trainer_devices={k}", f"FSDP2 shards: saves {gb(16 * P - 16 * P // k)} on {d0}"))
-    for (d, who), cap in p.caps.items():  # a process past its share of a GPU that has room
-        need, total = p.used(d, who, allocator=True), p.capacity[d]
-        if need > cap and p.used(d) <= total:
-            key = "train" if who.startswith("trainer") else "gen"
-            p.fixes.append((f"--{key}.memory_fraction={share(need, total):g}",
-                            f"{gb(need - cap)} more for {who} on {d}"))
-    if g.kv_tokens:
-        p.fixes.append((f"--gen.kv_tokens={g.kv_tokens // 2}", "half the KV pool"))
-    rm = getattr(cfg, "reward", None)
-    fp32_rms = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and " x 4 B x " in x.what)
-    if cuda and fp32_rms and getattr(rm, "dtype", None) == "fp32":  # reward models in bf16: half their bytes
-        p.fixes.append(("--reward.dtype=bf16", f"saves {gb(fp32_rms / 2)} on cuda:0"))
-    w = cfg.train.reward_workers
-    held = p.used("cuda:0", "reward workers") if cuda else 0
-    if w > 1 and held:  # each reward worker holds its own copy of every reward-side model
-        p.fixes.append(("--train.reward_workers=1", f"saves {gb(held * (w - 1) / w)} on cuda:0: one copy of each "
-                                                    f"reward worker's model"))
-    for key, moves in (("reward", ("--reward.",)), ("victim", ("--victim.", "--toxicity."))):  # a classifier runs where the victim does
-        if getattr(getattr(cfg, key, None), "device", "cpu").startswith("cuda"):
-            moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith(moves))
-            p.fixes.append((f"--{key}.device=cpu", f"saves {gb(moved)} on cuda:0"))
