@@ -209,3 +209,10 @@ def test_reward_models_in_bf16_are_a_change_the_plan_names():
     half = plan_of(run_tldr.make_config(["--preset=paper", "--reward.dtype=bf16"]), gpus=[80e9])
     assert any("--reward.gold_model: 1 x 2 B x 6.651B" in x.what for x in half.lines)
     assert "--reward.device=cpu (saves 30.24 GB" in p.advice()  # the gold RM moves with the reward section
+
+
+def test_a_pool_below_one_sample_names_its_own_change_alone():
+    """Nothing past a memory, only a KV pool too small for one full-length sample: the plan's change
+    is that pool's size, not a list of byte savers that cannot help."""
+    p = plan_of(run_gsm8k.make_config(["--model=tiny", "--gen.kv_tokens=300", "--gen.max_new_tokens=256"]))
+    assert not p.fits and p.fixes == [("--gen.kv_tokens=1344", "one full-length sample")]

@@ -15,8 +15,9 @@ from common.engine.memory_plan import PROMPT_TOKENS, Plan, activation_bytes, gb,
 
 def fixes(p: Plan, cfg) -> None:
     """What to change, with what each saves, where plan `p` of run config `cfg` does not fit: into
-    `p.fixes`, in order, the least disruptive first."""
-    if p.fits:
+    `p.fixes`, in order, the least disruptive first. None where nothing is past a memory (a KV pool
+    below one sample is an error the plan names its own change for)."""
+    if p.excess()[1] == 0:
         return
     t, g = cfg.train, cfg.gen
     m, P, n_gpu, per, seq, page = p.sizes
