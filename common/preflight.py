@@ -165,6 +165,8 @@ def check_memory(cfg, show: bool = False, gpus: list | None = None) -> None:
               f"common/engine/shapes.py (the run fetches it)", file=sys.stderr)
         return
     if show:
+        if gpus and not cfg.train.device.startswith("cuda"):
+            print(f"(the GPUs asked for are not planned: this run's trainer is on {cfg.train.device})")
         print(p.report())
         sys.exit(0 if p.fits else 2)
     if not p.fits:

@@ -153,8 +153,9 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     make: common/runtime/run_dir.py), are checked here, before anything loads."""
     argv = sys.argv[1:] if argv is None else list(argv)
     dry = "--print-config" in argv
-    memory = next((a for a in argv if a == "--print-memory" or a.startswith("--print-memory=")), None)
-    argv = [a for a in argv if a not in ("--print-config", memory)]
+    asks = [a for a in argv if a == "--print-memory" or a.startswith("--print-memory=")]
+    memory = asks[-1] if asks else None  # the last one, as with any flag given twice
+    argv = [a for a in argv if a != "--print-config" and a not in asks]
     gpus = parse_gpus(memory.split("=", 1)[1]) if memory and "=" in memory else None
     global _planned_gpus
     _planned_gpus = len(gpus) if gpus else 0  # a preset's GPU shares follow the GPUs planned for

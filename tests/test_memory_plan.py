@@ -197,6 +197,10 @@ def test_a_plan_for_several_gpus_not_on_this_machine_uses_their_count(capsys):
     assert "share of cuda" not in two and "cuda:1:" in two
     assert "Together, --train.micro_batch_tokens=7680 --train.trainer_devices=2 fits" in two
     assert "planned 47.75 GB of its 48.00 GB share of cuda:0" in printed("80")
+    with pytest.raises(SystemExit):  # the last of two is taken; GPUs for a CPU run are said to be unused
+        run_gsm8k.make_config(["--model=tiny", "--print-memory=80", "--print-memory=40x2"])
+    out = capsys.readouterr().out
+    assert out.startswith("(the GPUs asked for are not planned: this run's trainer is on cpu)\ncpu: ")
 
 
 def test_reward_models_in_bf16_are_a_change_the_plan_names():
