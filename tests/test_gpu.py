@@ -39,7 +39,7 @@ def test_train_on_cuda_with_ipc_weights(tmp_path, dtype, graphs):
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
     cfg = _cfg(tmp_path, steps=6, device="cuda")
     cfg.precision.dtype, cfg.gen.cuda_graphs = dtype, graphs
-    if graphs:  # the one-GPU preset's memory caps (common/task.py: gpu_defaults), on device "cuda" without an index
+    if graphs:  # the one-GPU preset's memory caps (common/run_config.py: gpu_defaults), on device "cuda" without an index
         cfg.train.memory_fraction, cfg.gen.memory_fraction = 0.6, 0.25
     last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     assert last["version"] == 3 and last["gen_syncs"] >= 1

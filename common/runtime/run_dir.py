@@ -11,7 +11,7 @@ folder holds anything else (a user's file, a symlink).
 
 Runs in the trainer (rank 0) through `common/runtime/run_log.py`'s `prepare_run_dir`; task
 scripts check the name and the folder (`check_run_dir`, which writes nothing) before anything
-loads (common/task.py: make_config).
+loads (common/run_config.py: make_config).
 """
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _remove(d: Path, entries: list[Path]) -> None:
 def check_run_dir(cfg, resume: bool) -> tuple[Path, list[Path], bool]:
     """What `open_run_dir` would do, changing nothing: (folder, the entries --overwrite removes
     (none: keep all), whether the folder holds our marker); a RunDirError where it would refuse.
-    Task scripts call it before anything loads (common/task.py: make_config)."""
+    Task scripts call it before anything loads (common/run_config.py: make_config)."""
     d = run_dir_of(cfg)
     if resume and getattr(cfg, "overwrite", False):
         raise RunDirError(f"--resume and --overwrite both set for {d}: continue the run, or replace it, not both")
