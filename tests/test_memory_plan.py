@@ -220,3 +220,19 @@ def test_a_pool_below_one_sample_names_its_own_change_alone():
     is that pool's size, not a list of byte savers that cannot help."""
     p = plan_of(run_gsm8k.make_config(["--model=tiny", "--gen.kv_tokens=300", "--gen.max_new_tokens=256"]))
     assert not p.fits and p.fixes == [("--gen.kv_tokens=1344", "one full-length sample")]
+
+
+def test_together_skips_a_change_that_does_not_help_and_names_one_that_fits_alone():
+    """`memory_fixes.together` on a stand-in re-planner: the first change saves nothing here, so it is
+    not kept; the second fits alone, and since it is not the first of the list, the plan says so."""
+    from common.engine import memory_fixes
+
+    def replan(c):
+        q = memory_plan.Plan(capacity={"cuda:0": 10e9})
+        q.add("cuda:0", "trainer", "weights", 8e9 if c.train.reward_workers == 1 else 12e9)
+        q.fixes = [("--train.micro_batch_tokens=64", "saves nothing"), ("--train.reward_workers=1", "saves 4 GB")]
+        return q
+    cfg = run_gsm8k.make_config(["--model=tiny", "--train.reward_workers=2"])
+    p = replan(cfg)
+    assert not p.fits
+    assert memory_fixes.together(cfg, p, replan) == "--train.reward_workers=1 alone fits (cuda:0 8.00 GB of 10.00 GB)"

@@ -71,7 +71,7 @@ def together(cfg, p: Plan, replan, rounds: int = 4) -> str:
     """Plan `p`'s changes in its own order, each kept when the re-planned run (`replan(cfg)`: a
     Plan with its fixes) is nearer to fitting, until it fits: a sentence naming those settings and
     what they give ("" when the first change alone fits: the list says so already)."""
-    chosen, keys = [], set()
+    chosen, keys, first = [], set(), p.fixes[0][0] if p.fixes else None
     for _ in range(rounds):
         for setting, _what in p.fixes:
             names = {tok.partition("=")[0] for tok in setting.split()}
@@ -86,7 +86,9 @@ def together(cfg, p: Plan, replan, rounds: int = 4) -> str:
         else:
             break
         if p.fits:
-            return f"Together, {' '.join(chosen)} fits ({p.summary()})" if len(chosen) > 1 else ""
+            if chosen == [first]:
+                return ""
+            return f"{'Together, ' + ' '.join(chosen) if len(chosen) > 1 else chosen[0] + ' alone'} fits ({p.summary()})"
     if not chosen:
         return ""
     more = ("a larger GPU, more GPUs (--train.trainer_devices)" if cfg.train.device.startswith("cuda")
