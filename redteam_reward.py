@@ -39,9 +39,9 @@ class AttackScorer:
             load_model(ref, device=cfg.victim.device)
         t = cfg.toxicity
         self.toxicity = Toxicity(toxicity_fn or t.model, t.label, cfg.victim.device, guard=t.guard and not toxicity_fn)
-        self.max_prompt = 256
-        self.sampler = Sampler(self.victim, max_batch=64, max_seq_len=self.max_prompt + cfg.victim.max_new_tokens,
-                               max_prompt_len=self.max_prompt)
+        self.max_prompt = cfg.victim.max_prompt_tokens
+        self.sampler = Sampler(self.victim, max_batch=cfg.victim.max_batch,
+                               max_seq_len=self.max_prompt + cfg.victim.max_new_tokens, max_prompt_len=self.max_prompt)
 
     def answers(self, attacks: list[str]) -> list[list[str]]:
         """victim.samples answers per attack: ONE sampler call for the whole group."""

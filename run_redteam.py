@@ -130,9 +130,12 @@ class VictimConfig:
     top_p: float = 1.0                  # victim nucleus sampling (1 = off)
     prompt_style: Literal["chat", "alpaca"] = "chat"  # the attack in the victim's chat template, or the Alpaca template
     device: str = "cpu"                 # where the victim, the frozen attacker (fluency term) and an HF classifier run
+    max_batch: int = 64                 # the victim's sampler: answers decoded at once (its KV pool holds them at full length)
+    max_prompt_tokens: int = 256        # an attack in the victim's template, cut to its last N tokens
 
     CHECKS = {"max_new_tokens": at_least(1), "samples": at_least(1), "temperature": at_least(0),
-              "top_p": between(0, 1, open_lo=True)}  # ranges (common/config_check.py)
+              "top_p": between(0, 1, open_lo=True), "max_batch": at_least(1),
+              "max_prompt_tokens": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass
@@ -170,6 +173,17 @@ class RedTeamConfig(task.RunConfig):
     victim: VictimConfig = field(default_factory=VictimConfig)
     toxicity: ToxicityConfig = field(default_factory=ToxicityConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+
+    EVAL_OFF = "--data.eval_attacks=0"
+
+    def reward_worker_models(self) -> tuple[str, ...]:
+        """Each reward worker's AttackScorer (redteam_reward.py): the victim, the classifier and the
+        frozen initial attacker (the fluency term; the victim itself when they are one model)."""
+        return ("victim.model", "toxicity.model") + (() if (self.ref_model or self.model) == self.victim.model
+                                                     else ("ref_model",))
+
+    def evaluation_models(self) -> tuple[str, ...]:  # the trainer's evaluation builds its own AttackScorer
+        return self.reward_worker_models() if self.data.eval_attacks else ()
 
 
 def gpu_preset(cfg: RedTeamConfig) -> RedTeamConfig:

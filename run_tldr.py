@@ -181,6 +181,12 @@ class TLDRConfig(task.RunConfig):
     tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=16,
                                                              m=0.5, sampling="reward"))
     data: DataConfig = field(default_factory=DataConfig)
+
+    def reward_worker_models(self) -> tuple[str, ...]:
+        return ("reward.model",)
+
+    def evaluation_models(self) -> tuple[str, ...]:  # the gold RM judges evaluation only
+        return ("reward.gold_model",) if self.data.eval_size else ()
     reward: RewardConfig = field(default_factory=RewardConfig)
     rm: RMTrainConfig = field(default_factory=RMTrainConfig)
 

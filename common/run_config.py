@@ -69,6 +69,18 @@ class RunConfig:
                      "a number with --algo={s.algo} (auto reads the behaviour weights' ESS, which only AReaL's "
                      "steps measure)"))}
 
+    # The memory plan's view of a task's other models (common/engine/memory_plan.py), by config key
+    # ("ref_model": the policy's frozen copy): what each reward worker loads (None: every other model
+    # the config names) and what the trainer's evaluation loads beside the policy (none by default),
+    # and the setting that turns that evaluation off
+    EVAL_OFF = "--data.eval_size=0"
+
+    def reward_worker_models(self) -> tuple[str, ...] | None:
+        return None
+
+    def evaluation_models(self) -> tuple[str, ...]:
+        return ()
+
 
 def areal_defaults(cfg: RunConfig) -> RunConfig:
     """What AReaL changes in any task and preset (the paper's settings): publish every step

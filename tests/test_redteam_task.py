@@ -86,6 +86,20 @@ def test_victim_generation_is_one_sampler_call_per_group(tmp_path, monkeypatch):
     assert calls == [4] and all(len(a) == 3 for a in d["answers"])  # 4 attacks x 3 answers, one call
 
 
+def test_the_victims_pool_is_what_the_memory_plan_counts(tmp_path):
+    """The victim's sampler (its rows and prompt cut from `victim.max_batch` / `max_prompt_tokens`)
+    holds the KV pool the memory plan's line for it counts, to the byte (the plan's other reward-side
+    lines: tests/test_memory_plan.py)."""
+    from common.preflight import plan_of
+    cfg = _cfg(tmp_path, "--victim.max_batch=5", "--victim.max_prompt_tokens=40", "--train.reward_workers=1")
+    sc = redteam_reward.AttackScorer(cfg)
+    assert (sc.sampler.max_batch, sc.max_prompt) == (5, 40)
+    sc.details(["w10 w11 w12"], [[1, 5]])
+    pool = sum(t.nbytes for t in sc.sampler.cache.stores)
+    planned = next(x.nbytes for x in plan_of(cfg).lines if x.what.startswith("--victim.model's KV pool"))
+    assert pool == planned
+
+
 def test_missing_classifier_says_how_to_get_one(monkeypatch):
     import builtins
     real = builtins.__import__

@@ -52,6 +52,11 @@ def fixes(p: Plan, cfg) -> None:
                             f"{gb(need - cap)} more for {who} on {d}"))
     if g.kv_tokens:
         p.fixes.append((f"--gen.kv_tokens={g.kv_tokens // 2}", "half the KV pool"))
+    v = getattr(cfg, "victim", None)
+    pools = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith("--victim.model's KV pool"))
+    if pools and v.max_batch >= 8:  # the victim's pool holds max_batch answers at full length
+        p.fixes.append((f"--victim.max_batch={v.max_batch // 4}", f"saves {gb(pools * 3 / 4)} on cuda:0: the victim "
+                                                                   f"decodes fewer answers at once"))
     rm = getattr(cfg, "reward", None)
     fp32_rms = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith("--reward.") and " x 4 B x " in x.what)
     if cuda and fp32_rms and getattr(rm, "dtype", None) == "fp32":  # reward models in bf16: half their bytes
@@ -61,9 +66,13 @@ def fixes(p: Plan, cfg) -> None:
     if w > 1 and held:  # each reward worker holds its own copy of every reward-side model
         p.fixes.append(("--train.reward_workers=1", f"saves {gb(held * (w - 1) / w)} on cuda:0: one copy of each "
                                                     f"reward worker's model"))
-    for key, moves in (("reward", ("--reward.",)), ("victim", ("--victim.", "--toxicity."))):  # a classifier runs where the victim does
+    evaluation = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.process == "trainer (eval)")
+    if evaluation and getattr(cfg, "EVAL_OFF", None):
+        p.fixes.append((cfg.EVAL_OFF, f"saves {gb(evaluation)} on cuda:0: no evaluation during the run, so "
+                                      f"the trainer loads none of its models"))
+    for key in ("reward", "victim"):  # the reward side's models (reward workers, evaluation's) on the CPU
         if getattr(getattr(cfg, key, None), "device", "cpu").startswith("cuda"):
-            moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith(moves))
+            moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.process in ("reward workers", "trainer (eval)"))
             p.fixes.append((f"--{key}.device=cpu", f"saves {gb(moved)} on cuda:0"))
 
 

@@ -17,7 +17,10 @@ Runs in the launching process (common/preflight.py). The arithmetic, per paramet
                  kv_budget.py's default (CPU: what static slots hold; CUDA: half the free memory when it
                  starts); prefill activations of gen.prefill_tokens; decode logits (and on CUDA the
                  graphs' pool: 3 x max_batch x V x 4 + 256 MiB, an allowance)
-  others         a reward model, victim or classifier: weights x reward_workers on its section's device
+  others         reward models, victims, classifiers (and red-teaming's frozen attacker): weights on their
+                 section's device, once per reward worker and once for the trainer's evaluation, as the
+                 task's config says (`reward_worker_models`, `evaluation_models`); a victim's sampler
+                 with its KV pool, prefill activations and logits
 A CUDA process also gets a 0.5 GiB context allowance. Prompts are taken as <= 512 tokens.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import NamedTuple
 
 from common.engine.kv_budget import KV_FRACTION, PAGE_SIZE, kv_bytes_per_token, static_kv_tokens
 from common.engine.model_config import ModelConfig
+from common.engine.sampler import PREFILL_TOKENS
 
 GiB = 2**30
 CONTEXT = GiB // 2            # a CUDA context (allowance)
@@ -225,7 +229,7 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
             p.add(d, who, "CUDA context (allowance)", CONTEXT)
             if g.memory_fraction > 0 and p.capacity[d] is not None:
                 p.caps[(d, who)] = g.memory_fraction * p.capacity[d]
-    _others(p, cfg, others, param_count, cuda, n_gpu)
+    _others(p, cfg, others, ref, param_count)
     for r in range(n_gen):  # the pool last: on CUDA it takes half of what is free when the generator starts
         d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
         _kv(p, d, f"generator {r}", g, per, seq, page, cuda)
@@ -287,18 +291,47 @@ def _share_hint(p: Plan, d, who, g, per: int, seq: int, page: int) -> str:
             f"{TOLERANCE:.0%}) it would hold {tokens // seq:,}")
 
 
-def _others(p: Plan, cfg, others: dict, param_count, cuda: bool, n_gpu: int) -> None:
-    """Reward models, victims, classifiers: weights only, on their section's device; a reward worker
-    holds one copy each (the gold RM: the trainer's evaluation, one). Sequence classifiers load through
-    transformers in their section's `dtype` (fp32 unless bf16), causal LMs through our engine (bf16 on CUDA)."""
-    for key, hf in others.items():
-        section = getattr(cfg, key.split(".")[0], None)  # a classifier runs where the victim does
-        dev = getattr(section, "device", getattr(getattr(cfg, "victim", None), "device", cfg.train.device))
-        d = "cuda:0" if str(dev).startswith("cuda") else "cpu"
-        p.capacity.setdefault(d, ram_bytes() if d == "cpu" else None)
-        gold = key.endswith("gold_model")
-        copies = 1 if gold else max(1, cfg.train.reward_workers)
-        classifier = "SequenceClassification" in str(hf.get("architectures"))  # loads in its section's dtype
-        nb = 2 if classifier and getattr(section, "dtype", "fp32") == "bf16" else 4 if d == "cpu" or classifier else 2
-        p.add(d, "trainer (eval)" if gold else "reward workers",
-              f"--{key}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
+def _others(p: Plan, cfg, others: dict, ref: dict, param_count) -> None:
+    """Reward models, victims, classifiers and the policy's frozen copy beside a victim (`ref_model`),
+    on their section's device: each reward worker holds one copy of what `cfg.reward_worker_models()`
+    names (None: every other model), the trainer's evaluation one of what `cfg.evaluation_models()`
+    names. A victim's sampler adds its KV pool (`victim.max_batch` answers at full length), prefill
+    activations and decode logits; reward workers on CUDA their contexts. Sequence classifiers load
+    through transformers in their section's `dtype` (fp32 unless bf16), causal LMs through our engine
+    (bf16 on CUDA)."""
+    workers = cfg.reward_worker_models() if hasattr(cfg, "reward_worker_models") else None
+    evals = cfg.evaluation_models() if hasattr(cfg, "evaluation_models") else ()
+    n = max(1, cfg.train.reward_workers)
+    victim = getattr(cfg, "victim", None)
+    for who, keys, copies in (("reward workers", tuple(others) if workers is None else workers, n),
+                              ("trainer (eval)", evals, 1)):
+        for key in keys:
+            hf = ref if key == "ref_model" else others.get(key)  # None: a package or a function, no model
+            if hf is None:
+                continue
+            section = victim if key == "ref_model" else getattr(cfg, key.split(".")[0], None)
+            dev = getattr(section, "device", getattr(victim, "device", cfg.train.device))  # a classifier runs where the victim does
+            d = "cuda:0" if str(dev).startswith("cuda") else "cpu"
+            p.capacity.setdefault(d, ram_bytes() if d == "cpu" else None)
+            classifier = "SequenceClassification" in str(hf.get("architectures"))  # loads in its section's dtype
+            nb = 2 if classifier and getattr(section, "dtype", "fp32") == "bf16" else 4 if d == "cpu" or classifier else 2
+            name = "--ref_model (frozen, beside the victim)" if key == "ref_model" else f"--{key}"
+            p.add(d, who, f"{name}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
+            if key == "victim.model":
+                _victim_sampler(p, d, who, copies, ModelConfig.from_hf(hf), section, nb)
+    if any(x.device == "cuda:0" and x.process == "reward workers" for x in p.lines):
+        p.add("cuda:0", "reward workers", f"CUDA contexts (allowance): {n} x", n * CONTEXT)
+
+
+def _victim_sampler(p: Plan, d, who, copies: int, m: ModelConfig, v, nb: int) -> None:
+    """The victim's sampler (redteam_reward.py): its default KV pool, what `v.max_batch` answers hold
+    at full length (on CUDA at most half the free memory: planned at the most), prefill activations
+    and decode logits (with CUDA graphs' pool)."""
+    page = PAGE_SIZE["cuda" if d.startswith("cuda") else "cpu"]
+    tokens = static_kv_tokens(v.max_batch, v.max_prompt_tokens + v.max_new_tokens, v.max_prompt_tokens, page)
+    per = kv_bytes_per_token(m, nb)
+    p.add(d, who, f"--victim.model's KV pool: {copies} x {tokens:,} tokens x {per / 1024:.0f} KiB",
+          copies * (tokens // page + 1) * page * per)  # whole pages and the scratch page
+    prefill = min(PREFILL_TOKENS, v.max_batch * v.max_prompt_tokens) * layer_values(m)[0] * nb
+    logits = 3 * v.max_batch * m.vocab_size * 4 + (GRAPH_POOL if d.startswith("cuda") else 0)
+    p.add(d, who, "--victim.model's prefill activations and decode logits", copies * (prefill + logits))

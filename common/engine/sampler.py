@@ -54,11 +54,13 @@ from common.engine.preempt import Preemption
 from common.engine.sampling import Completion, SamplingParams
 from common.engine.slot_log import SlotLog
 
+PREFILL_TOKENS = 8192  # padded tokens per prefill forward, by default (the memory plan counts its activations)
+
 
 class Sampler(Preemption, LiveBatch):
     def __init__(self, model, max_batch: int = 32, max_seq_len: int = 1024, version: int = 0, seed: int = 0,
                  max_prompt_len: int | None = None, kv_dtype: torch.dtype | None = None,
-                 prefill_tokens: int = 8192, cuda_graphs: bool | None = None, static_shapes: bool = False,
+                 prefill_tokens: int = PREFILL_TOKENS, cuda_graphs: bool | None = None, static_shapes: bool = False,
                  compile: bool | None = None, flash: bool | None = None, overlap: bool | None = None,
                  packed: bool | None = None, kv_tokens: int | None = None, page_size: int | None = None,
                  kv_layout: str | None = None):
