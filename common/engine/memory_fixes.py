@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from common.config import parse_overrides
 from common.engine.kv_budget import KV_FRACTION
-from common.engine.memory_plan import PROMPT_TOKENS, Plan, activation_bytes, gb, half_precision, head_bytes, share
+from common.engine.memory_ledger import Plan, gb, share
+from common.engine.memory_plan import PROMPT_TOKENS, activation_bytes, half_precision, head_bytes
 
 
 def fixes(p: Plan, cfg) -> None:
