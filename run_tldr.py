@@ -185,8 +185,8 @@ class TLDRConfig(task.RunConfig):
     def reward_worker_models(self) -> tuple[str, ...]:
         return ("reward.model",)
 
-    def evaluation_models(self) -> tuple[str, ...]:  # the gold RM judges evaluation only
-        return ("reward.gold_model",) if self.data.eval_size else ()
+    def evaluation_models(self) -> tuple[str, ...]:  # the gold RM judges, the initial policy gives the KL
+        return ("reward.gold_model", "ref_model") if self.data.eval_size else ()
     reward: RewardConfig = field(default_factory=RewardConfig)
     rm: RMTrainConfig = field(default_factory=RMTrainConfig)
 

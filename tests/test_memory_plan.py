@@ -208,7 +208,8 @@ def test_the_reward_side_is_planned_where_each_process_holds_it():
     same = plan_of(run_redteam.make_config(["--model=tiny", "--victim.model=tiny"]))  # the attacker is the victim
     assert "--ref_model (frozen, beside the victim)" not in lines(same, "reward workers")
     tl = run_tldr.make_config(["--preset=paper"])
-    assert "--reward.gold_model" in lines(plan_of(tl, gpus=[80e9]), "trainer (eval)")
+    assert set(lines(plan_of(tl, gpus=[80e9]), "trainer (eval)")) == {"--reward.gold_model",
+                                                                      "--ref_model (the KL's initial policy)"}
     tl_off = run_tldr.make_config(["--preset=paper", "--data.eval_size=0"])
     assert not lines(plan_of(tl_off, gpus=[80e9]), "trainer (eval)")
 

@@ -73,7 +73,7 @@ def fixes(p: Plan, cfg) -> None:
                                       f"the trainer loads none of its models"))
     for key in ("reward", "victim"):  # the reward side's models (reward workers, evaluation's) on the CPU
         if getattr(getattr(cfg, key, None), "device", "cpu").startswith("cuda"):
-            moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.process in ("reward workers", "trainer (eval)"))
+            moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.follows == key)
             p.fixes.append((f"--{key}.device=cpu", f"saves {gb(moved)} on cuda:0"))
 
 

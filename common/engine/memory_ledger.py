@@ -28,6 +28,7 @@ class Line:
     process: str
     what: str
     nbytes: int
+    follows: str = ""  # the section whose `device` setting places it (reward, victim), "" otherwise
 
 
 @dataclass
@@ -42,8 +43,8 @@ class Plan:
     sizes: Sizes | None = None                     # what the plan was computed from (memory_fixes.py reads it)
     together: str = ""                             # the fixes that, taken together, re-plan to a fit (or what they leave)
 
-    def add(self, device, process, what, nbytes):
-        self.lines.append(Line(device, process, what, int(nbytes)))
+    def add(self, device, process, what, nbytes, follows: str = ""):
+        self.lines.append(Line(device, process, what, int(nbytes), follows))
 
     def used(self, device, process=None, allocator: bool = False) -> int:
         """Bytes on `device` (of `process`); `allocator`: only what its caching allocator holds, the

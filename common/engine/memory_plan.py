@@ -215,18 +215,27 @@ def _others(p: Plan, cfg, others: dict, ref: dict, param_count) -> None:
             hf = ref if key == "ref_model" else others.get(key)  # None: a package or a function, no model
             if hf is None:
                 continue
-            section = victim if key == "ref_model" else getattr(cfg, key.split(".")[0], None)
-            dev = getattr(section, "device", getattr(victim, "device", cfg.train.device))  # a classifier runs where the victim does
+            owner = ("victim" if victim is not None else "") if key == "ref_model" else key.split(".")[0]
+            section = getattr(cfg, owner, None) if owner else None
+            # where it runs: its section's device; a classifier where the victim runs; else the trainer's
+            follows = owner if hasattr(section, "device") else "victim" if hasattr(victim, "device") else ""
+            dev = getattr(cfg, follows).device if follows else cfg.train.device
             d = "cuda:0" if str(dev).startswith("cuda") else "cpu"
             p.capacity.setdefault(d, ram_bytes() if d == "cpu" else None)
             classifier = "SequenceClassification" in str(hf.get("architectures"))  # loads in its section's dtype
             nb = 2 if classifier and getattr(section, "dtype", "fp32") == "bf16" else 4 if d == "cpu" or classifier else 2
-            name = "--ref_model (frozen, beside the victim)" if key == "ref_model" else f"--{key}"
-            p.add(d, who, f"{name}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf))
+            name = f"--{key}"
+            if key == "ref_model":  # red-teaming's frozen attacker beside the victim, else the initial policy beside
+                # the trained one, in its dtype (fp32: the trainer's weights), for the evaluation's KL
+                name, nb = ("--ref_model (frozen, beside the victim)", nb) if victim is not None else \
+                    ("--ref_model (the KL's initial policy)", 4)
+            p.add(d, who, f"{name}: {copies} x {nb} B x {param_count(hf) / 1e9:.3f}B params", copies * nb * param_count(hf),
+                  follows)
             if key == "victim.model":
                 _victim_sampler(p, d, who, copies, ModelConfig.from_hf(hf), section, nb)
-    if any(x.device == "cuda:0" and x.process == "reward workers" for x in p.lines):
-        p.add("cuda:0", "reward workers", f"CUDA contexts (allowance): {n} x", n * CONTEXT)
+    on_gpu = [x for x in p.lines if x.device == "cuda:0" and x.process == "reward workers"]
+    if on_gpu:
+        p.add("cuda:0", "reward workers", f"CUDA contexts (allowance): {n} x", n * CONTEXT, on_gpu[0].follows)
 
 
 def _victim_sampler(p: Plan, d, who, copies: int, m: ModelConfig, v, nb: int) -> None:
@@ -237,7 +246,7 @@ def _victim_sampler(p: Plan, d, who, copies: int, m: ModelConfig, v, nb: int) ->
     tokens = static_kv_tokens(v.max_batch, v.max_prompt_tokens + v.max_new_tokens, v.max_prompt_tokens, page)
     per = kv_bytes_per_token(m, nb)
     p.add(d, who, f"--victim.model's KV pool: {copies} x {tokens:,} tokens x {per / 1024:.0f} KiB",
-          copies * (tokens // page + 1) * page * per)  # whole pages and the scratch page
+          copies * (tokens // page + 1) * page * per, "victim")  # whole pages and the scratch page
     prefill = min(PREFILL_TOKENS, v.max_batch * v.max_prompt_tokens) * layer_values(m)[0] * nb
     logits = 3 * v.max_batch * m.vocab_size * 4 + (GRAPH_POOL if d.startswith("cuda") else 0)
-    p.add(d, who, "--victim.model's prefill activations and decode logits", copies * (prefill + logits))
+    p.add(d, who, "--victim.model's prefill activations and decode logits", copies * (prefill + logits), "victim")
