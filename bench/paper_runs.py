@@ -14,7 +14,9 @@ buffer's fill):
   step_s, wait_frac, trainer_tok_s, gen_tok_s, staleness, interrupts, preemptions: as logged
   memory        each process's CUDA allocator peak (`cuda_peak_gib`, `gen_cuda_peak_gib`) against
                  the memory plan's line for it (common/engine/memory_plan.py, this config, this card),
-                 `within` 15%; on a CPU not measured (bench/memory_plan.py reads the resident set)
+                 and each process's nvidia-smi peak, reward workers included (`smi_peak_gib`,
+                 bench/_process_memory.py) against its planned total with its context, `within` 15%;
+                 on a CPU not measured (bench/memory_plan.py reads the resident set)
 
 A run is stopped (its process group killed) once it has logged the steps asked for: the figures are
 in, its final checkpoint (GBs at these sizes) is not written. `LEASE` is what a short lease changes
@@ -45,6 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._gpu_paper import card, mfu  # noqa: E402
+from bench._process_memory import Peaks, plan_process  # noqa: E402
 from bench.leaks import group_alive, wait_until  # noqa: E402
 from common import preflight  # noqa: E402
 from common.engine.memory_plan import TOLERANCE, GiB  # noqa: E402
@@ -82,25 +85,28 @@ def gpus() -> list[tuple[str, int]]:
         return []
 
 
-def planned(a, cfg, memories: list[int] | None) -> tuple[dict, int]:
-    """The memory plan's allocator bytes per process of the run's config `cfg` on GPUs of these
-    `memories` (random models built here first, once: the run then finds them cached), and the
+def planned(a, cfg, memories: list[int] | None) -> tuple[dict, dict, int]:
+    """The memory plan of the run's config `cfg` on GPUs of these `memories` (random models built
+    here first, once: the run then finds them cached): per process its allocator bytes, and its
+    total with its CUDA context (one reward worker's: the reward workers' over their count); and the
     policy's parameters."""
     if a.random_weights:
         preflight.use_random_weights(cfg)
     p = preflight.plan_of(cfg, memories)
-    procs = dict.fromkeys(x.process for x in p.lines if x.device.startswith("cuda"))
-    return ({w: p.used(next(x.device for x in p.lines if x.process == w), w, allocator=True) for w in procs},
-            param_count(preflight.model_config(cfg.model)))
+    procs = {x.process: x.device for x in p.lines if x.device.startswith("cuda")}
+    each = {w: max(1, cfg.train.reward_workers) if w == "reward workers" else 1 for w in procs}
+    return ({w: p.used(d, w, allocator=True) for w, d in procs.items()},
+            {w: p.used(d, w) / each[w] for w, d in procs.items()}, param_count(preflight.model_config(cfg.model)))
 
 
-def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
+def run(a, mode: str, work: Path, timeout: float, on_gpu: bool = False) -> tuple[list[dict], dict]:
     """One mode's run until it has logged `steps + 1` steps (or `timeout` s): its step rows, and how
-    it ended. The run's process group is killed on the way out, however this process leaves (a
+    it ended (`on_gpu`: with each process's peak as nvidia-smi sees it, polled every second). The run's process group is killed on the way out, however this process leaves (a
     SIGTERM from an outer time limit included: main turns it into SystemExit): `stop`."""
     root = work / "runs"
     cmd = [sys.executable, str(ROOT / f"run_{a.task}.py")] + argv_of(a, mode, root)
     metrics, log = root / f"{a.preset}_{mode}" / "metrics.jsonl", work / f"{a.preset}_{mode}.log"
+    peaks = Peaks(root / f"{a.preset}_{mode}" / "workers.json", **({} if on_gpu else {"query": dict}))  # dict: no query
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -109,6 +115,7 @@ def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
         try:
             while end is None:
                 time.sleep(1.0)
+                peaks.poll()
                 rows = [r for r in read_metrics(metrics) if "step_s" in r] if metrics.exists() else []
                 if len(rows) > a.steps:
                     end = "stopped after the steps measured (no final checkpoint)"
@@ -121,7 +128,7 @@ def run(a, mode: str, work: Path, timeout: float) -> tuple[list[dict], dict]:
                 stop(p)
     tail = log.read_text(errors="replace")[-1500:] if p.returncode not in (0, -signal.SIGKILL) else None
     return rows, {"cmd": " ".join(cmd[1:]), "end": end, "wall_s": time.perf_counter() - t0, "log": str(log),
-                  **({"log_tail": tail} if tail else {})}
+                  "smi_peak_gib": {k: v / GiB for k, v in peaks.peak.items()}, **({"log_tail": tail} if tail else {})}
 
 
 def stop(p: subprocess.Popen) -> None:
@@ -158,17 +165,28 @@ def summarise(rows: list[dict], params: int | None = None, peak: float | None = 
     return out
 
 
-def memory(s: dict, plan: dict) -> dict:
-    """Measured allocator peaks against the plan's lines: ratio measured / planned, within 15%."""
+def memory(s: dict, plan: dict, totals: dict | None = None, smi: dict | None = None) -> dict:
+    """Measured peaks against the plan: each allocator peak the run logs against its process's
+    allocator bytes, and each process's nvidia-smi peak (`smi`, by workers.json name; a reward
+    worker's included) against its total with its context (`totals`). Ratio measured / planned,
+    within 15%."""
     if "cuda_peak_gib" not in s:
         return {"measured": None, "why": "not on CUDA: no allocator peaks (bench/memory_plan.py reads a CPU's resident set)"}
     out = {}
     for who, key in (("trainer", "cuda_peak_gib"), ("generator 0", "gen_cuda_peak_gib")):
         if who in plan and s.get(key):
-            r = s[key] * GiB / plan[who]
-            out[who] = {"measured_gib": s[key], "planned_gib": plan[who] / GiB, "measured_over_planned": r,
-                        "within": abs(r - 1) <= TOLERANCE}
+            out[who] = _ratio(s[key], plan[who])
+    for name, gib in (smi or {}).items():
+        who = plan_process(name)
+        if who in (totals or {}):
+            out[f"{name}_smi"] = _ratio(gib, totals[who])
     return out
+
+
+def _ratio(measured_gib: float, planned_bytes: float) -> dict:
+    r = measured_gib * GiB / planned_bytes
+    return {"measured_gib": measured_gib, "planned_gib": planned_bytes / GiB, "measured_over_planned": r,
+            "within": abs(r - 1) <= TOLERANCE}
 
 
 def targets(a, res: dict) -> dict:
@@ -218,16 +236,16 @@ def main(argv=None) -> dict:
     t = start = time.perf_counter()
     smi = gpus()
     try:
-        plan, params = planned(a, cfg, [m for _, m in smi] or None)
+        plan, totals, params = planned(a, cfg, [m for _, m in smi] or None)
     except Exception as e:  # noqa: BLE001 - the runs still measure; the plan's failure is reported
-        plan, params, res["plan_error"] = {}, None, f"{type(e).__name__}: {e}"
+        plan, totals, params, res["plan_error"] = {}, {}, None, f"{type(e).__name__}: {e}"
     res["plan_gib"], res["plan_s"], res["params"] = {k: v / GiB for k, v in plan.items()}, time.perf_counter() - t, params
     res["card"] = c = card(smi[0][0] if smi else None)
     for i, mode in enumerate(a.modes):
         left = a.budget - (time.perf_counter() - start) if a.budget else math.inf
-        rows, how = run(a, mode, work, min(a.timeout, left / (len(a.modes) - i)))
+        rows, how = run(a, mode, work, min(a.timeout, left / (len(a.modes) - i)), on_gpu=bool(smi))
         s = summarise(rows, params, c["peak_flops"])
-        res[mode] = {**s, **how, "memory": memory(s, plan)}
+        res[mode] = {**s, **how, "memory": memory(s, plan, totals, how["smi_peak_gib"])}
         if "async" in res and "sync" in res and "tok_s" in res["async"] and "tok_s" in res["sync"]:
             res["async_over_sync_tok_s"] = res["async"]["tok_s"] / res["sync"]["tok_s"]
         res["targets"] = targets(a, res)

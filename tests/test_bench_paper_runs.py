@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import paper_runs
+from bench import _process_memory, paper_runs
 from bench.leaks import group_alive, leaked, shm_entries, wait_until
+from common.engine import memory_plan
 from common.engine.memory_plan import GiB
+from common.preflight import plan_of
 from common.log import read_metrics
 
 
@@ -34,10 +36,31 @@ def test_the_plan_of_a_cuda_preset_is_read_per_process(tmp_path):
     lines are still planned; the KV pool, sized from free memory, is left out)."""
     a = argparse.Namespace(task="gsm8k", preset="areal_long", lease=True, random_weights=False, set=["model=tiny"], steps=3)
     cfg = importlib.import_module("run_gsm8k").make_config(paper_runs.argv_of(a, "async", tmp_path / "runs"))
-    plan, params = paper_runs.planned(a, cfg, None)
-    assert set(plan) == {"trainer", "generator 0"} and plan["trainer"] > plan["generator 0"] > 0
+    plan, totals, params = paper_runs.planned(a, cfg, None)
+    assert set(plan) == set(totals) == {"trainer", "generator 0"} and plan["trainer"] > plan["generator 0"] > 0
+    assert totals["trainer"] == plan["trainer"] + memory_plan.CONTEXT  # its total holds its CUDA context
     assert plan["trainer"] >= 16 * params > 0  # fp32 weights, grads and AdamW's moments at least
     assert not (tmp_path / "runs").exists()  # planning made no run folder
+
+
+def test_each_process_peak_from_nvidia_smi_against_its_planned_total(tmp_path):
+    """The nvidia-smi side (bench/_process_memory.py): peaks per workers.json name from a stand-in
+    query, polled before the file exists (nothing counted) and after; a reward worker set against
+    one worker's share of the reward workers' planned total (red-teaming's paper preset: 2 workers)."""
+    polls = iter([{11: 3 * 2**30}, {11: 3 * 2**30, 12: 2**30, 13: 5 * 2**30, 99: 2**40}, {11: 4 * 2**30, 13: 2**30}])
+    peaks = _process_memory.Peaks(tmp_path / "workers.json", query=lambda: next(polls))
+    peaks.poll()  # no workers.json yet: no names
+    (tmp_path / "workers.json").write_text(json.dumps({"trainer": 11, "generator0": 12, "reward0": 13}))
+    peaks.poll(), peaks.poll()
+    assert peaks.peak == {"trainer": 4 * 2**30, "generator0": 2**30, "reward0": 5 * 2**30}  # pid 99 is not the run's
+    a = argparse.Namespace(task="redteam", preset="paper", lease=True, random_weights=False, set=[], steps=3)
+    cfg = importlib.import_module("run_redteam").make_config(paper_runs.argv_of(a, "async", tmp_path / "runs"))
+    plan, totals, _ = paper_runs.planned(a, cfg, [80e9])
+    p = plan_of(cfg, [80e9])
+    assert totals["reward workers"] == p.used("cuda:0", "reward workers") / 2 and "reward workers" in plan
+    m = paper_runs.memory({"cuda_peak_gib": 1.0}, plan, totals, {"reward0": totals["reward workers"] / GiB * 1.1})
+    assert m["reward0_smi"]["within"] and m["reward0_smi"]["measured_over_planned"] == pytest.approx(1.1)
+    assert _process_memory.plan_process("generator3") == "generator 3" and _process_memory.plan_process("x") is None
 
 
 def _row(step, t, **kw):
