@@ -79,7 +79,8 @@ from common.reward_model import RewardModel
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
-from tldr_reward_model import RM_DTYPES, RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts, train_offline_rms
+from tldr_reward_model import (RM_DTYPES, RewardConfig, RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts,
+                               train_offline_rms)
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
 INSTRUCTION = "Summarize this Reddit post in one sentence."
@@ -153,19 +154,6 @@ class DataConfig:
 
     CHECKS = {"max_post_tokens": at_least(1), "train_limit": at_least(1), "eval_size": at_least(0),
               "eval_max_new_tokens": at_least(1), "eval_max_batch": at_least(1)}  # ranges (common/config_check.py)
-
-
-@dataclass
-class RewardConfig:
-    model: str = "offline"              # HF sequence-classification RM dir; "offline": the MiniLM RM built by train-rm (on first use)
-    gold_model: str = "offline"         # RM that only judges evaluation; "offline": a second MiniLM RM (other posts, other seed)
-    input: Literal["auto", "pair", "text"] = "auto"  # (post, summary) as a sentence pair, or one text; auto: pair if the tokenizer has [SEP]
-    max_tokens: int = 128               # RM input tokens (the post is truncated first; 128 keeps the offline RM's training at minutes on a CPU)
-    batch_size: int = 16                # RM batch when scoring
-    device: str = "cpu"                 # where the reward models run (reward workers, evaluation's gold RM)
-    dtype: Literal["fp32", "bf16"] = "fp32"  # the reward models' weights when scoring; bf16 halves their memory (scores move by bf16's rounding)
-
-    CHECKS = {"max_tokens": at_least(1), "batch_size": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass

@@ -5,7 +5,8 @@ loss (common/reward_model.py) on pairs built from the local sample, where the tr
 preferred over another post's TL;DR, the post's lead sentence, a truncated and a shuffled TL;DR.
 The policy RM learns from the first half of the training posts, the "gold" RM (evaluation only,
 as the papers judge with a larger RM) from the second half, with another seed. Training runs in
-the launching process; a trained RM is cached as a Hugging Face directory with its report.
+the launching process; a trained RM is cached as a Hugging Face directory with its report. The
+run config's `reward` section (`RewardConfig`) is defined here, beside what reads it.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -27,6 +28,19 @@ from common.errors import UserError
 from common.reward_model import RewardModel, pair_accuracy, train_bradley_terry
 
 RM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --reward.dtype
+
+
+@dataclass
+class RewardConfig:
+    model: str = "offline"              # HF sequence-classification RM dir; "offline": the MiniLM RM built by train-rm (on first use)
+    gold_model: str = "offline"         # RM that only judges evaluation; "offline": a second MiniLM RM (other posts, other seed)
+    input: Literal["auto", "pair", "text"] = "auto"  # (post, summary) as a sentence pair, or one text; auto: pair if the tokenizer has [SEP]
+    max_tokens: int = 128               # RM input tokens (the post is truncated first; 128 keeps the offline RM's training at minutes on a CPU)
+    batch_size: int = 16                # RM batch when scoring
+    device: str = "cpu"                 # where the reward models run (reward workers, evaluation's gold RM)
+    dtype: Literal["fp32", "bf16"] = "fp32"  # the reward models' weights when scoring; bf16 halves their memory (scores move by bf16's rounding)
+
+    CHECKS = {"max_tokens": at_least(1), "batch_size": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass
