@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._gpu_paper import card, mfu  # noqa: E402
-from bench._process_memory import Peaks, plan_process  # noqa: E402
+from bench._process_memory import Peaks, plan_process, smi_used  # noqa: E402
 from bench.leaks import group_alive, wait_until  # noqa: E402
 from common import preflight  # noqa: E402
 from common.engine.memory_plan import TOLERANCE, GiB  # noqa: E402
@@ -106,7 +106,7 @@ def run(a, mode: str, work: Path, timeout: float, on_gpu: bool = False) -> tuple
     root = work / "runs"
     cmd = [sys.executable, str(ROOT / f"run_{a.task}.py")] + argv_of(a, mode, root)
     metrics, log = root / f"{a.preset}_{mode}" / "metrics.jsonl", work / f"{a.preset}_{mode}.log"
-    peaks = Peaks(root / f"{a.preset}_{mode}" / "workers.json", **({} if on_gpu else {"query": dict}))  # dict: no query
+    peaks = Peaks(root / f"{a.preset}_{mode}" / "workers.json", query=smi_used if on_gpu else dict)  # dict: nothing polled
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     with open(log, "w") as f:

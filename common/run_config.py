@@ -136,20 +136,23 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
     overrides). The run name, and the run folder (an earlier run, a folder this project did not
     make: common/runtime/run_dir.py), are checked here, before anything loads."""
+    global _planned_gpus
     argv = sys.argv[1:] if argv is None else list(argv)
     dry = "--print-config" in argv
     asks = [a for a in argv if a == "--print-memory" or a.startswith("--print-memory=")]
     memory = asks[-1] if asks else None  # the last one, as with any flag given twice
     argv = [a for a in argv if a != "--print-config" and a not in asks]
     gpus = parse_gpus(memory.split("=", 1)[1]) if memory and "=" in memory else None
-    global _planned_gpus
-    _planned_gpus = len(gpus) if gpus else 0  # a preset's GPU shares follow the GPUs planned for
     preset = _flag(argv, "preset")
     if preset and preset != "cpu" and preset not in (presets or {}):
         raise ValueError(f"--preset={preset}: this task's presets are cpu, {', '.join(presets or {})}")
     if preset and preset in (presets or {}):
-        cfg.preset = preset
-        cfg = presets[preset](cfg)
+        _planned_gpus = len(gpus) if gpus else 0  # a preset's GPU shares follow the GPUs planned for, while it applies
+        try:
+            cfg.preset = preset
+            cfg = presets[preset](cfg)
+        finally:
+            _planned_gpus = 0
     if (_flag(argv, "algo") or cfg.algo) == "areal":
         cfg = areal_defaults(cfg)
     cfg = cli(cfg, argv, description=description)

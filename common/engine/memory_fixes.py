@@ -54,12 +54,12 @@ def fixes(p: Plan, cfg) -> None:
     if g.kv_tokens:
         p.fixes.append((f"--gen.kv_tokens={g.kv_tokens // 2}", "half the KV pool"))
     v = getattr(cfg, "victim", None)
-    pools = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith("--victim.model's KV pool"))
-    if pools and v.max_batch >= 8:  # the victim's pool holds max_batch answers at full length
-        p.fixes.append((f"--victim.max_batch={v.max_batch // 4}", f"saves {gb(pools * 3 / 4)} on cuda:0: the victim "
-                                                                   f"decodes fewer answers at once"))
+    victim_pools = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith("--victim.model's KV pool"))
+    if victim_pools and v.max_batch >= 8:  # the victim's pool holds max_batch answers at full length
+        p.fixes.append((f"--victim.max_batch={v.max_batch // 4}", f"saves {gb(victim_pools * 3 / 4)} on cuda:0: the "
+                                                                   f"victim decodes fewer answers at once"))
     rm = getattr(cfg, "reward", None)
-    fp32_rms = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.what.startswith("--reward.") and " x 4 B x " in x.what)
+    fp32_rms = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.follows == "reward" and " x 4 B x " in x.what)
     if cuda and fp32_rms and getattr(rm, "dtype", None) == "fp32":  # reward models in bf16: half their bytes
         p.fixes.append(("--reward.dtype=bf16", f"saves {gb(fp32_rms / 2)} on cuda:0"))
     w = cfg.train.reward_workers
@@ -68,7 +68,7 @@ def fixes(p: Plan, cfg) -> None:
         p.fixes.append(("--train.reward_workers=1", f"saves {gb(held * (w - 1) / w)} on cuda:0: one copy of each "
                                                     f"reward worker's model"))
     evaluation = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.process == "trainer (eval)")
-    if evaluation and getattr(cfg, "EVAL_OFF", None):
+    if evaluation and cfg.EVAL_OFF:
         p.fixes.append((cfg.EVAL_OFF, f"saves {gb(evaluation)} on cuda:0: no evaluation during the run, so "
                                       f"the trainer loads none of its models"))
     for key in ("reward", "victim"):  # the reward side's models (reward workers, evaluation's) on the CPU

@@ -205,8 +205,7 @@ def _others(p: Plan, cfg, others: dict, ref: dict, param_count) -> None:
     activations and decode logits; reward workers on CUDA their contexts. Sequence classifiers load
     through transformers in their section's `dtype` (fp32 unless bf16), causal LMs through our engine
     (bf16 on CUDA)."""
-    workers = cfg.reward_worker_models() if hasattr(cfg, "reward_worker_models") else None
-    evals = cfg.evaluation_models() if hasattr(cfg, "evaluation_models") else ()
+    workers, evals = cfg.reward_worker_models(), cfg.evaluation_models()  # common/run_config.py: RunConfig's
     n = max(1, cfg.train.reward_workers)
     victim = getattr(cfg, "victim", None)
     for who, keys, copies in (("reward workers", tuple(others) if workers is None else workers, n),
