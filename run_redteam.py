@@ -89,6 +89,7 @@ from common.engine.hf_io import check_model
 from common.engine.hf_save import tokenizer_stop_ids
 from common.engine.sampling import SamplingParams
 from common.evaluate import bootstrap_diff, sample_completions
+from common.run_files import record
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from common.toxicity import Toxicity
@@ -254,6 +255,7 @@ class Evaluator:
         emb = self.encoder(attacks)
         hits = [i for i, s in enumerate(ok) if s]
         top = sorted(range(n), key=lambda i: -d["p_toxic"][i])[:c.data.top_attacks]
+        record(self.file)  # in the run folder: ours (common/run_files.py)
         with open(self.file, "a") as f:
             for i in top:
                 f.write(json.dumps({"eval": len(self.success) - 1, "attack": attacks[i], "answer": d["answers"][i][0],
@@ -296,6 +298,7 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
                     evaluate=evaluate if cfg.data.eval_attacks else None, panels=PANELS, loss=loss)
     if len(evaluate.success) >= 2:
         s = bootstrap_diff(evaluate.success[0], evaluate.success[-1], seed=cfg.seed)
+        record(run_dir / "eval_summary.json")
         (run_dir / "eval_summary.json").write_text(json.dumps({"success_rate": s}, indent=2) + "\n")
         print(f"[redteam] attack success rate ({s['n']} attacks): before {s['before']:.3f}, after {s['after']:.3f}, "
               f"change {s['diff']:+.3f} (95% bootstrap CI {s['ci_low']:+.3f} .. {s['ci_high']:+.3f}); "

@@ -76,6 +76,7 @@ from common.engine.hf_io import load_model
 from common.engine.hf_save import tokenizer_stop_ids
 from common.evaluate import bootstrap_diff, completion_logps, greedy_completions, win_vector
 from common.reward_model import RewardModel
+from common.run_files import record
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
@@ -298,6 +299,7 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts
         s = bootstrap_diff(evaluate.wins[0], evaluate.wins[-1], seed=cfg.seed)
         out = Path(cfg.run_root) / cfg.name / "eval_summary.json"
+        record(out)  # in the run folder: ours (common/run_files.py)
         out.write_text(json.dumps({"win_rate": s, "reward_model": rm_path or "the reward passed to main",
                                    "gold_model": gold_path}, indent=2) + "\n")
         print(f"[tldr] win-rate vs reference (gold RM, {s['n']} posts): before {s['before']:.3f}, after "

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from common.errors import WriteError, write_failed
+from common.run_files import record
 
 _RESERVED = ("step", "time")
 
@@ -107,10 +108,12 @@ class MetricsLogger:
             self._t_offset = max(times, default=0.0)
         self._t0 = time.monotonic()  # monotonic: immune to wall-clock jumps (NTP) mid-run
         self._f = open(self.path, "ab", buffering=0)  # unbuffered: a failed write leaves nothing to flush later
+        record(self.path)  # the run folder's manifest (common/run_files.py): ours, for --overwrite
         self._tb = self._wandb = None
         if use_tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter  # optional dependency, asked for by a flag
+                record(self.run_dir / "tensorboard", tree=True)  # the library names its own files in it
                 self._tb = SummaryWriter(log_dir=str(self.run_dir / "tensorboard"))
             except ImportError:
                 warn("use_tensorboard=True but tensorboard is not installed (pip install tensorboard); "
@@ -118,6 +121,7 @@ class MetricsLogger:
         if use_wandb:
             try:
                 import wandb  # optional dependency, asked for by a flag
+                record(self.run_dir / "wandb", tree=True)  # wandb.init(dir=) writes under dir/wandb/
                 self._wandb = wandb.init(project=wandb_project, config=config, dir=str(self.run_dir))
             except ImportError:
                 warn("use_wandb=True but wandb is not installed (pip install wandb); "
@@ -128,9 +132,11 @@ class MetricsLogger:
         late = [r for r in rows if r.get("step", 0) > step]
         if not late:
             return
+        record(self.run_dir / "metrics_discarded.jsonl")
         with open(self.run_dir / "metrics_discarded.jsonl", "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in late)
         tmp = self.path.with_suffix(".jsonl.tmp")  # then one rename: a crash leaves the old file or the new one
+        record(tmp)
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= step), encoding="utf-8")
         tmp.replace(self.path)
 

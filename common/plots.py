@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from common.log import read_metrics, warn
+from common.run_files import record
 
 
 # a panel is drawn only when its metric was logged (gap_mean: AReaL's prox/behav train-inference gap;
@@ -99,6 +100,7 @@ def plot_runs(runs, out_png=None, x: str = "time", panels=_PANELS, title: str | 
     if out_png is not None:
         out = Path(out_png)
         out.parent.mkdir(parents=True, exist_ok=True)
+        record(out)  # in a run folder: ours (common/run_files.py)
         fig.savefig(out, dpi=100)
     return fig
 

@@ -46,6 +46,7 @@ from common.engine.precision import Precision, resolve
 from common.log import MetricsLogger
 from common.plots import plot_metrics, plot_runs
 from common.progress import Progress
+from common.run_files import record
 from common.runtime.process import trainer_process
 from common.errors import UserError
 from common.runtime.run_dir import RunNameError, check_name, run_dir_of
@@ -157,6 +158,7 @@ def replay_stream(cfg, algo: Algorithm, stream, precision: Optional[Precision] =
     if run_dir.resolve() == stream.resolve().parent:  # checked first: overwrite must never delete the recording
         raise RunNameError(f"replay into {run_dir} would mix with the recorded run: choose another name")
     run_dir = prepare_run_dir(cfg, resume=False)
+    record(run_dir / "replay_of.json", run_dir / "precision.json")
     (run_dir / "replay_of.json").write_text(json.dumps({"stream": str(stream.resolve()), "steps": n}) + "\n")
     prec = precision or Precision.from_dict(meta["precision"])  # applied in `trainer_process`, restored after
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")

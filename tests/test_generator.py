@@ -121,3 +121,33 @@ def test_groups_the_filter_drops_give_their_places_back_so_admission_never_stall
     # (after eta x P = 2 dropped groups); with them it reaches 21, having dropped 17 groups
     assert version >= 16, version
     assert buf.n_dropped_stale >= 8 * n
+
+
+class RepeatingControl(Control):
+    """A claim counter written back on the store (a replay) hands out each index twice in a row."""
+
+    def __init__(self, n_claims: int):
+        super().__init__(mp.get_context("spawn"), n_claims, None, 1)
+        self.given = []
+
+    def claim(self):
+        if len(self.given) >= 2 * self.prompts_per_version:
+            return None
+        self.given.append(len(self.given) // 2)  # 0, 0, 1, 1, ...
+        return self.given[-1]
+
+
+def test_a_repeated_claim_is_sampled_once_and_the_generator_goes_on(tmp_path, caplog):
+    save_hf("llama_tied", tmp_path / "model")
+    model = load_model(str(tmp_path / "model"), tokenizer=False)[0]
+    store = WeightStore.from_module(model)
+    store.publish(model, 0)
+    buffer, control = ReplayBuffer(64, 16), RepeatingControl(4)
+    prompts = PromptSet([[5 + i, 6 + i, 7 + i] for i in range(4)])
+    cfg = GenConfig(max_batch=4, max_new_tokens=4, n=2, temperature=1.0, queue_depth=4)
+    generator_main(0, cfg, str(tmp_path / "model"), None, store, buffer, control, prompts, lambda t, m: 0.0, 0, 16,
+                   (), "cpu", Precision("fp32", "aten", "fp32"), stop_event=Until(buffer, 4),
+                   beat=Heartbeats(["g"], tmp_path / "stacks").beat_for("g"))
+    got = buffer.get(list(range(buffer.n_added)))
+    assert sorted(got.group_id.tolist()) == sorted(2 * [prompt_order(0, 4, i) for i in range(4)])  # each prompt's n once
+    assert "already in flight here; dropped the repeat" in caplog.text

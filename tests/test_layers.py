@@ -11,7 +11,7 @@
     engine       common/engine/                 one process runs a model; imports engine and contracts only
     algorithms   tba/, areal/                   their own package, common/algorithm.py and the contracts
     algorithm    common/algorithm.py            contracts only
-    contracts    common/{batch,ops,micro,config,config_check,errors,log,plots,progress}.py   contracts only
+    contracts    common/{batch,ops,micro,config,config_check,errors,log,plots,progress,run_files}.py   contracts only
 Imports point one way: nodes -> ranks -> core. No import cycle anywhere; no function-local import
 of our own modules; a function-local import of a third-party module carries a comment saying why
 (on its line, or above its run of imports). A new module must be placed in a layer here before it
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("common", "tba", "areal")
 CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.config_check", "common.errors",
-             "common.log", "common.plots", "common.progress"}
+             "common.log", "common.plots", "common.progress", "common.run_files"}
 TASK_LEVEL = {"common.task", "common.run_config", "common.evaluate", "common.data", "common.embed", "common.reward_model", "common.replay",
               "common.toxicity", "common.preflight", "common.math_answer"}
 CORE = {"runtime", "engine", "algorithm", "contract"}

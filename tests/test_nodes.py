@@ -6,6 +6,7 @@ check, without it (tests/nodes_run.py runs the agents; faults: tests/test_node_f
 the claim on the store, the config checks.
 """
 import json
+import pickle
 import re
 import sys
 import threading
@@ -23,7 +24,7 @@ from common.runtime.nodes.world import check, is_generator_node, join
 from common.runtime.train_config import DistConfig
 from common.runtime.train_config import TrainConfig
 from common.errors import UserError
-from common.runtime.wire import SecretError, bound_store, seal
+from common.runtime.wire import Seals, SecretError, bound_store
 from common.task import RunConfig
 from tests.close import assert_update_close
 from tests.nodes_run import SCRIPT, finish, start, steps, two_nodes, weights, weights_of
@@ -208,16 +209,16 @@ def test_rows_travel_packed_and_land_as_added():
 
 def test_claims_on_the_store_are_atomic_and_bounded():
     """Four claimers race for a quota of 40 prompts: each index once, never past the quota."""
-    secret = b"s" * 32
+    seals = Seals(b"s" * 32, "run-1")
     server, _ = bound_store("127.0.0.1")
-    rc = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), secret)
+    rc = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), seals)
     assert rc.claim() is None  # no quota published yet
-    server.set("started", seal(secret, "started", b"0 trainer"))
-    server.set("quota", seal(secret, "quota", b"40"))
+    server.set("started", seals.seal("started", b"0 trainer", seq=0))
+    server.set("quota", seals.seal("quota", b"40"))
     got, lock = [], threading.Lock()
 
     def claimer():
-        c = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), secret)
+        c = RemoteControl("127.0.0.1", server.port, 2, timedelta(seconds=30), pickle.loads(pickle.dumps(seals)))
         while (i := c.claim()) is not None:
             with lock:
                 got.append(i)
@@ -228,7 +229,7 @@ def test_claims_on_the_store_are_atomic_and_bounded():
     for t in ts:
         t.join(60)
     assert sorted(got) == list(range(40))
-    server.set("quota", seal(secret, "quota", b"42"))
+    server.set("quota", seals.seal("quota", b"42"))
     assert [rc.claim(), rc.claim(), rc.claim()] == [40, 41, None]
     assert rc.stats.shape == (2, len(Control.STAT_FIELDS))
 
@@ -246,9 +247,17 @@ def test_config_checks_and_single_node_path(monkeypatch):
     with pytest.raises(SecretError, match="several nodes need a per-run secret"):  # before any connection
         check(DistConfig(), tc, 2)
     monkeypatch.setenv("ASYNCRL_RUN_SECRET", "x" * 32)
+    with pytest.raises(SecretError, match="not a random token"):
+        check(DistConfig(), tc, 2)
+    monkeypatch.setenv("ASYNCRL_RUN_SECRET", "4f0c9e2b7a61d8355e9a0b6c1f7d2e48")
     check(DistConfig(), tc, 2)
     with pytest.raises(UserError, match="every interface"):
         check(DistConfig(bind="0.0.0.0"), tc, 2)
+    monkeypatch.setenv("MASTER_ADDR", "0.0.0.0")  # torchrun --master-addr=0.0.0.0, no --dist.bind: refused too
+    with pytest.raises(UserError, match=r"MASTER_ADDR=0\.0\.0\.0 .*is every interface"):
+        check(DistConfig(), tc, 2)
+    check(DistConfig(bind="127.0.0.1"), tc, 2)  # --dist.bind names the one address: MASTER_ADDR is not listened on
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="nproc-per-node=1"):
         check(DistConfig(), tc, 2)

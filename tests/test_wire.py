@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import os
 import pickle
+import secrets
 import socket
 import time
 from datetime import timedelta
@@ -22,14 +23,14 @@ from common.runtime.nodes.trajectories import RemoteControl, check_header
 from common.runtime.ranks.commands import StoreCommands
 from common.runtime.ranks.fsdp import init_group
 from common.runtime.train_config import DistConfig
-from common.runtime.wire import (ForgedValue, SECRET_ENV, SecretError, bound_store, fingerprint, run_secret, seal,
-                                 unseal)
+from common.runtime.wire import (ForgedValue, ReplayedValue, SECRET_ENV, SecretError, bound_store, fingerprint, run_secret,
+                                 seal, unseal)
 from tests.nodes_run import agent, finish, free_port, logs_dir, output, run_pids, start, steps, wait_for
 from tests.test_node_faults import _all_gone, _shm
 from tests.tiny import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
-SECRET = "wire-test-secret-" + "ab" * 16
+SECRET = "wire-test-secret-" + "0f1e2d3c4b5a6978" * 2
 
 
 class Planted:
@@ -62,7 +63,7 @@ def _readers(keys, tmp_path):
     return {
         "setup": lambda: keys.get("setup"),                                     # generator nodes
         "trainer/setup": lambda: keys.get("trainer/setup"),                     # other trainer nodes
-        "trainer/cmd/0": lambda: StoreCommands("127.0.0.1", keys.port, 5, keys.secret).get(2.0),  # their ranks
+        "trainer/cmd/0": lambda: StoreCommands("127.0.0.1", keys.port, 5, keys.seals).get(2.0),  # their ranks
         "traj/1/1": lambda: check_header(keys.get_json("traj/1/1"), buf, 7),    # the trainer's ingest
         "failed/1": lambda: keys.failure(),                                     # every node's watch
         "stop": lambda: keys.beat(),                                            # every node's loop
@@ -70,8 +71,8 @@ def _readers(keys, tmp_path):
         "trainer/end": lambda: keys.get_text("trainer/end"),                    # other trainer nodes
         "weights/version": lambda: keys.get_text("weights/version"),            # generator nodes' receiver
         "weights/ack/1/3": lambda: keys.has("weights/ack/1/3"),                 # the trainer's publish
-        "quota": lambda: RemoteControl("127.0.0.1", keys.port, 1, timedelta(seconds=5), keys.secret).claim(),
-        "started": lambda: RemoteControl("127.0.0.1", keys.port, 1, timedelta(seconds=5), keys.secret).claim(),
+        "quota": lambda: RemoteControl("127.0.0.1", keys.port, 1, timedelta(seconds=5), keys.seals).claim(),
+        "started": lambda: RemoteControl("127.0.0.1", keys.port, 1, timedelta(seconds=5), keys.seals).claim(),
     }
 
 
@@ -91,8 +92,9 @@ def test_a_forged_value_under_every_key_is_refused_unread(keys, tmp_path, key):
         reads[key]()
     assert not marker.exists()
     # sealed, but with another secret (a node of another run), or the run's seal of another key
-    for forged in (seal(b"another-secret-" + b"x" * 20, key, pickle.dumps(Planted(marker))),
-                   seal(keys.secret, "some/other/key", pickle.dumps(Planted(marker)))):
+    for forged in (seal(b"another-secret-" + b"x" * 20, key, pickle.dumps(Planted(marker)), keys.run_id),
+                   seal(keys.secret, "some/other/key", pickle.dumps(Planted(marker)), keys.run_id),
+                   seal(keys.secret, key, pickle.dumps(Planted(marker)), "an-earlier-run", 10**6)):
         p.set(key, forged)
         with pytest.raises(ForgedValue):
             reads[key]()
@@ -131,14 +133,22 @@ def test_the_secret_comes_out_of_band_and_is_refused_when_weak(monkeypatch, tmp_
     monkeypatch.setenv(SECRET_ENV, "short")
     with pytest.raises(SecretError, match="at least 16"):
         run_secret()
+    for weak, why in (("a" * 16, "it repeats a shorter string"), ("ab" * 20, "it repeats a shorter string"),
+                      ("1234123412341234", "it repeats a shorter string"), ("aaaaaaaaaaaaaaab", "it has 2 distinct"),
+                      ("password12345678", "its characters carry about 62 bits")):
+        monkeypatch.setenv(SECRET_ENV, weak)
+        with pytest.raises(SecretError, match=rf"not a random token \({why}.*secrets.token_hex\(32\).*a new one for each"):
+            run_secret()
+    monkeypatch.setenv(SECRET_ENV, secrets.token_hex(32))
+    assert run_secret() == os.environ[SECRET_ENV].encode()
     monkeypatch.delenv(SECRET_ENV)
     f = tmp_path / "secret"
-    f.write_text("z" * 40 + "\n")
+    f.write_text(SECRET + "\n")
     f.chmod(0o644)
     with pytest.raises(SecretError, match="readable by others.*chmod 600"):
         run_secret(str(f))
     f.chmod(0o600)
-    assert run_secret(str(f)) == b"z" * 40
+    assert run_secret(str(f)) == SECRET.encode()
     with pytest.raises(SecretError, match="cannot read it"):
         run_secret(str(tmp_path / "missing"))
 
@@ -183,7 +193,7 @@ def test_no_listener_on_every_interface_and_no_pickle_off_the_wire():
     loads = {(f, c) for f, _, c in _calls("pickle.loads")}
     assert loads == {  # each from a sealed value, or a local spawn's pipe
         ("common/runtime/nodes/keys.py", "pickle.loads(self.get_bytes(key))"),
-        ("common/runtime/ranks/commands.py", "pickle.loads(unseal(self.secret, key, self._store.get(key)))"),
+        ("common/runtime/ranks/commands.py", "pickle.loads(self.seals.unseal(key, self._store.get(key)))"),
         ("common/runtime/ranks/rank.py", "pickle.loads(algo_bytes)"),
         ("common/runtime/pickling.py", "pickle.loads(data)"),
     }, loads
@@ -265,3 +275,53 @@ def test_one_node_trainer_ranks_listen_on_loopback_whatever_the_interface_settin
     for rank, addrs, ifname in got:
         assert addrs and set(addrs) == {"127.0.0.1"}, (rank, addrs)
         assert ifname == other  # the user's setting is back once the group exists
+
+
+def test_a_value_of_this_run_written_back_later_is_refused_naming_its_key(keys):
+    """A replay: a process on the network recorded the run's own sealed value and writes it back
+    once a newer one was read. Every reader refuses it (ReplayedValue), the claim counter included."""
+    p = peer(keys)
+    reader = RunKeys(DistConfig(timeout=5), 1, 2, "127.0.0.1", keys.port)  # another node, reading the run id
+    keys.put_text("weights/version", "3")
+    old = p.get("weights/version")
+    keys.put_text("weights/version", "4")
+    assert reader.get_text("weights/version") == "4"
+    p.set("weights/version", old)
+    with pytest.raises(ReplayedValue, match="under key 'weights/version'.*older than one already read"):
+        reader.get_text("weights/version")
+    # the claim counter: the trainer opens it, a claimer takes two; the count written back lower is refused
+    keys.put_text("started", "0 trainer", seq=0)
+    keys.put_text("quota", "5")
+    rc = RemoteControl("127.0.0.1", keys.port, 1, timedelta(seconds=5), pickle.loads(pickle.dumps(keys.seals)))
+    first = p.get("started")
+    assert [rc.claim(), rc.claim()] == [0, 1]
+    p.set("started", first)
+    with pytest.raises(ReplayedValue, match="under key 'started'"):
+        rc.claim()
+    reader.close()
+
+
+def test_a_value_of_an_earlier_run_is_refused_even_with_the_secret_reused(keys):
+    """Run B, an earlier run under the same secret, sealed values that a recorder kept; written into
+    this run's store, each is refused (the run id is inside the tag), and a "run" key written back
+    with B's id makes a node refuse every value of this run rather than take B's."""
+    earlier = RunKeys(DistConfig(timeout=5), 0, 2, "127.0.0.1", None)
+    earlier.serve(0)
+    assert earlier.run_id != keys.run_id and len(keys.run_id) == 32
+    earlier.put_text("quota", "99")
+    earlier.put("setup", {"recorded": True})
+    p, old = peer(keys), peer(earlier)
+    for key in ("quota", "setup"):
+        p.set(key, old.get(key))
+    with pytest.raises(ForgedValue, match="under key 'quota'.*recorded from an earlier run"):
+        keys.get_text("quota")
+    with pytest.raises(ForgedValue, match="under key 'setup'"):
+        keys.get("setup")
+    p.set("run", old.get("run"))  # a node that has not read the run id yet is handed B's
+    keys.put_text("stop", "1")
+    late = RunKeys(DistConfig(timeout=5), 1, 2, "127.0.0.1", keys.port)
+    assert late.run_id == earlier.run_id  # taken, but ...
+    with pytest.raises(ForgedValue, match="under key 'stop'"):  # ... nothing of this run passes with it
+        late.has("stop")
+    late.close()
+    earlier.close()

@@ -22,8 +22,8 @@ whatever N wrote them, and a large model is never gathered to read it back.
 Crash-safety rules:
 - Everything is written into `checkpoints/.tmp_step_XXXXXX`, fsynced, and only then renamed to
   `step_XXXXXX` (rename is atomic on POSIX). A crash mid-write leaves at most a `.tmp_*` dir,
-  which `latest_checkpoint` ignores and the next save deletes; the last good checkpoint is never
-  touched before the new one is complete. A write that fails for any reason (disk full, quota,
+  which `latest_checkpoint` ignores and the next start or save deletes; the last good checkpoint
+  is never touched before the new one is complete. A write that fails for any reason (disk full, quota,
   DCP's CheckpointException, a serializer's RuntimeError) removes its partial copy and raises
   `CheckpointError`: the cause, the path, the free space, the intact previous checkpoint (a
   Ctrl-C removes it too and goes on); a warning comes first when the last checkpoint's size
@@ -32,6 +32,9 @@ Crash-safety rules:
   listed file exists with its recorded size (catches truncation) and validates everything
   (architecture, tensor names/shapes, optimizer groups) BEFORE mutating the model or optimizer.
 - Pruning (`keep_last`) runs after the rename and never deletes the checkpoint just written.
+  Removing a checkpoint (pruned, replaced, a leftover) deletes only what the project wrote in it
+  (meta.json's files, meta.json last; a leftover's from the run folder's manifest), and a prune cut
+  off is finished at the next start (common/runtime/checkpoint_dir.py).
 - Several ranks: every rank writes its shards into the same `.tmp_*` directory, rank 0 alone
   writes the rest, fsyncs every file (one node, one filesystem) and renames; loading checks the
   saved tensor names and shapes against the model before any rank loads.
@@ -40,7 +43,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -52,15 +54,16 @@ import torch
 
 from common.config import save_config
 from common.errors import free_bytes, human_bytes, write_failed
+from common.run_files import record
 from common.engine.hf_save import save_pretrained
 from common.engine.model_config import ModelConfig
 from common.runtime.buffer import ReplayBuffer
+from common.runtime.checkpoint_dir import (FORMAT_VERSION, PREFIX, TMP, begin, ckpt_root, fsync, latest_checkpoint,
+                                           prune, published, read_meta, remove_checkpoint)
 from common.runtime.state import (CheckpointError, check_state, one_line, read_state, rng_state, set_rng_state,
                                   write_state)
 
-FORMAT_VERSION = 2  # 2: model and optimizer state in state/ (DCP); 1 had the optimizer in trainer_state.pt
-_PREFIX, _TMP = "step_", ".tmp_"
-
+__all__ = ["CheckpointError", "ResumeState", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 @dataclass
 class ResumeState:
@@ -72,67 +75,7 @@ class ResumeState:
     path: Path | None = None                      # the checkpoint directory it came from
 
 
-def _ckpt_root(run_dir) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def _step_of(p: Path) -> int | None:
-    if not p.name.startswith(_PREFIX):
-        return None
-    try:
-        return int(p.name[len(_PREFIX):])
-    except ValueError:
-        return None
-
-
-def _read_meta(ckpt: Path) -> dict:
-    f = Path(ckpt) / "meta.json"
-    if not f.is_file():
-        raise CheckpointError(f"{ckpt}: no meta.json (incomplete or not a checkpoint directory)")
-    try:
-        meta = json.loads(f.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{f}: corrupt meta.json ({type(e).__name__}: {e})") from None
-    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "step" not in meta:
-        raise CheckpointError(f"{f}: corrupt meta.json (missing 'step' or 'files')")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{f}: format_version {meta.get('format_version')!r}, this code reads "
-                              f"{FORMAT_VERSION}")
-    return meta
-
-
-def _valid_checkpoints(run_dir) -> list[tuple[int, Path]]:
-    """(step, dir) of every step_* dir with a readable meta.json, by increasing step."""
-    root, out = _ckpt_root(run_dir), []
-    if not root.is_dir():
-        return out
-    for p in root.iterdir():
-        step = _step_of(p)
-        if step is None or not p.is_dir():
-            continue
-        try:
-            _read_meta(p)
-        except CheckpointError:
-            continue
-        out.append((step, p))
-    return sorted(out)
-
-
-def latest_checkpoint(run_dir) -> Path | None:
-    """The highest-step checkpoint with a valid meta.json, or None."""
-    ckpts = _valid_checkpoints(run_dir)
-    return ckpts[-1][1] if ckpts else None
-
-
 # ---------------------------------------------------------------- save
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _file_sizes(d: Path) -> dict[str, int]:
     return {str(f.relative_to(d)): f.stat().st_size for f in sorted(d.rglob("*")) if f.is_file()}
 
@@ -144,7 +87,7 @@ def _write_meta(d: Path, meta: dict) -> None:
 def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation,
                 step: int, write) -> None:
     """Every file of one checkpoint into `tmp` (meta.json last), fsynced."""
-    tmp.mkdir()
+    begin(tmp)
     stepped = bool(optimizer.state)
     if write is None:  # one rank: its state, and the model itself is whole for the export
         write_state(tmp / "state", model, optimizer)
@@ -167,7 +110,7 @@ def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer
     _write_meta(tmp, meta)
     for f in tmp.rglob("*"):  # data on disk before the rename publishes it (power-loss safety)
         if f.is_file():
-            _fsync(f)
+            fsync(f)
 
 
 def _warn_if_low(run_dir, root: Path, step: int) -> None:
@@ -177,7 +120,7 @@ def _warn_if_low(run_dir, root: Path, step: int) -> None:
     free = free_bytes(root)
     if prev is None or free is None:
         return
-    need = sum(_read_meta(prev)["files"].values())
+    need = sum(read_meta(prev)["files"].values())
     if free < need * 1.1:
         print(f"[asyncrl] warning: checkpoint step {step} needs about {human_bytes(need)} (the last one's size) "
               f"and {human_bytes(free)} is free in {root}: it will likely fail; free some space or lower "
@@ -187,7 +130,7 @@ def _warn_if_low(run_dir, root: Path, step: int) -> None:
 def _write_error(run_dir, step: int, tmp: Path, final: Path, e: BaseException) -> CheckpointError:
     """A failed write as one line: what failed, where, the free space left once the partial copy
     is removed (which frees what it took), and the checkpoint that is still intact."""
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_checkpoint(tmp)
     removed = "its partial copy was removed" if not tmp.exists() else f"its partial copy {tmp} could not be removed"
     prev = latest_checkpoint(run_dir)
     kept = (f"the previous checkpoint {prev} is intact (free some space, then --resume continues from it)"
@@ -212,36 +155,33 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
         raise TypeError(f"save_checkpoint: counters {bad} must be numbers")
     counters = {k: (float(v) if isinstance(v, (float, np.floating)) else int(v)) for k, v in counters.items()}
     counters.update(step=step, version=int(counters.get("version", 0)))
-    root = _ckpt_root(run_dir)
+    root = ckpt_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    for p in root.glob(_TMP + "*"):  # leftovers of crashed writes (ours: one writer per run)
-        shutil.rmtree(p, ignore_errors=True)
-    name = f"{_PREFIX}{step:06d}"
-    tmp, final = root / (_TMP + name), root / name
+    record(root)
+    for p in root.glob(TMP + "*"):  # leftovers of crashed writes (the project's: common/runtime/checkpoint_dir.py)
+        remove_checkpoint(p)
+    name = f"{PREFIX}{step:06d}"
+    tmp, final = root / (TMP + name), root / name
 
     _warn_if_low(run_dir, root, step)
     try:
         _write_into(tmp, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation, step, write)
     except (KeyboardInterrupt, SystemExit):  # stopping: no partial copy left behind, the stop goes on
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_checkpoint(tmp)
         raise
     except BaseException as e:  # disk full, quota, I/O error; DCP's CheckpointException is a BaseException
         raise _write_error(run_dir, step, tmp, final, e) from e
 
     if final.exists():  # re-saving a step (e.g. after a resume): swap, old one goes last
-        old = root / (_TMP + "replaced_" + name)
+        old = root / (TMP + "replaced_" + name)
         os.rename(final, old)
         os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        remove_checkpoint(old, as_of=final)  # recorded under final's name
     else:
         os.rename(tmp, final)
-    _fsync(root)  # persist the rename itself
-
-    if keep_last is not None and keep_last > 0:
-        ckpts = _valid_checkpoints(run_dir)
-        for _, p in ckpts[:-keep_last]:
-            if p != final:
-                shutil.rmtree(p, ignore_errors=True)
+    fsync(root)  # persist the rename itself
+    published(tmp, final)
+    prune(run_dir, keep_last, keep=final)
     return final
 
 
@@ -253,7 +193,7 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
     and config. Sharded (N ranks): rank 0 calls this with `read(state_dir, stepped)`, which has
     every rank load its shards, after every check passed (common/runtime/ranks/group.py)."""
     path = Path(path)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     for rel, size in meta["files"].items():
         f = path / rel
         if not f.is_file():

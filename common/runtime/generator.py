@@ -223,6 +223,9 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
             i = control.claim()
             if i is None:
                 break
+            if i in groups:  # claimed twice (a counter written back on the store of several nodes): sampled once
+                log.warning("generator %d: prompt claim %d is already in flight here; dropped the repeat", rank, i)
+                continue
             if store.version > sampler.version and not sampler.update_pending:
                 # the quota that admitted i moved after the trainer published (one node: the store first;
                 # other nodes: every receiver's ack first), possibly after the check above: sample i with
@@ -238,6 +241,9 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
         t = time.perf_counter()
         beat("decoding")
         for c in sampler.step():
+            if c.request_id not in groups:  # never claimed here, or its group already complete: nothing to add to
+                log.warning("generator %d: a completion of unknown request %d; dropped", rank, c.request_id)
+                continue
             p, g = groups[c.request_id]
             g.append(c)
             if len(g) < cfg.n:

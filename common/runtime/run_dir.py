@@ -1,13 +1,14 @@
 """Run folders: `<run_root>/<name>/`, the one folder a run writes into and the only one
 `--overwrite` deletes from.
 
-A run name is one path component (no separator, not `.` or `..`, not empty), and the folder must
-resolve inside run_root, symlinks followed, so a name never reaches outside it. A folder this
-project creates holds a marker file (`MARKER`: a small JSON saying when and by what); an
-existing folder without it is taken as ours only when every entry in it is one a run writes
-(`OURS`: runs made before the marker existed), otherwise it is refused, untouched.
-`--overwrite` removes only the entries a run writes, and refuses, removing nothing, while the
-folder holds anything else (a user's file, a symlink).
+A run name is one path component (no separator, not `.` or `..`, not empty, no control
+character, at most `MAX_NAME` characters), and the folder must resolve inside run_root, symlinks
+followed, so a name never reaches outside it. A folder this project creates holds a marker file
+(`MARKER`: a small JSON saying when and by what) and a manifest of every entry a run wrote there
+(common/run_files.py: recorded when written). A non-empty folder without the marker is refused,
+untouched, whatever its entries are named. `--overwrite` removes only the recorded entries, and
+refuses, removing nothing, while the folder holds anything else at any depth (a user's file, one
+inside checkpoints/, a symlink), listing it.
 
 Runs in the trainer (rank 0) through `common/runtime/run_log.py`'s `prepare_run_dir`; task
 scripts check the name and the folder (`check_run_dir`, which writes nothing) before anything
@@ -17,21 +18,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import time
 from pathlib import Path
 
 from common.errors import UserError
+from common.run_files import MANIFEST, MARKER, foreign, remove_owned
 
-MARKER = ".asyncrl_run"
-# what a run (a training run, a replay, a task's own evaluation, other nodes) writes in its folder
-_FILES = frozenset({MARKER, "config.json", "precision.json", "metrics.jsonl", "metrics_discarded.jsonl",
-                    "curves.png", "workers.json", "replay_of.json", "replays.png", "eval_summary.json",
-                    "attacks.jsonl"})
-_DIRS = frozenset({"checkpoints", "stacks", "stream", "tensorboard", "wandb"})
-_NODE_DIR = re.compile(r"node\d+")  # a multi-node run's per-node files (common/runtime/nodes/)
-_TMP_FILE = re.compile(r"\..+\.\d+\.tmp")  # common/config.py save_config's temporary file
+MAX_NAME = 200  # characters of a run name (a folder name: most file systems stop at 255 bytes)
 _SHOWN = 5  # how many foreign entries a refusal lists
 
 
@@ -54,8 +47,11 @@ def check_name(name) -> str:
         raise RunNameError(f"run name {name!r} is an absolute path: a run lives in run_root/<name>; {fix}")
     if "/" in name or "\\" in name:
         raise RunNameError(f"run name {name!r} holds a path separator: a name is one path component; {fix}")
-    if "\0" in name:
-        raise RunNameError(f"run name {name!r} holds a NUL character: {fix}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in name):
+        raise RunNameError(f"run name {name!r} holds a control character (a newline, a tab, NUL, ...): {fix}")
+    if len(name) > MAX_NAME or len(name.encode()) > 255:
+        raise RunNameError(f"run name of {len(name)} characters: a run name is a folder name of at most {MAX_NAME} "
+                           f"characters; {fix}")
     return name
 
 
@@ -71,17 +67,8 @@ def run_dir_of(cfg) -> Path:
     return d
 
 
-def _ours(p: Path) -> bool:
-    """Whether an entry of a run folder is one a run writes (we never write symlinks)."""
-    if p.is_symlink():
-        return False
-    if p.is_dir():
-        return p.name in _DIRS or _NODE_DIR.fullmatch(p.name) is not None
-    return p.name in _FILES or _TMP_FILE.fullmatch(p.name) is not None
-
-
-def _listing(entries: list[Path]) -> str:
-    names = [p.name + ("/" if p.is_dir() and not p.is_symlink() else "") for p in entries]
+def _listing(entries: list[Path], d: Path) -> str:
+    names = [p.relative_to(d).as_posix() + ("/" if p.is_dir() and not p.is_symlink() else "") for p in entries]
     return ", ".join(names[:_SHOWN]) + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
 
 
@@ -90,53 +77,43 @@ def _mark(d: Path, name: str) -> None:
                                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
 
 
-def _remove(d: Path, entries: list[Path]) -> None:
-    """Delete the given entries of `d` (every one checked to be ours) and say what went."""
-    shown = _listing([p for p in entries if p.name != MARKER])
-    for p in entries:
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        else:
-            p.unlink()
-    print(f"[asyncrl] --overwrite: removed the earlier run in {d} ({shown})")
-
-
-def check_run_dir(cfg, resume: bool) -> tuple[Path, list[Path], bool]:
-    """What `open_run_dir` would do, changing nothing: (folder, the entries --overwrite removes
-    (none: keep all), whether the folder holds our marker); a RunDirError where it would refuse.
-    Task scripts call it before anything loads (common/run_config.py: make_config)."""
+def check_run_dir(cfg, resume: bool) -> tuple[Path, bool, bool]:
+    """What `open_run_dir` would do, changing nothing: (folder, whether --overwrite removes an
+    earlier run, whether the folder holds our marker); a RunDirError where it would refuse. Task
+    scripts call it before anything loads (common/run_config.py: make_config)."""
     d = run_dir_of(cfg)
     if resume and getattr(cfg, "overwrite", False):
         raise RunDirError(f"--resume and --overwrite both set for {d}: continue the run, or replace it, not both")
     if d.exists() and not d.is_dir():
         raise RunDirError(f"run folder {d} is a file, not a folder: choose another --name (nothing was changed)")
     entries = sorted(d.iterdir()) if d.is_dir() else []
-    foreign = [p for p in entries if not _ours(p)]
     marked = (d / MARKER).is_file() and not (d / MARKER).is_symlink()
-    # without the marker: ours only when every entry is a run's (more than a lone config.json, which
-    # any Hugging Face model folder has); an empty folder is free to use
-    legacy = not foreign and any(p.name != "config.json" for p in entries)
-    if entries and not marked and not legacy:
-        raise RunDirError(f"{d} exists and was not made by this project (it holds {_listing(foreign or entries)}): "
+    if entries and not marked:
+        raise RunDirError(f"{d} exists and was not made by this project (it holds {_listing(entries, d)}): "
                           f"choose another --name, or move that folder away (nothing was changed)")
     if not (d / "metrics.jsonl").exists() or resume:
-        return d, [], marked
+        return d, False, marked
     if not getattr(cfg, "overwrite", False):
         raise RunDirError(f"{d} already holds a run: continue it (--resume, resume=True), replace it "
                           f"(--overwrite, overwrite=True) or choose another name")
-    if foreign:
-        raise RunDirError(f"--overwrite: {d} holds files a run does not write ({_listing(foreign)}): move them "
-                          f"out of it, or choose another --name (nothing was removed)")
-    return d, entries, marked
+    left = foreign(d)
+    if left:
+        why = ("" if (d / MANIFEST).is_file() else
+               f" (it was written before runs recorded their files in {MANIFEST}: remove it yourself)")
+        raise RunDirError(f"--overwrite: {d} holds what the project did not write{why}: {_listing(left, d)}; "
+                          f"move it out of the folder, or choose another --name (nothing was removed)")
+    return d, True, marked
 
 
 def open_run_dir(cfg, resume: bool) -> Path:
     """The run folder of `cfg`, created and marked as ours, with an earlier run in it continued
-    (resume), replaced (cfg.overwrite: only the entries a run writes, and only in a folder that is
-    ours) or refused; never mixed into. Errors change nothing on disk."""
-    d, remove, marked = check_run_dir(cfg, resume)
-    if remove:
-        _remove(d, remove)
+    (resume), replaced (cfg.overwrite: only the entries the project recorded, and only when nothing
+    else is there) or refused; never mixed into. Errors change nothing on disk."""
+    d, replace, marked = check_run_dir(cfg, resume)
+    if replace:
+        remove_owned(d, "")
+        (d / MANIFEST).unlink(missing_ok=True)  # a fresh record for the new run
+        print(f"[asyncrl] --overwrite: removed the earlier run in {d}")
         marked = False
     d.mkdir(parents=True, exist_ok=True)
     if not marked:

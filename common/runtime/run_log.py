@@ -5,6 +5,7 @@ and by replays (common/replay.py), so a replayed run logs as a trained one does.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -13,6 +14,7 @@ import torch
 
 from common.batch import Batch
 from common.config import save_config
+from common.run_files import record
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control, decode_graphs, decode_overlap
 from common.runtime.run_dir import open_run_dir
@@ -40,6 +42,7 @@ def prepare_run_dir(cfg, resume: bool) -> Path:
     (resume), replaced (cfg.overwrite) or refused, never mixed into; a name that leaves run_root,
     or a folder this project did not make, is refused (common/runtime/run_dir.py)."""
     run_dir = open_run_dir(cfg, resume)
+    record(run_dir / "config.json", run_dir / f".config.json.{os.getpid()}.tmp")  # save_config's rename, and its temporary
     save_config(cfg, run_dir / "config.json")
     return run_dir
 

@@ -44,6 +44,7 @@ from safetensors.torch import save as st_save
 from common.batch import FINISH_REASONS, Batch
 from common.config import to_dict
 from common.errors import UserError, WriteError, write_failed
+from common.run_files import forget, record, recorded
 
 FORMAT = "asyncrl.stream/v1"
 _PREFIX, _SUFFIX = "step_", ".safetensors"
@@ -144,6 +145,7 @@ def _write_file(final: Path, data: bytes, what: str, then: str) -> None:
     """`data` into `final` through a temporary name and a rename: a failure removes the temporary
     file (nothing half-written is left as if valid) and raises `WriteError`, its line ending in `then`."""
     tmp = final.parent / f".tmp_{final.name}"
+    record(tmp, final)  # in a run folder: ours (common/run_files.py), the temporary too (a crash may leave it)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -176,15 +178,18 @@ class StreamWriter:
         w = cls(d)
         start = 0 if checkpoint is None else int(json.loads((Path(checkpoint) / "meta.json").read_text())["step"])
         w.dir.mkdir(parents=True, exist_ok=True)
-        for p in w.dir.glob(".tmp_*"):  # a step file a crash left half-written
-            p.unlink()
+        for p in w.dir.glob(".tmp_*"):  # a step file a crash left half-written (ours only: recorded when written)
+            if recorded(p):
+                p.unlink()
         have = step_files(w.dir)
         later = [p for s, p in have if s > start]
         if later:
             dest = w.dir / "discarded" / time.strftime("%Y%m%dT%H%M%S")
             dest.mkdir(parents=True, exist_ok=True)
+            record(dest, *(dest / p.name for p in later))
             for p in later:
                 os.replace(p, dest / p.name)
+            forget(*later)
             print(f"[asyncrl] record: steps {_step_of(later[0])}..{_step_of(later[-1])} were trained after the "
                   f"checkpoint of step {start}; moved to {dest}")
         meta_path = w.dir / "stream.json"

@@ -46,8 +46,10 @@ from common.config import to_dict
 from common.engine.precision import resolve
 from common.log import MetricsLogger
 from common.progress import Progress
+from common.run_files import record
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
+from common.runtime.checkpoint_dir import clean_checkpoints
 from common.runtime.generator import Control, generator_main
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.peers import Peers
@@ -78,6 +80,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                                                    torch.cuda.current_device() if dev.index is None else dev.index)
     prec = resolve(cfg.precision, tc.device).apply()
     print(f"[asyncrl] precision: {prec.summary()}")
+    record(run_dir / "precision.json")
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
     model, tok = trainer_model(prec, cfg.model, tc, ranks.model_device(tc))
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
@@ -86,6 +89,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                                        f"+ gen.max_new_tokens ({cfg.gen.max_new_tokens})")
     # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC
     store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
+    clean_checkpoints(run_dir, tc.keep_checkpoints)  # a crash's leftovers (a write or a prune cut off), only ours
     ck = latest_checkpoint(run_dir) if resume else None
     if resume and ck is None:
         print(f"[asyncrl] --resume: no checkpoint in {run_dir / 'checkpoints'}, starting fresh")
@@ -254,6 +258,7 @@ def _start_generators(cfg, workers: Workers, link: Peers, group: OneRank, run_di
         workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store, buffer,
                       gen_control, prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
                       beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
+    record(run_dir / "workers.json")
     (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **link.pids(),
                                                       **workers.pids()}) + "\n")
     return reward_fn

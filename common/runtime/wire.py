@@ -1,19 +1,26 @@
 """What crosses the network between nodes and trainer ranks, made safe to read.
 
 Three rules (docs/nodes.md has the threat model):
-* **Store values are sealed.** The run's key-value store (a `TCPStore`) has no authentication: a
-  process that reaches its port reads and writes any key. So every value the project reads back
-  from it is sealed with an HMAC-SHA256 of (key, value) under the run's secret (`seal`), and
-  `unseal` refuses a value whose tag does not match (`ForgedValue`), before anything parses it:
-  a pickle (the algorithm by value, a step's batch) is only ever loaded after its tag checked.
-  The key is inside the tag, so a value sealed for one key is refused under another.
+* **Store values are sealed to the run and to their write.** The run's key-value store (a
+  `TCPStore`) has no authentication: a process that reaches its port reads and writes any key. So
+  every value the project reads back from it is sealed with an HMAC-SHA256 under the run's secret
+  of (run id, key, sequence, value) (`seal`), and refused (`ForgedValue`) before anything parses it
+  when its tag does not match: a pickle (the algorithm by value, a step's batch) is only ever loaded
+  after its tag checked. The key is inside the tag, so a value sealed for one key is refused under
+  another; the run id (fresh per run, drawn by the trainer when it starts the store and published
+  under the key "run") is inside it, so a value recorded from an earlier run is refused even where
+  the secret was reused; the sequence (a count per key: the writer's own, or the counter's value
+  for the claim counter) is inside it, so a value of this run written back later is refused by a
+  reader that has already read a newer one (`ReplayedValue`). `Seals` is one process's view: the
+  secret, the run id, what it wrote and the newest it read per key.
 * **The secret reaches the nodes out of band** (`run_secret`): `ASYNCRL_RUN_SECRET` in the
   environment, or a file (`--dist.secret_file`) only its owner can read, the same on every node;
-  a run of several nodes refuses to start without one. It is never written to the store, the run
-  directory or a log.
+  a run of several nodes refuses to start without one, and refuses one too short or too regular
+  to be a random token. It is never written to the store, the run directory or a log.
 * **Listeners bind the address the user gave** (`listen`): a store's server socket is bound to
   that address only (torchrun's `MASTER_ADDR`, `--dist.bind`, or loopback on one machine), never
-  to every interface as `TCPStore`'s own listener does.
+  to every interface as `TCPStore`'s own listener does; an address that resolves to a wildcard is
+  refused, wherever it came from.
 Gathers between ranks or nodes carry JSON (`all_gather_json`), never `all_gather_object`'s pickles.
 
 Runs in every process that talks to another node or rank: the trainer, its node-link process,
@@ -25,9 +32,11 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import socket
 import stat
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,9 +48,13 @@ from common.runtime.launch import WorkerError
 
 SECRET_ENV = "ASYNCRL_RUN_SECRET"
 _MIN_SECRET = 16  # bytes: a secret shorter than this is refused (a 32-hex-digit token is 16 bytes of entropy)
-_MAGIC = b"asyncrl1"  # a sealed value starts with this, then the 32-byte tag, then the value
+_MIN_SECRET_BITS = 64  # a secret whose characters' empirical entropy (length x bits per character) is below this is refused
+_MIN_DISTINCT = 8  # ... and one with fewer distinct characters (a 32-hex-digit token has about 14)
+_MAGIC = b"asyncrl2"  # a sealed value starts with this, then the 32-byte tag, the 8-byte sequence, the value
 _HOW = (f"export {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') and give every node "
-        "the same value (or --dist.secret_file=PATH: a file only you can read, the same on every node)")
+        "the same value, a new one for each run (or --dist.secret_file=PATH: a file only you can read, the same on "
+        "every node)")
+RUN_KEY = "run"  # the store's key for the run id, sealed under the empty run id (readers do not know it yet)
 
 
 class ForgedValue(WorkerError):
@@ -50,13 +63,33 @@ class ForgedValue(WorkerError):
     trainer's own state is whole, so it checkpoints before it stops."""
 
 
+class ReplayedValue(ForgedValue):
+    """A value sealed by this run, but older than one the reader already read under the same key:
+    written back by a process that recorded it (a replay)."""
+
+
 class SecretError(UserError):
     """No usable per-run secret where the run needs one (several nodes)."""
 
 
+def _weak(raw: str) -> str:
+    """Why `raw` is too regular to be a random token ("" when it is not): a repetition of a shorter
+    unit, too few distinct characters, or too little entropy per its own character counts."""
+    if len(raw) > 1 and raw in (raw + raw)[1:-1]:
+        return "it repeats a shorter string"
+    counts = [raw.count(c) for c in set(raw)]
+    if len(counts) < _MIN_DISTINCT:
+        return f"it has {len(counts)} distinct characters"
+    bits = -sum(n * math.log2(n / len(raw)) for n in counts)
+    if bits < _MIN_SECRET_BITS:
+        return f"its characters carry about {bits:.0f} bits"
+    return ""
+
+
 def run_secret(secret_file: str = "") -> bytes:
     """The run's secret: `ASYNCRL_RUN_SECRET`, else the contents of `secret_file`; refused (SecretError)
-    when neither is there, when it is shorter than 16 bytes, or when the file is readable by others."""
+    when neither is there, when it is shorter than 16 bytes or too regular to be a random token
+    (`_weak`), or when the file is readable by others."""
     raw = os.environ.get(SECRET_ENV, "")
     if not raw and secret_file:
         p = Path(secret_file).expanduser()
@@ -74,28 +107,77 @@ def run_secret(secret_file: str = "") -> bytes:
     if len(raw.encode()) < _MIN_SECRET:
         raise SecretError(f"the run's secret ({SECRET_ENV} or --dist.secret_file) is {len(raw.encode())} bytes: use "
                           f"at least {_MIN_SECRET}, e.g. secrets.token_hex(32)")
+    why = _weak(raw)
+    if why:
+        raise SecretError(f"the run's secret ({SECRET_ENV} or --dist.secret_file) is not a random token ({why}): "
+                          f"anyone could guess it; {_HOW}")
     return raw.encode()
 
 
-def _tag(secret: bytes, key: str, value: bytes) -> bytes:
-    return hmac.new(secret, key.encode() + b"\0" + value, hashlib.sha256).digest()
+def _tag(secret: bytes, run: str, key: str, seq: bytes, value: bytes) -> bytes:
+    return hmac.new(secret, run.encode() + b"\0" + key.encode() + b"\0" + seq + value, hashlib.sha256).digest()
 
 
-def seal(secret: bytes, key: str, value: bytes) -> bytes:
-    """`value` with its tag under `secret` for store key `key`."""
-    return _MAGIC + _tag(secret, key, value) + value
+def seal(secret: bytes, key: str, value: bytes, run: str = "", seq: int = 0) -> bytes:
+    """`value` with its sequence `seq` and its tag under `secret` for store key `key` of run `run`."""
+    s = seq.to_bytes(8, "big")
+    return _MAGIC + _tag(secret, run, key, s, value) + s + value
 
 
-def unseal(secret: bytes, key: str, blob: bytes) -> bytes:
-    """The value `seal` sealed under `key`, or ForgedValue (compared in constant time)."""
+def unseal_seq(secret: bytes, key: str, blob: bytes, run: str = "") -> tuple[int, bytes]:
+    """(sequence, value) of what `seal` sealed under `key` for run `run`, or ForgedValue (the tag
+    compared in constant time)."""
     n = len(_MAGIC) + 32
-    if not (isinstance(blob, bytes) and blob.startswith(_MAGIC) and len(blob) >= n
-            and hmac.compare_digest(blob[len(_MAGIC):n], _tag(secret, key, blob[n:]))):
+    if not (isinstance(blob, bytes) and blob.startswith(_MAGIC) and len(blob) >= n + 8
+            and hmac.compare_digest(blob[len(_MAGIC):n], _tag(secret, run, key, blob[n:n + 8], blob[n + 8:]))):
         raise ForgedValue(f"refused the value under key {key!r} of the run's store: it is not sealed with this run's "
-                          f"secret (written by a process outside the run, reaching the store's port, or by a node "
-                          f"started with another {SECRET_ENV}); nothing of it was read. Firewall the store's port "
-                          f"to the run's nodes (docs/nodes.md)")
-    return blob[n:]
+                          f"secret and run id (written by a process outside the run, reaching the store's port, by a "
+                          f"node started with another {SECRET_ENV}, or recorded from an earlier run); nothing of it "
+                          f"was read. Firewall the store's port to the run's nodes (docs/nodes.md)")
+    return int.from_bytes(blob[n:n + 8], "big"), blob[n + 8:]
+
+
+def unseal(secret: bytes, key: str, blob: bytes, run: str = "") -> bytes:
+    """The value `seal` sealed under `key` for run `run`, or ForgedValue."""
+    return unseal_seq(secret, key, blob, run)[1]
+
+
+class Seals:
+    """One process's seals (module docstring): the run's secret and id, the sequence it last wrote
+    per key and the newest it read per key. `seal` numbers a key's writes (or takes the caller's
+    `seq`: the claim counter's value); `unseal` refuses a value older than one read before
+    (`ReplayedValue`). Picklable as (secret, run): a process it reaches starts with nothing read.
+    Thread-safe (a node's threads share one)."""
+
+    def __init__(self, secret: bytes, run: str | None = None):
+        self.secret, self.run = secret, run
+        self._wrote: dict[str, int] = {}
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"secret": self.secret, "run": self.run}
+
+    def __setstate__(self, state):
+        self.__init__(state["secret"], state["run"])
+
+    def seal(self, key: str, value: bytes, seq: int | None = None) -> bytes:
+        with self._lock:
+            seq = self._wrote.get(key, 0) + 1 if seq is None else seq
+            self._wrote[key] = seq
+        return seal(self.secret, key, value, self.run, seq)
+
+    def unseal(self, key: str, blob: bytes) -> bytes:
+        seq, value = unseal_seq(self.secret, key, blob, self.run)
+        with self._lock:
+            last = self._seen.get(key, 0)
+            if seq < last:
+                raise ReplayedValue(f"refused the value under key {key!r} of the run's store: this run sealed it, but "
+                                    f"it is older than one already read (write {seq} after {last}): written back by a "
+                                    f"process that recorded it, reaching the store's port; nothing of it was used. "
+                                    f"Firewall the store's port to the run's nodes (docs/nodes.md)")
+            self._seen[key] = seq
+        return value
 
 
 def fingerprint(secret: bytes) -> str:
@@ -114,15 +196,28 @@ def bind_address(host: str) -> str:
     return infos[0][4][0]
 
 
-def check_bind(host: str) -> None:
-    """Refuse a wildcard address (every interface) where a listener must bind one."""
+def listen_host(bind: str) -> tuple[str, str]:
+    """(host, where it came from) for the run's store: `--dist.bind`, else torchrun's MASTER_ADDR,
+    else loopback."""
+    if bind:
+        return bind, f"--dist.bind={bind}"
+    addr = os.environ.get("MASTER_ADDR", "")
+    return (addr, f"MASTER_ADDR={addr} (torchrun's --master-addr / rendezvous host)") if addr else ("127.0.0.1", "loopback")
+
+
+def check_bind(host: str, source: str = "") -> None:
+    """Refuse an address that resolves to a wildcard (every interface) where a listener must bind
+    one, wherever it came from (`source`: the setting or variable that gave it)."""
     if host and ipaddress.ip_address(bind_address(host)).is_unspecified:
-        raise UserError(f"--dist.bind={host} is every interface: name the one address the other nodes reach this "
-                        f"machine at (the run's store has no authentication of its own: docs/nodes.md)")
+        raise UserError(f"{source or host} is every interface: the run's store would listen on all of them; name "
+                        f"the one address the other nodes reach this machine at (--dist.bind=ADDR; the store has no "
+                        f"authentication of its own: docs/nodes.md)")
 
 
-def listen(host: str, port: int = 0) -> socket.socket:
-    """A listening TCP socket bound to `host`'s address only (port 0: a free one)."""
+def listen(host: str, port: int = 0, source: str = "") -> socket.socket:
+    """A listening TCP socket bound to `host`'s address only (port 0: a free one); a wildcard is
+    refused (`check_bind`), after resolution."""
+    check_bind(host, source)
     addr = bind_address(host)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     s = socket.socket(family, socket.SOCK_STREAM)
@@ -138,10 +233,10 @@ def listen(host: str, port: int = 0) -> socket.socket:
 
 
 def bound_store(host: str, port: int = 0, world_size: int | None = None,
-                timeout: timedelta = timedelta(seconds=300)) -> tuple[dist.TCPStore, str]:
+                timeout: timedelta = timedelta(seconds=300), source: str = "") -> tuple[dist.TCPStore, str]:
     """A `TCPStore` server listening only on `host` (`listen`; port 0: a free one, then `.port`), and
     the address it is bound to."""
-    sock = listen(host, port)
+    sock = listen(host, port, source)
     address, port = sock.getsockname()[:2]
     try:
         store = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,

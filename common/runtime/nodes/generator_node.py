@@ -28,6 +28,7 @@ import os
 import time
 from pathlib import Path
 
+from common.run_files import record
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import generator_main
 from common.runtime.launch import Workers
@@ -50,7 +51,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
         store = WeightStore(setup["shapes"], device="cpu")
         outbox = ReplayBuffer(tc.buffer_capacity, setup["max_seq_len"], setup["pad_id"])
         G = tc.n_generators
-        control = RemoteControl(node.host, node.table[0]["port"], G * len(node.gen_ranks), node.timeout, node.secret)
+        control = RemoteControl(node.host, node.table[0]["port"], G * len(node.gen_ranks), node.timeout, node.seals)
         threads = [WeightReceiver(node, store), TrajSender(node, outbox, control.stats, node.cfg.ship_every)]
         for t in threads:
             t.start()
@@ -69,6 +70,7 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
                               tuple(stop_token_ids), "cpu", setup["precision"], beat=hb.beat_for(name))
             # who is who on this node, as the trainer's workers.json on its own
             here.mkdir(parents=True, exist_ok=True)
+            record(here / "workers.json")
             (here / "workers.json").write_text(json.dumps({"node": os.getpid(), **workers.pids()}) + "\n")
             print(f"[asyncrl] {node.name(node.rank)}: {G} generator(s) {names}, {tc.reward_workers} reward "
                   "worker(s)", flush=True)

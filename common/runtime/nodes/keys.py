@@ -3,17 +3,21 @@ errors (common/runtime/nodes/world.py has the world and its groups; the `dist` c
 common/runtime/train_config.py's).
 
 The store is a `TCPStore` the trainer process hosts (on torchrun's MASTER_ADDR) for the run's
-small keys: the published version and the acknowledgements, the staleness quota, trajectory
-headers, the commands for trainer ranks on other nodes, beats, failures, "stop" and "done".
-Every thread holds its own connection (a client sends one request at a time). Every value is
-sealed with the run's secret (common/runtime/wire.py) and checked before it is parsed; the counters
-moved with `add` (beats) are the only unsealed keys. The store listens on the address the user gave
+small keys: the run id, the published version and the acknowledgements, the staleness quota,
+trajectory headers, the commands for trainer ranks on other nodes, beats, failures, "stop" and
+"done". Every thread holds its own connection (a client sends one request at a time). Every value
+is sealed with the run's secret, its run id and its write's sequence (common/runtime/wire.py) and
+checked before it is parsed; the counters moved with `add` (beats) are the only unsealed keys. The
+run id: the hosting trainer draws it when it starts the store and writes it under "run"; every
+other process reads it there before its first value (the node-link process gets it from the
+trainer, and the world's table checks that every node holds the trainer's). The store listens on the address the user gave
 (`dist.bind`, else MASTER_ADDR's), nowhere else. Runs in every node's main process and in the
 threads and processes that talk to other nodes.
 """
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import sys
 import threading
@@ -25,7 +29,7 @@ import torch.distributed as dist
 
 from common.runtime.launch import WorkerError
 from common.runtime.train_config import DistConfig
-from common.runtime.wire import ForgedValue, bound_store, run_secret, seal, unseal
+from common.runtime.wire import RUN_KEY, ForgedValue, Seals, bound_store, run_secret, seal, unseal
 
 _BLAME_WAIT_S = 3.0  # after a broken transfer, how long to wait for the peer's own failure report
 
@@ -50,13 +54,15 @@ class RunKeys:
     the failure reports and how errors name a node. The trainer process holds one (`host_keys`)
     without being in the world; `Node` adds the world's groups."""
 
-    def __init__(self, dc: DistConfig, rank: int, world: int, host: str, port: int | None):
+    def __init__(self, dc: DistConfig, rank: int, world: int, host: str, port: int | None, run: str | None = None):
         self.cfg, self.timeout = dc, timedelta(seconds=dc.timeout)
         self.secret = run_secret(dc.secret_file)  # refused here, before any connection, when there is none
+        self.seals = Seals(self.secret, run)  # run: the run id where the caller knows it (else read from the store)
         self.rank, self.world, self.role = rank, world, role_of(rank, dc)
         self.gen_ranks = list(range(dc.trainer_nodes, world))
         self.index = rank - dc.trainer_nodes  # this generator node's index (generators: 0, 1, ...)
         self.host, self.port, self.table = dc.bind or host, port, None  # where the store listens and is reached
+        self.source = f"--dist.bind={dc.bind}" if dc.bind else f"MASTER_ADDR={host} (torchrun's --master-addr)"
         self._server, self._local = None, threading.local()
 
     @property
@@ -71,8 +77,18 @@ class RunKeys:
     def serve(self, port: int) -> None:
         """Host the run's store here (the trainer's process: it outlives every transfer), listening on
         `host` only (`dist.bind`, else MASTER_ADDR); `port` 0 = a free one."""
-        self._server, _ = bound_store(self.host, port, timeout=self.timeout)
+        self._server, _ = bound_store(self.host, port, timeout=self.timeout, source=self.source)
         self._local.store, self.port = self._server, self._server.port
+        self.seals.run = os.urandom(16).hex()  # this run's id: fresh, so no earlier run's value passes
+        self._server.set(RUN_KEY, seal(self.secret, RUN_KEY, self.seals.run.encode()))
+
+    @property
+    def run_id(self) -> str:
+        """The run id (wire.py): the trainer's, read once from the store (sealed) where not given."""
+        if self.seals.run is None:
+            self.store.wait([RUN_KEY], self.timeout)
+            self.seals.run = unseal(self.secret, RUN_KEY, self.store.get(RUN_KEY)).decode()
+        return self.seals.run
 
     def name(self, rank: int) -> str:
         """'generator node 0 (rank 1, host h, pid p)': how errors name a node."""
@@ -81,12 +97,16 @@ class RunKeys:
         return f"{role} (rank {rank}, host {t['host']}, pid {t['pid']})"
 
     # ---- small messages through the store, each sealed with the run's secret ---------------
-    def put_bytes(self, key: str, value: bytes) -> None:
-        self.store.set(key, seal(self.secret, key, value))
+    def put_bytes(self, key: str, value: bytes, seq: int | None = None) -> None:
+        """`value` under `key`, sealed (`seq`: the write's sequence; None: this process's next for the key)."""
+        self.run_id  # noqa: B018 - known before the first seal
+        self.store.set(key, self.seals.seal(key, value, seq))
 
     def get_bytes(self, key: str) -> bytes:
-        """The value under `key` (present), its seal checked: ForgedValue if it was not ours."""
-        return unseal(self.secret, key, self.store.get(key))
+        """The value under `key` (present), its seal checked: ForgedValue if it was not this run's,
+        ReplayedValue if older than one read before."""
+        self.run_id  # noqa: B018
+        return self.seals.unseal(key, self.store.get(key))
 
     def put(self, key: str, obj) -> None:
         """`obj` by value (a pickle: the algorithm, a step's batch), sealed; loaded only once its seal checked."""
@@ -97,8 +117,8 @@ class RunKeys:
         self.store.wait([key], self.timeout)
         return pickle.loads(self.get_bytes(key))  # after unseal: only what a node holding the secret wrote
 
-    def put_text(self, key: str, text: str) -> None:
-        self.put_bytes(key, text.encode())
+    def put_text(self, key: str, text: str, seq: int | None = None) -> None:
+        self.put_bytes(key, text.encode(), seq)
 
     def get_text(self, key: str) -> str:
         return self.get_bytes(key).decode()

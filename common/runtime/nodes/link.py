@@ -75,13 +75,13 @@ class NodeWatch:
                                        "(train.stall_timeout): dead or hung", self.keys.name(r), r))
 
 
-def link_main(cfg, port: int, start: int, weights: WeightStore, buffer, t, stats, gens_per_node: int, recv_timeout: float,
-              commands, replies, *, stop_event) -> None:
+def link_main(cfg, port: int, start: int, run: str, weights: WeightStore, buffer, t, stats, gens_per_node: int,
+              recv_timeout: float, commands, replies, *, stop_event) -> None:
     """The node-link process (module docstring): joins the world as rank 0 (its `start`: the trainer's
-    `generation`) with the trainer's store at `port`, replies ("joined", table), then serves ("publish", v) with ("published", v) until
+    `generation`) with the trainer's store at `port` and its run id `run`, replies ("joined", table), then serves ("publish", v) with ("published", v) until
     the trainer stops it. A broken transfer is replied as ("failed", message, node, rank), after
     which it only waits to be stopped (the trainer checkpoints, then stops every node)."""
-    node = join(cfg, cfg.train, port, start)
+    node = join(cfg, cfg.train, port, start, run)
     ingest = None
     try:
         replies.put(("joined", node.table))
@@ -134,7 +134,7 @@ class TrainerLink(Peers):
     def generator_control(self, control: Control):
         """Beside the generator nodes, a `RemoteControl` that claims on the store (one counter for
         all) and writes its statistics straight into the trainer's table."""
-        return RemoteControl(self.keys.host, self.keys.port, 0, self.keys.timeout, self.keys.secret, stats=control.stats)
+        return RemoteControl(self.keys.host, self.keys.port, 0, self.keys.timeout, self.keys.seals, stats=control.stats)
 
     def control(self, ctx, buffer, prompts_per_version: int, max_staleness, n_generators: int) -> Control:
         """`n_generators`: per node (train.n_generators)."""
@@ -143,7 +143,7 @@ class TrainerLink(Peers):
         c = StoreControl(keys, ctx, prompts_per_version, max_staleness, rows)
         self.workers = Workers()
         self._commands, self._replies = self.workers.queue(), self.workers.queue()
-        self.workers.start("node-link", link_main, self.cfg, keys.port, generation(), self.store, buffer, c.t, c.stats,
+        self.workers.start("node-link", link_main, self.cfg, keys.port, generation(), keys.run_id, self.store, buffer, c.t, c.stats,
                            n_generators, self.stall_timeout, self._commands, self._replies)
         deadline = time.monotonic() + keys.timeout.total_seconds()
         while keys.table is None:  # the world joined (every node there, one config), or why not

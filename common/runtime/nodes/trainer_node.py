@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from common.run_files import record
 from common.runtime.launch import Workers
 from common.runtime.nodes.world import join, member_keys
 from common.runtime.ranks.commands import StoreCommands
@@ -52,9 +53,10 @@ def trainer_node(cfg) -> dict:
             workers.watch(hb, tc.stall_timeout, tc.stall_action)
             for r, name in zip(ranks, names):
                 workers.start(name, rank_main, r, setup, algo_bytes, None,
-                              StoreCommands(keys.host, keys.port, keys.timeout.total_seconds(), keys.secret),
+                              StoreCommands(keys.host, keys.port, keys.timeout.total_seconds(), keys.seals),
                               hb.beat_for(name))
             here.mkdir(parents=True, exist_ok=True)
+            record(here / "workers.json")
             (here / "workers.json").write_text(json.dumps({"node": os.getpid(), **workers.pids()}) + "\n")
             print(f"[asyncrl] {keys.name(keys.rank)}: trainer ranks {names}", flush=True)
 

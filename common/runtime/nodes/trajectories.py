@@ -9,7 +9,9 @@ Who runs what:
   trainer node: `dist.trainer_node_generators`) holds as its `Control`.
   `claim` is AReaL's admission rule, started < quota, made atomic on the store with
   compare-and-set (the value carries the claimer's own token, so a claimer knows the swap was
-  its own); `stats` is the node's local shared table, as on one node.
+  its own, and is sealed with the count as its sequence, so a count written back lower than one a
+  claimer has read is refused: common/runtime/wire.py); `stats` is the node's local shared table,
+  as on one node.
 * `TrajSender`: a thread in each generator node's main process. The node's generators add
   groups to a local `ReplayBuffer` (the outbox, exactly as they add to the trainer's on one
   node); every `dist.ship_every` s the sender takes the rows added since the last batch (whole
@@ -44,7 +46,7 @@ from common.runtime.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.nodes.world import Node, NodeThread
 from common.runtime.nodes.keys import RunKeys
-from common.runtime.wire import ForgedValue, seal, unseal
+from common.runtime.wire import ForgedValue, Seals
 
 _POLL_S = 0.005  # the ingest thread's idle poll of the header keys
 
@@ -60,8 +62,8 @@ class StoreControl(Control):
     def set_version(self, v: int, started: int | None = None, dropped: int | None = None) -> None:
         super().set_version(v, started, dropped)
         if self._mirror:
-            if started is not None:
-                self.node.put_text("started", f"{started} trainer")
+            if started is not None:  # the count is the counter's sequence (RemoteControl.claim)
+                self.node.put_text("started", f"{started} trainer", seq=started)
             self.node.put_text("quota", str(int(self.t[self.QUOTA])))  # last: it admits claims
 
 
@@ -69,16 +71,17 @@ class RemoteControl:
     """A generator node's `Control` for its generator processes (module docstring); picklable,
     each process opens its own connection to the store. `stats`: the table its generators write
     their rows of (a new shared one by default; the trainer's own for generators on the trainer node).
-    `secret`: the run's, which seals the counter (it reaches the generators through the spawn, a local pipe)."""
+    `seals`: the run's secret and id, which seal the counter (they reach the generators through the
+    spawn, a local pipe; each process checks what it reads against what it has read)."""
 
-    def __init__(self, host: str, port: int, n_generators: int, timeout, secret: bytes, stats: torch.Tensor | None = None):
-        self.addr, self.timeout, self.secret = (host, port), timeout, secret
+    def __init__(self, host: str, port: int, n_generators: int, timeout, seals: Seals, stats: torch.Tensor | None = None):
+        self.addr, self.timeout, self.seals = (host, port), timeout, seals
         self.stats = stats if stats is not None else \
             torch.zeros(n_generators, len(Control.STAT_FIELDS), dtype=torch.float64).share_memory_()
         self._store, self._n = None, 0
 
     def __getstate__(self):
-        return {"addr": self.addr, "timeout": self.timeout, "secret": self.secret, "stats": self.stats}
+        return {"addr": self.addr, "timeout": self.timeout, "seals": self.seals, "stats": self.stats}
 
     def __setstate__(self, state):
         self.__dict__.update(state, _store=None, _n=0)
@@ -93,11 +96,11 @@ class RemoteControl:
             return None
         for _ in range(100):  # contention only: another claimer moved the counter meanwhile
             raw, quota = st.multi_get(["started", "quota"])
-            s = counter(unseal(self.secret, "started", raw), "started")
-            if s >= counter(unseal(self.secret, "quota", quota), "quota"):
+            s = counter(self.seals.unseal("started", raw), "started")
+            if s >= counter(self.seals.unseal("quota", quota), "quota"):
                 return None
             self._n += 1
-            want = seal(self.secret, "started", f"{s + 1} {self._me}:{self._n}".encode())
+            want = self.seals.seal("started", f"{s + 1} {self._me}:{self._n}".encode(), seq=s + 1)
             if st.compare_set("started", raw, want) == want:
                 return s
         return None

@@ -18,8 +18,10 @@ a world of one: `under_torchrun`) the entry never comes here.
 Roles come from the config after the rendezvous (c10d numbers nodes by arrival, not by
 `--node-rank`): world ranks 0..trainer_nodes-1 stand for the trainer, the others run generators
 (`common/runtime/nodes/generator_node.py`). Every node gathers every node's view (host, pid, role,
-a hash of its config, a tag of its secret) as JSON (`all_gather_json`, never a pickle), so all agree
-on one table and a node started with another command line or another secret is refused, naming it.
+a hash of its config, a tag of its secret, the run id it read from the store) as JSON
+(`all_gather_json`, never a pickle), so all agree on one table and a node started with another
+command line or another secret, or handed an earlier run's id (a replayed "run" key), is refused,
+naming it.
 
 Groups, created on every rank in this one order (a different order deadlocks), each gloo
 with `dist.timeout`: `control` (every node: the start barrier, the table), `weights` (the
@@ -48,7 +50,7 @@ import torch.distributed as dist
 from common.config import to_dict
 from common.runtime.nodes.keys import NodeFailed, RunKeys, role_of
 from common.runtime.train_config import DistConfig, torchrun_restarts, under_torchrun
-from common.runtime.wire import all_gather_json, check_bind, fingerprint, run_secret
+from common.runtime.wire import ForgedValue, all_gather_json, check_bind, fingerprint, listen_host, run_secret
 
 _STORE_PORT_KEY = "asyncrl/world{}/run_store_port"  # on torchrun's store: where the trainer hosts the run's store
 
@@ -129,7 +131,7 @@ def check(dc: DistConfig, tc, world: int) -> None:
         raise ValueError(f"dist.trainer_node_generators must be >= 0, got {dc.trainer_node_generators}")
     if dc.timeout <= 0 or dc.ship_every <= 0:
         raise ValueError(f"dist.timeout and dist.ship_every must be > 0, got {dc}")
-    check_bind(dc.bind)
+    check_bind(*listen_host(dc.bind))  # --dist.bind, else MASTER_ADDR: a wildcard from either is refused
     run_secret(dc.secret_file)  # several nodes: refused here, before any connection, without a secret
 
 
@@ -141,9 +143,10 @@ def config_hash(cfg) -> str:
 class Node(RunKeys):
     """This process's place in the world: rank, role, the agreed table, the groups and the store.
     `port`: the run's store, hosted by the trainer's process (given to the trainer node's member,
-    rank 0); None on rank 0 hosts it here (the transport benchmark, which has no trainer)."""
+    rank 0); None on rank 0 hosts it here (the transport benchmark, which has no trainer). `run`: the
+    run id where the caller knows it (the node-link process, from the trainer); else read from the store."""
 
-    def __init__(self, cfg, dc: DistConfig, port: int | None = None, start: int | None = None):
+    def __init__(self, cfg, dc: DistConfig, port: int | None = None, start: int | None = None, run: str | None = None):
         timeout = timedelta(seconds=dc.timeout)
         start = generation() if start is None else start
         # torchrun's store, under a prefix of this start of the world: keys a dead start left there
@@ -151,7 +154,7 @@ class Node(RunKeys):
         store = dist.PrefixStore(f"asyncrl/world{start}", _agent_store(timeout))
         dist.init_process_group("gloo", store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
                                 timeout=timeout)
-        super().__init__(dc, dist.get_rank(), dist.get_world_size(), os.environ.get("MASTER_ADDR", "127.0.0.1"), port)
+        super().__init__(dc, dist.get_rank(), dist.get_world_size(), os.environ.get("MASTER_ADDR", "127.0.0.1"), port, run)
         try:
             if self.rank == 0 and port is None:
                 self.serve(dc.store_port)
@@ -163,6 +166,7 @@ class Node(RunKeys):
             self.traj = dist.new_group(ranks, timeout=self.timeout, backend="gloo")
             me = {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "role": self.role,
                   "config": config_hash(cfg), "port": self.port, "secret": fingerprint(self.secret)}
+            me["run"] = self.run_id if self.rank == 0 else None  # rank 0's: the trainer's own (or hosted here)
             table = all_gather_json(me, self.control)
             self.table = table
             for t in table:
@@ -173,6 +177,10 @@ class Node(RunKeys):
                     raise ValueError(f"{self.name(t['rank'])} was started with another run secret than {self.name(0)}: "
                                      "give every node the same ASYNCRL_RUN_SECRET (or --dist.secret_file)")
             self.port = table[0]["port"]
+            if self.run_id != table[0]["run"]:  # read sealed from the store, against the trainer's own
+                raise ForgedValue(f"{self.name(self.rank)} read another run id from the run's store than {self.name(0)} "
+                                  f"holds: the store's key 'run' holds an earlier run's value (written back by a "
+                                  f"process reaching the store's port)")
             if self.rank == 0:  # which machine got which role (c10d numbers nodes as they arrive)
                 print(f"[asyncrl] {self.world} nodes: " + ", ".join(self.name(r) for r in range(self.world)), flush=True)
         except BaseException:
@@ -216,10 +224,10 @@ def member_keys(cfg, tc) -> RunKeys:
                    int(agent.get(key)))
 
 
-def join(cfg, tc, port: int | None = None, start: int | None = None) -> Node | None:
-    """This node's `Node` under torchrun, None otherwise (the single-node path). `port`, `start`:
-    the run's store and the world's `generation`, when this process's trainer hosts the one and
-    counted the other (the trainer node's node-link process)."""
+def join(cfg, tc, port: int | None = None, start: int | None = None, run: str | None = None) -> Node | None:
+    """This node's `Node` under torchrun, None otherwise (the single-node path). `port`, `start`,
+    `run`: the run's store, the world's `generation` and the run id, when this process's trainer
+    hosts the one, counted the other and drew the last (the trainer node's node-link process)."""
     if not under_torchrun():
         return None
-    return Node(cfg, _checked(cfg, tc), port, start)
+    return Node(cfg, _checked(cfg, tc), port, start, run)
