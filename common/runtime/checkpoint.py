@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from common.config import save_config
-from common.errors import free_bytes, human_bytes, write_failed
+from common.errors import disk_full, free_bytes, human_bytes, write_failed
 from common.engine.hf_save import save_pretrained
 from common.engine.model_config import ModelConfig
 from common.runtime.buffer import ReplayBuffer
@@ -186,13 +186,15 @@ def _warn_if_low(run_dir, root: Path, step: int) -> None:
 
 def _write_error(run_dir, step: int, tmp: Path, final: Path, e: BaseException) -> CheckpointError:
     """A failed write as one line: what failed, where, the free space left once the partial copy
-    is removed (which frees what it took), and the checkpoint that is still intact."""
+    is removed (which frees what it took), and the checkpoint that is still intact. Whether the disk
+    filled is asked first: removing the partial copy frees space."""
+    full = disk_full(e, tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     removed = "its partial copy was removed" if not tmp.exists() else f"its partial copy {tmp} could not be removed"
     prev = latest_checkpoint(run_dir)
     kept = (f"the previous checkpoint {prev} is intact (free some space, then --resume continues from it)"
             if prev is not None else "there is no earlier checkpoint")
-    return CheckpointError(f"{write_failed(f'checkpoint step {step} to', final, one_line(e))}; {removed}; "
+    return CheckpointError(f"{write_failed(f'checkpoint step {step} to', final, one_line(e), full)}; {removed}; "
                            f"nothing was replaced: {kept}")
 
 
