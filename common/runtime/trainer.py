@@ -106,7 +106,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
         step = version = 0
         buffer, counters = None, {}
         if ck is not None:
-            st = group.load(ck, sched)
+            st = group.load(ck, sched, buffer_size=(tc.buffer_capacity, max_seq_len))  # a saved ring of other sizes is refused
             step, version, buffer, counters = st.step, st.version, st.buffer, st.counters
             print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
         if buffer is None:
