@@ -54,8 +54,10 @@ def free_space(path) -> str:
     return "free space unknown" if free is None else f"{human_bytes(free)} free on that filesystem"
 
 
-FULL_BELOW = 1 << 20  # bytes: a write that fails with less free than this filled the disk (a write stops at its last block)
-_SHORT_WRITE = "unexpected pos"  # torch.save's zip writer, when the file took fewer bytes than it wrote (errno lost in C++)
+# a write that fails with less than this free filled the disk (a failing write stops at the disk's last block)
+FULL_BELOW = 1 << 20
+# torch.save's zip writer when the file took fewer bytes than it wrote (its C++ stream loses the errno)
+_SHORT_WRITE = "unexpected pos"
 
 
 def _chain(e: BaseException) -> list[BaseException]:
