@@ -53,7 +53,7 @@ from common.runtime.launch import WorkerError, Workers
 from common.runtime.peers import Peers
 from common.runtime.process import sigterm_as_interrupt
 from common.runtime.reward_service import start_reward_workers
-from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
+from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_line, step_row
 from common.runtime.staleness_control import StalenessBound
 from common.runtime.step import OneRank, RankFailed, trainer_model
 from common.runtime.stream import StreamWriter
@@ -183,7 +183,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                     last, gen_prev = step_row(batch, stats, gnorm, group.opt.param_groups[0]["lr"], (t0, t1, t2),
                                               publish_s, version, stale, multi_version, control, buffer, gen_prev)
                     logger.log(step, **last)
-                bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
+                bar.update(1, **step_line(last, bound.moved))
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     last.update(run_eval("periodic"))
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
