@@ -1,8 +1,8 @@
 """What a training run writes besides its checkpoints: the run directory with its config, one
-metrics row per trainer step (staleness, throughput, the generators' statistics) and what of it the
-console's step line shows, and the evaluations. Runs in the trainer (rank 0); used by the trainer
-loop (common/runtime/trainer.py) and by replays (common/replay.py), so a replayed run logs as a
-trained one does.
+metrics row per trainer step (staleness, throughput, the generators' statistics) and the console's
+step line from it, and the evaluations. Runs in the trainer (rank 0); used by the trainer loop
+(common/runtime/trainer.py) and by replays (common/replay.py), so a replayed run logs as a trained
+one does.
 """
 from __future__ import annotations
 
