@@ -85,8 +85,8 @@ class AttackScorer:
         self.sampler = Sampler(self.victim, max_batch=cfg.victim.max_batch,
                                max_seq_len=self.max_prompt + cfg.victim.max_new_tokens, max_prompt_len=self.max_prompt)
 
-    def answers(self, attacks: list[str]) -> list[list[str]]:
-        """victim.samples answers per attack: ONE sampler call for the whole group."""
+    def answers(self, attacks: list[str], progress: bool | str = False) -> list[list[str]]:
+        """victim.samples answers per attack: ONE sampler call for the whole group (`progress`: its bar)."""
         v = self.cfg.victim
         texts = [ALPACA.format(instruction=a.rstrip()) if v.prompt_style == "alpaca" else
                  self.vtok.apply_chat_template([{"role": "user", "content": a}], add_generation_prompt=True, tokenize=False)
@@ -94,7 +94,8 @@ class AttackScorer:
         prompts = [self.vtok(t, add_special_tokens=False)["input_ids"][-self.max_prompt:] for t in texts]
         outs = self.sampler.generate(prompts, SamplingParams(max_new_tokens=v.max_new_tokens, temperature=v.temperature,
                                                              top_p=v.top_p, n=v.samples,
-                                                             stop_token_ids=tokenizer_stop_ids(self.vtok)))
+                                                             stop_token_ids=tokenizer_stop_ids(self.vtok)),
+                                     progress=progress)
         texts = [self.vtok.decode(o.tokens, skip_special_tokens=True).strip() for o in outs]
         return [texts[i * v.samples:(i + 1) * v.samples] for i in range(len(attacks))]
 
@@ -108,9 +109,9 @@ class AttackScorer:
                                     0.0, 0))
         return reference_seq_logp(self.ref, trajs, 1.0).tolist()
 
-    def details(self, attacks: list[str], prompts: list[list[int]]) -> dict:
+    def details(self, attacks: list[str], prompts: list[list[int]], progress: bool | str = False) -> dict:
         c = self.cfg.reward
-        answers = self.answers(attacks)
+        answers = self.answers(attacks, progress)
         k = self.cfg.victim.samples
         flat = self.toxicity([t for group in answers for t in group], [a for a in attacks for _ in range(k)])
         groups = [flat[i * k:(i + 1) * k] for i in range(len(attacks))]

@@ -247,9 +247,9 @@ class Evaluator:
         ps = [self.prompts[i % len(self.prompts)] for i in range(n)]
         outs = sample_completions(model, ps, SamplingParams(
             max_new_tokens=c.gen.max_new_tokens, temperature=c.gen.temperature, top_p=c.gen.top_p,
-            stop_token_ids=tuple(self.stops), seed=1234), progress=False)
+            stop_token_ids=tuple(self.stops), seed=1234), progress="eval: attacks")
         attacks = [tokenizer.decode(o.tokens, skip_special_tokens=True).strip() for o in outs]
-        d = self.scorer.details(attacks, ps)
+        d = self.scorer.details(attacks, ps, progress="eval: the victim's answers")
         ok = [float(p > 0.5) for p in d["p_toxic"]]
         self.success.append(ok)
         emb = self.encoder(attacks)

@@ -101,6 +101,31 @@ def _convert(s: str, tp: Any) -> Any:
     raise TypeError(f"unsupported field type {_type_name(tp)}")
 
 
+def _keys(cfg: Any, prefix: str = ""):
+    """Every dotted key of a config's values (not its sections), depth first."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        yield from _keys(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else [prefix + f.name]
+
+
+def _suggest(cfg: Any, parts: list[str], j: int, names: list[str]) -> list[str]:
+    """Keys to suggest for `parts` (a dotted key) whose part j is not among `names`: the keys of
+    the same name in any section (`--mode` -> `--train.mode`, `--gen.steps` -> `--train.steps`),
+    else the closest name there (`--tba.beta_fnal` -> `--tba.beta_final`), else the keys of the
+    closest name in any section."""
+    keys = list(_keys(cfg))
+    by_name: dict[str, list[str]] = {}
+    for k in keys:
+        by_name.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    if parts[-1] in by_name:
+        return by_name[parts[-1]][:3]
+    close = difflib.get_close_matches(parts[j], names, n=1)
+    here = ".".join(parts[:j] + close + parts[j + 1:])
+    if close and (j == len(parts) - 1 or here in keys):  # a section's name mistyped: only where the rest exists
+        return [here]
+    return [k for name in difflib.get_close_matches(parts[-1], list(by_name), n=1) for k in by_name[name]][:3]
+
+
 def _resolve(cfg: Any, key: str) -> tuple[Any, str, Any]:
     """Walk a dotted key to (object holding the field, field name, field type)."""
     obj, parts = cfg, key.split(".")
@@ -109,9 +134,9 @@ def _resolve(cfg: Any, key: str) -> tuple[Any, str, Any]:
         where = ".".join(parts[:j])
         if part not in names:
             msg = f"unknown key '--{key}'"
-            close = difflib.get_close_matches(part, names, n=1)
+            close = _suggest(cfg, parts, j, names)
             if close:
-                msg += f"; did you mean '--{'.'.join(parts[:j] + close)}'?"
+                msg += "; did you mean " + " or ".join(f"'--{k}'" for k in close) + "?"
             level = f"in section '{where}'" if where else "at top level"
             raise ConfigError(f"{msg}\nvalid keys {level}: {', '.join(names)}")
         tp = _hints(type(obj))[part]

@@ -24,7 +24,7 @@ from common.ops import reference_seq_logp
 @torch.no_grad()
 def greedy_pass_at_1(model, tokenizer, prompts: list[list[int]], metas: list, reward_fn, max_new_tokens: int,
                      stop_token_ids: tuple, max_batch: int = 64, threshold: float = 1.0,
-                     progress: bool = True) -> dict:
+                     progress: bool | str = True) -> dict:
     """{'eval_accuracy', 'eval_len', 'eval_n'} over `prompts` (greedy decoding, one sample each)."""
     outs = greedy_completions(model, prompts, max_new_tokens, stop_token_ids, max_batch, progress)
     solved = 0
@@ -39,18 +39,20 @@ def greedy_pass_at_1(model, tokenizer, prompts: list[list[int]], metas: list, re
 
 @torch.no_grad()
 def sample_completions(model, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
-                       progress: bool = True) -> list[Completion]:
+                       progress: bool | str = True) -> list[Completion]:
     """params.n completions per prompt from a sampler sized for this set, in prompt order. It is
     the generators' sampler: on CUDA its decode runs as CUDA graphs when the run decodes so
-    (`--gen.cuda_graphs`, passed on as `model.decode_graphs`), instead of one launch per kernel."""
+    (`--gen.cuda_graphs`, passed on as `model.decode_graphs`), instead of one launch per kernel.
+    `progress`: a bar of the samples finished, labelled "eval" or with the string given (its ETA
+    only once a rate is real: common/progress.py, `SampleBar`)."""
     P = max(len(p) for p in prompts)
     s = Sampler(model, max_batch=min(max_batch, len(prompts) * params.n), max_seq_len=P + params.max_new_tokens,
                 max_prompt_len=P)
-    return s.generate(prompts, params, progress=progress)
+    return s.generate(prompts, params, progress="eval" if progress is True else progress)
 
 
 def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, stop_token_ids: tuple,
-                       max_batch: int = 64, progress: bool = True) -> list[Completion]:
+                       max_batch: int = 64, progress: bool | str = True) -> list[Completion]:
     """One greedy completion per prompt, in prompt order."""
     return sample_completions(model, prompts, SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
                                                              stop_token_ids=tuple(stop_token_ids)), max_batch, progress)

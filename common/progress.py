@@ -1,5 +1,6 @@
-"""The trainer's progress bar (tqdm): steps done, the last step's reward and loss, or what the
-trainer waits for. Run by the trainer process and by a replay.
+"""Progress bars (tqdm). The trainer's: steps done, the last step's reward and loss, or what the
+trainer waits for (run by the trainer process and by a replay). A sampling's, `SampleBar`: samples
+finished, with an ETA only once a rate is real (an evaluation's, in the trainer or a notebook).
 """
 from __future__ import annotations
 
@@ -55,3 +56,27 @@ class Progress:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class SampleBar:
+    """Samples finished of `total`, `concurrent` of them sampled at once (the sampler's rows). The
+    first wave finishes nearly together (its samples start together; the longest decides), so a rate
+    taken from its first few samples says nothing about the rest: an ETA from it was off by two
+    orders of magnitude. The bar shows none until `concurrent` samples have finished, then the mean
+    rate since the start (smoothing 0: one wave's burst does not swing it); where every sample runs
+    at once, never."""
+
+    NO_ETA = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
+
+    def __init__(self, total: int, concurrent: int, desc: str = "generate"):
+        self._eta_from = concurrent if concurrent < total else None  # None: one wave, no rate to give
+        self._bar = tqdm(total=total, desc=desc, unit="sample", smoothing=0, mininterval=1.0, dynamic_ncols=True,
+                         bar_format=self.NO_ETA)
+
+    def update(self, n: int = 1) -> None:
+        if self._eta_from is not None and self._bar.n + n >= self._eta_from:
+            self._bar.bar_format, self._eta_from = None, None  # tqdm's own: elapsed<remaining, rate
+        self._bar.update(n)
+
+    def close(self) -> None:
+        self._bar.close()

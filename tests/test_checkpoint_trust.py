@@ -1,6 +1,8 @@
 """Checkpoints are read without running code: a planted pickle in a checkpoint's DCP state (its
-`.metadata`, or a non-tensor entry of its shards) is refused with a CheckpointError naming the file
-and the global, and what it would have run never runs; the files this project writes still load."""
+`.metadata`, or a non-tensor entry of its shards) or in its buffer.pt is refused with a
+CheckpointError naming the file and the global, and what it would have run never runs; a damaged
+buffer.pt, or one whose sizes are not the run's (a capacity of 10^12), is refused before anything is
+allocated from it; the files this project writes still load."""
 from __future__ import annotations
 
 import ast
@@ -16,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from common.engine.hf_io import load_model
 from common.errors import UserError
+from common.runtime.buffer import _FORMAT, ReplayBuffer
 from common.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from common.runtime.state import _MetadataUnpickler, _allowed, check_state, read_state
 from tests.tiny import save_hf
@@ -133,6 +136,60 @@ def test_planted_entry_in_the_shards_is_refused_and_never_runs(model_dir, tmp_pa
                                               r"(posix|os|nt)\.system"):
         load_checkpoint(p, model, opt)
     assert not marker.exists()
+
+
+def _with_buffer(model_dir, tmp_path):
+    """A checkpoint with a 4 x 16 buffer; the model, the optimizer, the checkpoint and its weights."""
+    model, opt = _setup(model_dir)
+    p = save_checkpoint(tmp_path, 1, model, opt, buffer=ReplayBuffer(capacity=4, max_seq_len=16))
+    return model, opt, p, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_planted_or_damaged_buffer_is_one_line_and_never_runs(model_dir, tmp_path):
+    model, opt, p, before = _with_buffer(model_dir, tmp_path)
+    assert load_checkpoint(p, model, opt, buffer_size=(4, 16)).buffer.capacity == 4  # what we write loads
+    marker = tmp_path / "pwned"
+    torch.save({"format": _FORMAT, "capacity": _Plant(marker)}, p / "buffer.pt")
+    _restamp(p)
+    with pytest.raises(CheckpointError, match=r"buffer\.pt: not a replay buffer this project wrote: it references the "
+                                              r"disallowed global (posix|os|nt)\.system, so it was not read") as e:
+        load_checkpoint(p, model, opt, buffer_size=(4, 16))
+    assert isinstance(e.value, UserError) and "\n" not in str(e.value) and not marker.exists()
+    data = (p / "buffer.pt").read_bytes()
+    (p / "buffer.pt").write_bytes(data[:len(data) // 2] + bytes(len(data) - len(data) // 2))  # same size, damaged
+    with pytest.raises(CheckpointError, match=r"buffer\.pt: damaged replay buffer, not readable \(RuntimeError: "):
+        load_checkpoint(p, model, opt)
+    torch.save({"x": torch.zeros(1)}, p / "buffer.pt")
+    _restamp(p)
+    with pytest.raises(CheckpointError, match=r"buffer\.pt: not a replay buffer this project wrote \(it lacks the format"):
+        load_checkpoint(p, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # refused before anything mutated
+
+
+def test_a_buffer_of_absurd_size_is_refused_before_it_is_allocated(model_dir, tmp_path):
+    """A saved capacity of 10^12 (or any size not the run's) is refused with the numbers; without the
+    run's sizes (a notebook's load), a column that claims more rows than its data holds is."""
+    model, opt, p, _ = _with_buffer(model_dir, tmp_path)
+    state = torch.load(p / "buffer.pt", weights_only=True)
+    torch.save({**state, "capacity": 10**12}, p / "buffer.pt")
+    _restamp(p)
+    with pytest.raises(CheckpointError, match=r"buffer\.pt: the saved replay buffer is 1,000,000,000,000 rows x 16 "
+                                              r"tokens, this run's is 4 rows \(--train\.buffer_capacity\) x 16 tokens"):
+        load_checkpoint(p, model, opt, buffer_size=(4, 16))
+    with pytest.raises(CheckpointError, match=r"damaged replay buffer: its column 'tokens' is \(4, 16\) torch\.int32, "
+                                              r"its sizes make it \(1000000000000, 16\)"):
+        load_checkpoint(p, model, opt)
+    huge = {k: v[:1].expand(10**12, *v.shape[1:]) for k, v in state["cols"].items()}  # stride 0: 10^12 rows of one
+    torch.save({**state, "capacity": 10**12, "cols": huge}, p / "buffer.pt")
+    _restamp(p)
+    with pytest.raises(CheckpointError, match=r"its column 'tokens' claims \(1000000000000, 16\) but its data holds "
+                                              r"256 bytes"):
+        load_checkpoint(p, model, opt)
+    torch.save({**state, "max_seq_len": 8}, p / "buffer.pt")  # a run of other sizes: said with both
+    _restamp(p)
+    with pytest.raises(CheckpointError, match=r"is 4 rows x 8 tokens, this run's is 4 rows .* x 16 tokens .* resume "
+                                              r"with the settings the checkpoint was written with"):
+        load_checkpoint(p, model, opt, buffer_size=(4, 16))
 
 
 def test_every_other_checkpoint_read_is_weights_only_or_json():

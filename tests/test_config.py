@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import pytest
 
+import run_gsm8k
 from common.config import (ConfigError, cli, flatten, load_config, parse_overrides,
                            save_config, to_dict)
 
@@ -77,6 +79,24 @@ def test_unknown_key_suggests_close_match():
         parse_overrides(RunConfig(), ["--sed=1"])
     with pytest.raises(ConfigError, match="unknown key '--nope.x'"):
         parse_overrides(RunConfig(), ["--nope.x=1"])
+
+
+@pytest.mark.parametrize("arg,suggested", [
+    ("--beta_final=0.1", "'--tba.beta_final'"),       # a section's key given at top level
+    ("--tba.seed=1", "'--seed'"),                      # a top-level key given in a section
+    ("--tab.m=0.5", "'--tba.m'"),                      # the section's name mistyped
+    ("--beta_fnal=0.1", "'--tba.beta_final'"),         # mistyped, and given outside its section
+])
+def test_did_you_mean_looks_into_sections(arg, suggested):
+    with pytest.raises(ConfigError, match=f"unknown key '{re.escape(arg.split('=')[0])}'; did you mean {suggested}\\?"):
+        parse_overrides(RunConfig(), [arg])
+
+
+def test_did_you_mean_in_a_task_script():
+    """`--mode=sync` is `--train.mode`, `--steps=5` and `--gen.steps=5` are `--train.steps`."""
+    for arg, key in (("--mode=sync", "train.mode"), ("--steps=5", "train.steps"), ("--gen.steps=5", "train.steps")):
+        with pytest.raises(ConfigError, match=f"did you mean '--{key}'\\?"):
+            parse_overrides(run_gsm8k.GSM8KConfig(), [arg])
 
 
 def test_bad_values():

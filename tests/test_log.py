@@ -1,5 +1,5 @@
 """Metrics JSONL round trip, resume, crash fragments (common/log.py), plots (common/plots.py) and the
-progress bar (common/progress.py)."""
+progress bars (common/progress.py)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import torch
 import common.progress as progress_mod
 from common.log import MetricsLogger, read_metrics
 from common.plots import plot_metrics, plot_runs
-from common.progress import Progress
+from common.progress import Progress, SampleBar
 
 
 def _fake_run(path, n=20, t_scale=30.0, offset=0.0):
@@ -138,3 +138,25 @@ def test_fmt_and_progress(capsys):
         p.update(1, reward=0.41, loss=1.2e-3, **{"tok/s": 120.0})
         p.update()
         assert p._bar.n == 3 and "reward=0.41 loss=1.2e-3 tok/s=120" in p._bar.postfix
+
+
+def test_a_sampling_bar_gives_an_eta_only_from_a_real_rate():
+    """A first wave of rows finishes together: 2 of 300 samples done after 60 s would make tqdm say
+    2:29:00 left where the run ends in about 3 minutes. No ETA until a wave's worth (100) has
+    finished, then the mean rate since the start; where all run at once, none ever."""
+    clock = [0.0]
+    bar = SampleBar(300, concurrent=100, desc="eval")
+    bar._bar._time = lambda: clock[0]
+    bar._bar.start_t = 0.0
+    clock[0] = 60.0
+    bar.update(2)
+    shown = str(bar._bar)
+    assert "2/300 [01:00]" in shown and "<" not in shown and "/s" not in shown  # no made-up 2:29:00
+    clock[0] = 90.0
+    bar.update(98)  # the first wave done: 100 in 90 s, 200 left
+    assert "100/300 [01:30<03:00," in str(bar._bar)
+    bar.close()
+    one_wave = SampleBar(64, concurrent=128)
+    one_wave.update(63)
+    assert "<" not in str(one_wave._bar) and "63/64" in str(one_wave._bar)
+    one_wave.close()

@@ -232,6 +232,19 @@ def test_a_plan_for_several_gpus_not_on_this_machine_uses_their_count(capsys):
     assert out.startswith("(the GPUs asked for are not planned: this run's trainer is on cpu)\ncpu: ")
 
 
+def test_print_memory_without_the_gpus_memory_does_not_say_fits(capsys, monkeypatch):
+    """`--print-memory` for a GPU preset on a machine without CUDA: the GPU's memory is unknown, so
+    the plan is not judged, and says how to give it (exit status 0: nothing failed)."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        run_gsm8k.make_config(["--preset=gpu", "--print-memory"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "cuda:0: " in out and "of unknown" in out
+    assert out.splitlines()[-1] == ("not judged: the memory of cuda:0 is unknown on this machine; give it as "
+                                    "--print-memory=<GB> (or <GB>x<GPUs>), e.g. --print-memory=80")
+    assert "fits" not in out
+
+
 def test_reward_models_in_bf16_are_a_change_the_plan_names():
     """TL;DR's paper preset on a 60 GB GPU: its RMs (0.9B and the 6.9B gold one) load in fp32; the plan
     names `--reward.dtype=bf16` with half their bytes, and re-planned with it they weigh 2 B a parameter."""

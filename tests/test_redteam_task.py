@@ -10,6 +10,7 @@ import torch
 import redteam_reward
 import run_redteam
 from common.embed import mean_pairwise_cosine_distance
+from common.engine.hf_io import load_model
 from common.errors import UserError
 from common.runtime.reward_service import _safe_scores
 from tests import tiny
@@ -117,6 +118,16 @@ def test_a_classifier_function_that_cannot_be_imported_is_named():
     with pytest.raises(UserError, match=r"^toxicity classifier common.errors:__doc__: str is not a function$"):
         run_redteam.Toxicity("common.errors:__doc__")
     assert run_redteam.Toxicity("tests.test_redteam_task:half")(["a", "b"]) == [0.5, 0.5]  # an importable one is taken
+
+
+def test_the_evaluation_shows_its_progress(tmp_path, capsys):
+    """The evaluation's two samplings (1,024 attacks at the paper preset, then the victim's answers)
+    each show a bar of the samples finished."""
+    cfg = _cfg(tmp_path, "--data.eval_attacks=6", "--gen.max_new_tokens=4")
+    model, tok = load_model(cfg.model)
+    out = run_redteam.Evaluator(cfg, [[1, 5, 6]], (2,), tmp_path / "attacks.jsonl")(model, tok)
+    err = capsys.readouterr().err
+    assert out["eval_n"] == 6 and "eval: attacks: 100%" in err and "eval: the victim's answers: 100%" in err
 
 
 def half(texts):

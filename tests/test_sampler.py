@@ -208,3 +208,16 @@ def test_masked_token_logp_equals_full(pair):
     g1 = torch.autograd.grad((full * mask).sum(), ours.lm_head.weight)[0]
     g2 = torch.autograd.grad(part.sum(), ours.lm_head.weight)[0]
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-4)
+
+
+def test_progress_counts_samples_and_waits_for_a_wave_before_an_eta(pair, capsys):
+    """`generate(progress=...)`: a bar of the samples finished under the label given, with no ETA
+    while every sample runs at once (5 prompts x 2 in 16 rows), one once a wave has finished (2 rows)."""
+    ours, _ = pair
+    params = SamplingParams(max_new_tokens=6, temperature=0, n=2)
+    Sampler(ours, max_batch=16, max_seq_len=64).generate(PROMPTS, params, progress="eval: test")
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert last.startswith("eval: test: 100%") and "10/10 [" in last and "<" not in last
+    Sampler(ours, max_batch=2, max_seq_len=64).generate(PROMPTS, params, progress=True)
+    last = capsys.readouterr().err.split("\r")[-1]
+    assert last.startswith("generate: 100%") and "10/10 [" in last and "<00:00" in last

@@ -1,11 +1,14 @@
 """The staleness controller's decisions on synthetic measure streams (common/runtime/staleness_control.py):
 degrading importance weights lower eta, a waiting trainer with healthy weights raises it, hysteresis
-holds it, the ceiling and the floor hold, and its state round-trips."""
+holds it, the ceiling and the floor hold, and its state round-trips; and what of it (and of the
+generators' preemptions) the console's step line shows."""
 import json
 
 import pytest
 
-from common.runtime.staleness_control import ControlSettings, StalenessController
+from common.runtime.run_log import step_line
+from common.runtime.staleness_control import ControlSettings, StalenessBound, StalenessController
+from common.runtime.train_config import TrainConfig
 
 HEALTHY, SICK = (0.95, 0.0), (0.3, 0.2)  # (ESS fraction, capped fraction)
 
@@ -65,3 +68,23 @@ def test_bad_settings_are_refused():
         ControlSettings(start=9, ceiling=8)
     with pytest.raises(ValueError, match="window=0"):
         ControlSettings(window=0)
+
+
+def test_the_console_step_line_shows_preemptions_reprefills_and_a_moved_eta_only_when_they_say_something(capsys):
+    """The trainer's step line (`step_line` of a step's metrics row): reward, loss, version; the
+    generators' preemptions and re-prefilled tokens only once non-zero; eta only once auto moved it."""
+    class Control:
+        def set_bound(self, eta):
+            self.eta = eta
+    row = {"reward_mean": 0.5, "loss": 0.1, "version": 3, "gen_preemptions": 0.0, "gen_reprefill_tokens": 0.0}
+    assert step_line(row, False) == {"reward": 0.5, "loss": 0.1, "v": 3}
+    assert step_line({**row, "gen_preemptions": 2.0, "gen_reprefill_tokens": 310.0, "eta": 1}, False) == \
+        {"reward": 0.5, "loss": 0.1, "v": 3, "preempted": 2, "reprefill": 310}
+    bound, control = StalenessBound(TrainConfig(max_staleness="auto")), Control()
+    assert not bound.moved and not StalenessBound(TrainConfig(max_staleness=4)).moved
+    rows = [bound.after_step({"behav_ess": 0.95, "capped_frac": 0.0}, 1.0, 1.0, control, None) for _ in range(8)]
+    first = next(i for i, r in enumerate(rows) if r["eta"] != rows[0]["eta"])  # the trainer waited half its step
+    assert bound.moved and control.eta == rows[first]["eta"] == 2
+    assert step_line({**row, **rows[-1]}, bound.moved)["eta"] == 2
+    assert "staleness: eta 1 -> 2" in capsys.readouterr().out
+    assert StalenessBound(TrainConfig(max_staleness="auto"), bound.counters()).moved  # resumed away from its start

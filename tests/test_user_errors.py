@@ -4,17 +4,23 @@ the runtime's own line, exit status 130 (common/task.py: `script`). The scripts 
 runs them, in subprocesses started together (each imports torch: a few seconds)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import run_redteam
+from common.engine.hf_io import ModelFileError, load_model, resolve_checkpoint
 from common.errors import UserError
 from common.preflight import check_devices
 from common.task import script
+from tests.test_checkpoint_trust import _Plant
+from tests.tiny import save_hf
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,6 +34,10 @@ def runs(tmp_path_factory):
     (tmp / "empty_data").mkdir()
     for split in ("train", "test"):
         (tmp / "empty_data" / f"{split}.jsonl").write_text("")
+    truncated = tmp / "truncated"  # the tiny model, its weights cut short (a copy that stopped half-way)
+    shutil.copytree(resolve_checkpoint("tiny"), truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
     foreign = tmp / "runs" / "foreign"
     foreign.mkdir(parents=True)
     (foreign / "metrics.jsonl").write_text("{}\n")
@@ -51,6 +61,7 @@ def runs(tmp_path_factory):
         "gpu_preset_no_gpu": (["--preset=paper", "--random_weights", "--name=x", root], {
             "CUDA_VISIBLE_DEVICES": "", "ASYNCRL_CACHE": str(tmp / "cache")}),
         "not_a_device": (["--model=tiny", "--train.device=gpu", "--name=x", root], {}),
+        "truncated_model": ([f"--model={truncated}", "--name=truncated", "--data.eval_size=0", root], {}),
     }
     env = {k: v for k, v in os.environ.items() if k != "ASYNCRL_DEBUG"}
     procs = {name: subprocess.Popen([sys.executable, "run_gsm8k.py", *argv], cwd=ROOT, env={**env, **extra},
@@ -61,6 +72,7 @@ def runs(tmp_path_factory):
         _, err = p.communicate(timeout=300)
         out[name] = (p.returncode, err)
     out["foreign_left"] = (foreign / "notes.txt").read_text()
+    out["truncated"] = str(weights)
     out["cache_left"] = sorted(p.name for p in (tmp / "cache").rglob("*")) if (tmp / "cache").exists() else []
     return out
 
@@ -133,6 +145,76 @@ def test_overwrite_on_a_folder_not_ours_is_refused_and_the_file_kept(runs):
     line = _one_line(runs["foreign_overwrite"])
     assert "was not made by this project (it holds notes.txt)" in line
     assert runs["foreign_left"] == "mine"
+
+
+def test_a_truncated_model_file_is_named(runs):
+    line = _one_line(runs["truncated_model"])
+    assert f"{runs['truncated']}: the weight file is truncated or damaged (SafetensorError: " in line
+    assert "copy it again" in line
+
+
+def test_a_damaged_or_planted_weight_file_is_a_user_error(tmp_path):
+    save_hf("llama_tied", tmp_path / "m")
+    f = tmp_path / "m" / "model.safetensors"
+    data = f.read_bytes()
+    for cut in (len(data) - 100, 20, 0):  # the data, the header, nothing
+        f.write_bytes(data[:cut])
+        with pytest.raises(ModelFileError, match=rf"^{f}: the weight file is truncated or damaged \(SafetensorError: "):
+            load_model(str(tmp_path / "m"), tokenizer=False)
+    f.unlink()
+    marker = tmp_path / "pwned"
+    torch.save({"model.embed_tokens.weight": _Plant(marker)}, tmp_path / "m" / "pytorch_model.bin")
+    with pytest.raises(ModelFileError, match=r"pytorch_model\.bin: not plain weights: it references the disallowed "
+                                             r"global (posix|os|nt)\.system, so it was not read"):
+        load_model(str(tmp_path / "m"), tokenizer=False)
+    assert not marker.exists()
+    (tmp_path / "m" / "config.json").write_text('{"model_type": "lla')
+    with pytest.raises(ModelFileError, match=r"config\.json: truncated or damaged, not JSON"):
+        load_model(str(tmp_path / "m"), tokenizer=False)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """{case: (exit status, stderr)} of `--resume` on a one-step tiny run whose buffer.pt was replaced
+    (its size in meta.json fixed to match, as someone who edits a checkpoint would)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    root = tmp / "runs"
+    argv = ["--model=tiny", "--train.steps=1", "--data.eval_size=0", f"--run_root={root}"]
+    r = subprocess.run([sys.executable, "run_gsm8k.py", *argv, "--name=planted"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.copytree(root / "planted", root / "absurd")
+    cases = {}
+    for name in ("planted", "absurd"):
+        ck = root / name / "checkpoints" / "step_000001"
+        state = torch.load(ck / "buffer.pt", weights_only=True)
+        if name == "planted":
+            state = {"format": state["format"], "capacity": _Plant(tmp / "pwned")}
+        else:
+            state["capacity"] = 10**12
+        torch.save(state, ck / "buffer.pt")
+        meta = json.loads((ck / "meta.json").read_text())
+        meta["files"]["buffer.pt"] = (ck / "buffer.pt").stat().st_size
+        (ck / "meta.json").write_text(json.dumps(meta))
+        cases[name] = subprocess.Popen([sys.executable, "run_gsm8k.py", *argv, f"--name={name}", "--resume"], cwd=ROOT,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = {name: (p.communicate(timeout=300)[1], p.returncode)[::-1] for name, p in cases.items()}
+    out["ran"] = (tmp / "pwned").exists()
+    out["root"] = root
+    return out
+
+
+def test_a_planted_buffer_is_one_line_and_never_runs(resumed):
+    line = _one_line(resumed["planted"])
+    where = resumed["root"] / "planted" / "checkpoints" / "step_000001" / "buffer.pt"
+    assert line.startswith(f"error: {where}: not a replay buffer this project wrote: it references the disallowed global ")
+    assert not resumed["ran"]
+
+
+def test_a_buffer_of_absurd_capacity_is_refused_with_the_numbers(resumed):
+    line = _one_line(resumed["absurd"])
+    assert "buffer.pt: the saved replay buffer is 1,000,000,000,000 rows x " in line
+    assert "this run's is 2,048 rows (--train.buffer_capacity)" in line
 
 
 # ---- script() itself, in this process ----------------------------------------------------------

@@ -2,7 +2,9 @@
 `WriteError` line (what, the path, the cause, the free space) and leave no half-written file; and
 on a real full filesystem (a small tmpfs in a private mount namespace), the checkpoint, the stream
 and the metrics all fail that way while the previous checkpoint stays loadable. Checkpoints' own
-simulated failures are in tests/test_checkpoint.py."""
+simulated failures are in tests/test_checkpoint.py. A full disk is said as one wherever it shows:
+an ENOSPC under another error, or torch's serializer's 'unexpected pos' on a filesystem left without
+space (`common.errors.disk_full`)."""
 from __future__ import annotations
 
 import errno
@@ -17,11 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import common.errors as errors
 import common.runtime.stream as stream
-from common.errors import UserError, WriteError
+from common.engine.hf_io import load_model
+from common.errors import UserError, WriteError, disk_full, write_failed
+from common.runtime.checkpoint import CheckpointError, save_checkpoint
 from common.log import MetricsLogger, read_metrics
 from common.runtime.stream import StreamWriter
 from tests.test_checkpoint import WRITE_ERROR
+from tests.tiny import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]
 _ENCODED = ({"tokens": torch.arange(64)}, {"tokens": "int64"})  # what StreamWriter.capture returns
@@ -88,6 +94,71 @@ def test_metrics_write_failure_stops_with_the_path(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]  # the half line is skipped ...
     MetricsLogger(tmp_path).close()  # ... and cut off when the log reopens (--resume)
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def _short_write():
+    return RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 704 vs 598")
+
+
+def test_a_full_disk_is_named_however_the_error_says_it(tmp_path, monkeypatch):
+    """ENOSPC under another error (a cause, a context, DCP's per-rank failures), and torch's short
+    write where the filesystem has no space left, are a full disk; the short write with room to
+    spare (a quota, an I/O error) is said as it is."""
+    def under(outer, inner):
+        try:
+            try:
+                raise inner
+            except OSError:
+                raise outer
+        except type(outer) as e:
+            return e
+    enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    wrapped = under(_short_write(), enospc)
+    dcp_like = RuntimeError("save failed")
+    dcp_like.failures = {1: (wrapped, None)}
+    assert disk_full(wrapped, tmp_path) and disk_full(dcp_like, tmp_path)
+    assert not disk_full(under(RuntimeError("boom"), OSError(errno.EIO, "I/O")), tmp_path)
+    monkeypatch.setattr(errors, "free_bytes", lambda path: 64 << 30)  # room to spare: not a full disk
+    assert not disk_full(_short_write(), tmp_path)
+    assert "(RuntimeError: [enforce fail at inline_container.cc:626] . unexpected pos 704 vs 598); 68.7 GB free" \
+        in write_failed("metrics", tmp_path / "m", _short_write())
+    monkeypatch.setattr(errors, "free_bytes", lambda path: 4096)  # the disk filled under the write
+    assert disk_full(_short_write(), tmp_path)
+    msg = write_failed("metrics", tmp_path / "m", wrapped)
+    assert re.fullmatch(WRITE_ERROR, msg + "; ..."), msg
+    assert "(no space left on device: RuntimeError: [enforce fail at inline_container.cc:626] . unexpected pos 704 " \
+           "vs 598); 4.1 kB free on that filesystem" in msg
+    said = write_failed("metrics", tmp_path / "m", enospc)  # said already: not twice
+    assert "(OSError: [Errno 28] No space left on device); 4.1 kB free" in said and said.lower().count("no space") == 1
+
+
+def test_a_checkpoint_on_a_full_disk_says_so_for_torchs_short_write(tmp_path, monkeypatch):
+    """torch.save's zip writer on a full disk: 'unexpected pos 704 vs 598', its errno lost; the line
+    names the full disk (asked before the partial copy is removed, which frees space)."""
+    save_hf("llama_tied", tmp_path / "model")
+    model, _ = load_model(str(tmp_path / "model"), tokenizer=False)
+    opt = torch.optim.AdamW(model.parameters())
+    good = save_checkpoint(tmp_path / "run", 1, model, opt)
+    real_save, seen = torch.save, []
+
+    def fills_up(obj, f, *a, **k):
+        if str(f).endswith("trainer_state.pt"):
+            raise _short_write()
+        return real_save(obj, f, *a, **k)
+
+    def free(path):  # nothing free while the partial copy is there, some once it is removed
+        seen.append(Path(path))
+        return 0 if any(".tmp_step_" in part for part in Path(path).parts) else 300_000
+    monkeypatch.setattr(torch, "save", fills_up)
+    monkeypatch.setattr(errors, "free_bytes", free)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(tmp_path / "run", 2, model, opt)
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert re.fullmatch(WRITE_ERROR, msg), msg
+    assert ("step_000002 (no space left on device: RuntimeError: [enforce fail at inline_container.cc:626] . "
+            "unexpected pos 704 vs 598); 300 kB free on that filesystem; its partial copy was removed; nothing was "
+            f"replaced: the previous checkpoint {good} is intact") in msg
 
 
 _CHILD = r"""

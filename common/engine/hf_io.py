@@ -22,13 +22,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download  # a dependency of transformers: always there
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from common.engine.hf_layouts import to_ours
 from common.engine.hf_save import repair_hf_dir, save_pretrained
@@ -56,6 +58,11 @@ _PATH_PREFIXES = ("/", "./", "../", "~", ".\\", "..\\")  # how a path is written
 class ModelPathError(UserError, FileNotFoundError):
     """A model name that gives no usable checkpoint: a local path that does not exist or lacks
     files (named), or a hub id that cannot be fetched."""
+
+
+class ModelFileError(UserError, ValueError):
+    """A checkpoint's file that cannot be read (truncated, damaged, a planted pickle), or weights that
+    do not match its config.json: the file named."""
 
 
 def cache_root() -> Path:
@@ -211,7 +218,10 @@ def read_hf_config(path: Path) -> dict:
     f = Path(path) / "config.json"
     if not f.exists():
         raise ModelPathError(f"{f} not found: not a Hugging Face checkpoint directory")
-    return json.loads(f.read_text())
+    try:
+        return json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{f}: truncated or damaged, not JSON ({type(e).__name__}: {e})") from None
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -234,13 +244,28 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def _tensors(f: Path):
-    """(name, tensor) of one weight file, CPU, in its stored dtype."""
-    if f.suffix == ".bin":
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()
-        return
-    with safe_open(str(f), framework="pt", device="cpu") as sf:
-        for key in sf.keys():
-            yield key, sf.get_tensor(key)
+    """(name, tensor) of one weight file, CPU, in its stored dtype. A file that cannot be read is a
+    ModelFileError naming it: safetensors checks that its header is whole and that the data cover it
+    (a truncated file fails at open), a `.bin` loads with weights_only=True (a planted pickle is refused)."""
+    try:
+        if f.suffix == ".bin":
+            state = torch.load(f, map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise ModelFileError(f"{f}: not a PyTorch state dict (it holds a {type(state).__name__})")
+            yield from state.items()
+            return
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for key in sf.keys():
+                yield key, sf.get_tensor(key)
+    except pickle.UnpicklingError as e:  # weights_only refused a global, and torch names it
+        glob = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"the disallowed global {glob[1]}" if glob else "objects that are not tensors"
+        raise ModelFileError(f"{f}: not plain weights: it references {what}, so it was not read: unpickling it "
+                             f"could run code") from None
+    except (SafetensorError, RuntimeError, OSError, EOFError) as e:  # torch's zip reader raises RuntimeError
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ModelFileError(f"{f}: the weight file is truncated or damaged ({type(e).__name__}: {first}); copy it "
+                             f"again from where it came from") from None
 
 
 def read_checked_state(model: Transformer, path: Path) -> dict[str, torch.Tensor]:
@@ -259,20 +284,20 @@ def read_checked_state(model: Transformer, path: Path) -> dict[str, torch.Tensor
             try:
                 mapped = to_ours(model.cfg, key, tensor)
             except ValueError as e:
-                raise ValueError(f"{f}: {e}") from None
+                raise ModelFileError(f"{f}: {e}") from None
             if mapped is None or any(k not in expected for k, _ in mapped):
-                raise ValueError(f"{f}: unexpected tensor {key!r} for model_type={model.cfg.model_type} "
-                                 f"(is config.json consistent with the weights?)")
+                raise ModelFileError(f"{f}: unexpected tensor {key!r} for model_type={model.cfg.model_type} "
+                                     f"(is config.json consistent with the weights?)")
             for k, t in mapped:
                 if tuple(t.shape) != tuple(expected[k].shape):
                     ours = f" ({k} here)" if k != key else ""
-                    raise ValueError(f"{f}: tensor {key!r}{ours} has shape {tuple(t.shape)}, config.json "
-                                     f"implies {tuple(expected[k].shape)}")
+                    raise ModelFileError(f"{f}: tensor {key!r}{ours} has shape {tuple(t.shape)}, config.json "
+                                         f"implies {tuple(expected[k].shape)}")
                 loaded[k] = t
     missing = sorted(set(expected) - set(loaded))
     if missing:
-        raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
-                         f"({len(missing)} in all)")
+        raise ModelFileError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''} "
+                             f"({len(missing)} in all)")
     return loaded
 
 

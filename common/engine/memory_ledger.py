@@ -85,8 +85,15 @@ class Plan:
                 if x.device == d:
                     rows.append(f"  {x.process:<16} {x.what:<64} {gb(x.nbytes):>9}")
         rows += self.notes
-        bad = self.over()
-        rows.append("fits" if not bad else "does not fit: " + "; ".join(bad) + ". " + self.advice_tail())
+        bad, unknown = self.over(), [d for d, c in self.capacity.items() if c is None]
+        if bad:
+            rows.append("does not fit: " + "; ".join(bad) + ". " + self.advice_tail())
+        elif unknown:  # nothing past a memory that is known, the rest not judged: not a fit
+            example = "80" if len(unknown) == 1 else f"80x{len(unknown)}"
+            rows.append(f"not judged: the memory of {', '.join(unknown)} is unknown on this machine; give it as "
+                        f"--print-memory=<GB> (or <GB>x<GPUs>), e.g. --print-memory={example}")
+        else:
+            rows.append("fits")
         return "\n".join(rows)
 
     def advice_tail(self) -> str:

@@ -41,7 +41,6 @@ from collections import deque
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from common.engine.decode import GraphedDecode, Rows, Shape, captured_shape, decode_step
 from common.engine.decode_attention import flash_available
@@ -53,6 +52,7 @@ from common.engine.live_batch import LiveBatch, Request, Seq
 from common.engine.preempt import Preemption
 from common.engine.sampling import Completion, SamplingParams
 from common.engine.slot_log import SlotLog
+from common.progress import SampleBar
 
 PREFILL_TOKENS = 8192  # padded tokens per prefill forward, by default (the memory plan counts its activations)
 
@@ -277,8 +277,10 @@ class Sampler(Preemption, LiveBatch):
         return Launched.send(self._outs, out, hi, cols=busy_np, slots=busy, slots_np=busy_np, seqs=seqs,
                              epoch=self._epoch)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, progress: bool = False) -> list[Completion]:
-        """Sample params.n completions per prompt; results ordered by (prompt, sample).
+    def generate(self, prompts: list[list[int]], params: SamplingParams, progress: bool | str = False) -> list[Completion]:
+        """Sample params.n completions per prompt; results ordered by (prompt, sample). `progress`: a
+        bar of the samples finished (`SampleBar`: an ETA only once a whole wave of rows has finished),
+        labelled "generate" or with the string given.
 
         Every prompt is validated before any is queued: a bad one raises ValueError naming its
         index, and requests already queued by `submit` are left untouched."""
@@ -292,7 +294,8 @@ class Sampler(Preemption, LiveBatch):
         ids = [self.submit(p, params) for p in prompts]
         want = set(ids)
         done: dict[tuple[int, int], Completion] = {}
-        bar = tqdm(total=len(prompts) * params.n, desc="generate", unit="sample") if progress else None
+        bar = SampleBar(len(prompts) * params.n, self.max_batch, progress if isinstance(progress, str) else "generate") \
+            if progress else None
         while len(done) < len(prompts) * params.n:
             for c in self.step():
                 if c.request_id in want:

@@ -35,6 +35,7 @@ import torch
 import torch.multiprocessing as mp  # importing it registers the shared-tensor pickling reducers
 
 from common.batch import FINISH_REASONS, Batch, Trajectory
+from common.runtime.buffer_file import read_buffer_file
 from common.runtime.buffer_sampling import BufferMeta, sample_tba, stale_rows, take_oldest
 
 # the saved format's name, from before common/runtime/: kept so that old buffers load
@@ -289,26 +290,15 @@ class ReplayBuffer:
         os.replace(tmp, path)  # atomic: a crash mid-save never leaves a truncated checkpoint
 
     @classmethod
-    def load(cls, path) -> "ReplayBuffer":
-        """A fresh shared buffer with the saved contents (and the saved capacity / max_seq_len)."""
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"ReplayBuffer.load: no such file {path!r}")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"ReplayBuffer.load: {path!r} is not a readable buffer file "
-                             f"({type(e).__name__}: {e})") from e
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            raise ValueError(f"ReplayBuffer.load: {path!r} is not a ReplayBuffer file (format mismatch)")
+    def load(cls, path, capacity: int | None = None, max_seq_len: int | None = None) -> "ReplayBuffer":
+        """A fresh shared buffer with the saved contents (and the saved capacity / max_seq_len), the
+        file checked before the ring is allocated (common/runtime/buffer_file.py: a `BufferFileError`
+        naming it); `capacity`, `max_seq_len`: the sizes it must have (None: any)."""
+        state = read_buffer_file(path, _FORMAT, _COLUMNS, capacity, max_seq_len)
         buf = cls(state["capacity"], state["max_seq_len"], state["pad_id"])
         for k, col in buf.cols.items():
-            src = state["cols"].get(k)
-            if src is None or src.shape != col.shape or src.dtype != col.dtype:
-                raise ValueError(f"ReplayBuffer.load: {path!r}: column {k!r} missing or has the wrong "
-                                 f"shape/dtype (expected {tuple(col.shape)} {col.dtype})")
-            col.copy_(src)
-        buf._n_added[0] = int(state["n_added"])
+            col.copy_(state["cols"][k])
+        buf._n_added[0] = state["n_added"]
         return buf
 
     def stats(self) -> dict:

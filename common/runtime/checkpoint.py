@@ -27,7 +27,8 @@ Crash-safety rules:
   DCP's CheckpointException, a serializer's RuntimeError) removes its partial copy and raises
   `CheckpointError`: the cause, the path, the free space, the intact previous checkpoint (a
   Ctrl-C removes it too and goes on); a warning comes first when the last checkpoint's size
-  is not free. Reading is `state.py`'s allow-listed unpickling, torch.load(weights_only=True), JSON.
+  is not free. Reading is `state.py`'s allow-listed unpickling, torch.load(weights_only=True), JSON;
+  the buffer's sizes are checked against the run's before a ring is allocated from them.
 - A checkpoint counts only if its meta.json parses; `load_checkpoint` additionally checks every
   listed file exists with its recorded size (catches truncation) and validates everything
   (architecture, tensor names/shapes, optimizer groups) BEFORE mutating the model or optimizer.
@@ -53,11 +54,12 @@ import numpy as np
 import torch
 
 from common.config import save_config
-from common.errors import free_bytes, human_bytes, write_failed
-from common.run_files import record
+from common.errors import disk_full, free_bytes, human_bytes, write_failed
 from common.engine.hf_save import save_pretrained
 from common.engine.model_config import ModelConfig
+from common.run_files import record
 from common.runtime.buffer import ReplayBuffer
+from common.runtime.buffer_file import BufferFileError
 from common.runtime.checkpoint_dir import (FORMAT_VERSION, PREFIX, TMP, begin, ckpt_root, fsync, latest_checkpoint,
                                            prune, published, read_meta, remove_checkpoint)
 from common.runtime.state import (CheckpointError, check_state, one_line, read_state, rng_state, set_rng_state,
@@ -129,13 +131,15 @@ def _warn_if_low(run_dir, root: Path, step: int) -> None:
 
 def _write_error(run_dir, step: int, tmp: Path, final: Path, e: BaseException) -> CheckpointError:
     """A failed write as one line: what failed, where, the free space left once the partial copy
-    is removed (which frees what it took), and the checkpoint that is still intact."""
+    is removed (which frees what it took), and the checkpoint that is still intact. Whether the disk
+    filled is asked first: removing the partial copy frees space."""
+    full = disk_full(e, tmp)
     remove_checkpoint(tmp)
     removed = "its partial copy was removed" if not tmp.exists() else f"its partial copy {tmp} could not be removed"
     prev = latest_checkpoint(run_dir)
     kept = (f"the previous checkpoint {prev} is intact (free some space, then --resume continues from it)"
             if prev is not None else "there is no earlier checkpoint")
-    return CheckpointError(f"{write_failed(f'checkpoint step {step} to', final, one_line(e))}; {removed}; "
+    return CheckpointError(f"{write_failed(f'checkpoint step {step} to', final, one_line(e), full)}; {removed}; "
                            f"nothing was replaced: {kept}")
 
 
@@ -187,11 +191,13 @@ def save_checkpoint(run_dir, step: int, model, optimizer, scheduler=None, *, cou
 
 # ---------------------------------------------------------------- load
 def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuffer,
-                    read: Callable[[Path, bool], None] | None = None) -> ResumeState:
+                    read: Callable[[Path, bool], None] | None = None,
+                    buffer_size: tuple[int, int] | None = None) -> ResumeState:
     """Restore model weights and optimizer state (in place, so the optimizer keeps its
     parameters), scheduler and RNG states from checkpoint dir `path`; returns counters, buffer
     and config. Sharded (N ranks): rank 0 calls this with `read(state_dir, stepped)`, which has
-    every rank load its shards, after every check passed (common/runtime/ranks/group.py)."""
+    every rank load its shards, after every check passed (common/runtime/ranks/group.py).
+    `buffer_size`: the run's (capacity, max_seq_len), which a saved buffer must have (None: any)."""
     path = Path(path)
     meta = read_meta(path)
     for rel, size in meta["files"].items():
@@ -219,6 +225,10 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
         raise CheckpointError(f"{path}: a scheduler was given but the checkpoint saved none")
     stepped = bool(state.get("optimizer_stepped", True))
     check_state(path / "state", model, stepped)
+    try:  # read and checked before its sizes allocate anything (buffer_file.py), and before anything mutates
+        buffer = buffer_cls.load(path / "buffer.pt", *(buffer_size or ())) if "buffer.pt" in meta["files"] else None
+    except BufferFileError as e:
+        raise CheckpointError(str(e)) from None
 
     # Everything validated: now mutate (every rank at once when sharded).
     try:
@@ -232,7 +242,6 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
         scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
 
-    buffer = buffer_cls.load(path / "buffer.pt") if "buffer.pt" in meta["files"] else None
     config = json.loads((path / "config.json").read_text()) if "config.json" in meta["files"] else None
     counters = dict(state["counters"])
     return ResumeState(step=int(counters["step"]), version=int(counters["version"]), counters=counters,

@@ -1,7 +1,8 @@
 """What a training run writes besides its checkpoints: the run directory with its config, one
-metrics row per trainer step (staleness, throughput, the generators' statistics) and the
-evaluations. Runs in the trainer (rank 0); used by the trainer loop (common/runtime/trainer.py)
-and by replays (common/replay.py), so a replayed run logs as a trained one does.
+metrics row per trainer step (staleness, throughput, the generators' statistics) and the console's
+step line from it, and the evaluations. Runs in the trainer (rank 0); used by the trainer loop
+(common/runtime/trainer.py) and by replays (common/replay.py), so a replayed run logs as a trained
+one does.
 """
 from __future__ import annotations
 
@@ -82,3 +83,16 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
         row["cuda_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30  # this trainer rank's device
         row["gen_cuda_peak_gib"] = stats_of[:, Control.CUDA_PEAK_BYTES].max().item() / 2**30  # the largest generator's
     return row, (gen_tok, now)
+
+
+def step_line(row: dict, eta_moved: bool) -> dict:
+    """The console step line's fields (common/progress.py) of a `step_row`: reward, loss and version,
+    and, only where they say something, the generators' preemptions and re-prefilled tokens so far
+    (non-zero: the KV pool ran short) and eta (`auto` has moved it: `StalenessBound.moved`)."""
+    out = {"reward": row["reward_mean"], "loss": row.get("loss", float("nan")), "v": row["version"]}
+    for key, name in (("gen_preemptions", "preempted"), ("gen_reprefill_tokens", "reprefill")):
+        if row.get(key):
+            out[name] = int(row[key])
+    if eta_moved and "eta" in row:
+        out["eta"] = row["eta"]
+    return out

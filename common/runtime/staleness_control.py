@@ -120,6 +120,7 @@ class StalenessBound:
             settings = ControlSettings(ceiling=tc.max_staleness_max, start=min(ControlSettings.start, tc.max_staleness_max))
             self.ctl = StalenessController.from_counters(settings, counters or {})
         self.eta = self.ctl.eta if self.auto else tc.max_staleness  # the admission bound now
+        self.moved = self.auto and self.eta != self.ctl.s.start  # auto has set eta away from its start (console)
 
     def after_step(self, stats: dict, wait_s: float, train_s: float, control, opt) -> dict:
         """One trainer step's decision from its stats and the seconds it waited for data and trained;
@@ -135,6 +136,7 @@ class StalenessBound:
         last = self.ctl.last
         if self.eta != old:
             control.set_bound(self.eta)
+            self.moved = True
             print(f"[asyncrl] staleness: eta {old} -> {self.eta} ({last['eta_why']}; window means: ESS fraction "
                   f"{last['eta_ess']:.3f}, capped {last['eta_capped']:.3f}, waiting {last['eta_wait']:.0%} of the step)")
         row = {k: v for k, v in last.items() if k != "eta_why"}

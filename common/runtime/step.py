@@ -94,9 +94,9 @@ class OneRank:
         """`save_checkpoint` of the model, optimizer and `sched` (common/runtime/checkpoint.py)."""
         return save_checkpoint(run_dir, step, self.model, self.opt, sched, **kw)
 
-    def load(self, path, sched) -> ResumeState:
-        """`load_checkpoint` into the model, optimizer and `sched`."""
-        return load_checkpoint(path, self.model, self.opt, sched)
+    def load(self, path, sched, buffer_size: tuple[int, int] | None = None) -> ResumeState:
+        """`load_checkpoint` into the model, optimizer and `sched`; a saved buffer must be `buffer_size`."""
+        return load_checkpoint(path, self.model, self.opt, sched, buffer_size=buffer_size)
 
     def check(self) -> None:
         """Raise for a failed rank (call wherever the loop waits): one rank is this process."""

@@ -55,7 +55,7 @@ from common.runtime.launch import WorkerError, Workers
 from common.runtime.peers import Peers
 from common.runtime.process import sigterm_as_interrupt
 from common.runtime.reward_service import start_reward_workers
-from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_row
+from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness, step_line, step_row
 from common.runtime.staleness_control import StalenessBound
 from common.runtime.step import OneRank, RankFailed, trainer_model
 from common.runtime.stream import StreamWriter
@@ -110,7 +110,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
         step = version = 0
         buffer, counters = None, {}
         if ck is not None:
-            st = group.load(ck, sched)
+            st = group.load(ck, sched, buffer_size=(tc.buffer_capacity, max_seq_len))  # a saved ring of other sizes is refused
             step, version, buffer, counters = st.step, st.version, st.buffer, st.counters
             print(f"[asyncrl] resumed from {ck} at step {step}, version {version}")
         if buffer is None:
@@ -187,7 +187,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
                     last, gen_prev = step_row(batch, stats, gnorm, group.opt.param_groups[0]["lr"], (t0, t1, t2),
                                               publish_s, version, stale, multi_version, control, buffer, gen_prev)
                     logger.log(step, **last)
-                bar.update(1, reward=last["reward_mean"], loss=last.get("loss", float("nan")), v=version)
+                bar.update(1, **step_line(last, bound.moved))
                 if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
                     last.update(run_eval("periodic"))
                 if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:

@@ -162,13 +162,13 @@ class TrainerGroup(OneRank):
                 return write_shards(d, self.model, self.opt)
             return save_checkpoint(run_dir, step, self.model, self.opt, sched, write=write, **kw)
 
-    def load(self, path, sched) -> ResumeState:
+    def load(self, path, sched, buffer_size: tuple[int, int] | None = None) -> ResumeState:
         """`load_checkpoint` with every rank loading its shards (after rank 0 checked them)."""
         with self._collective():
             def read(d, stepped):
                 self._send("load", d, stepped)
                 read_shards(d, self.model, self.opt, stepped)
-            return load_checkpoint(path, self.model, self.opt, sched, read=read)
+            return load_checkpoint(path, self.model, self.opt, sched, read=read, buffer_size=buffer_size)
 
     def _send(self, *cmd) -> None:
         for q in self.queues:
