@@ -143,7 +143,7 @@ def test_an_empty_data_file_is_named(runs):
 
 def test_overwrite_on_a_folder_not_ours_is_refused_and_the_file_kept(runs):
     line = _one_line(runs["foreign_overwrite"])
-    assert "was not made by this project (it holds notes.txt)" in line
+    assert "was not made by this project (it holds metrics.jsonl, notes.txt)" in line  # no name makes an entry ours
     assert runs["foreign_left"] == "mine"
 
 
