@@ -19,9 +19,10 @@ import torch
 from areal.algo import AReaLConfig
 from common.config import cli, to_dict
 from common.config_check import at_least, check, relation
+from common.engine.kv_pages import sample_kv_tokens
 from common.engine.precision import PrecisionConfig
 from common.preflight import check_memory, parse_gpus
-from common.runtime.generator import GenConfig
+from common.runtime.generator import GenConfig, kv_page
 from common.runtime.run_dir import check_name, check_run_dir
 from common.runtime.train_config import (DistConfig, LogConfig, TrainConfig, check_config, torchrun_restarts,
                                          under_torchrun)
@@ -59,6 +60,10 @@ class RunConfig:
         "gen.n": relation(lambda v, c: v >= 2 or (c.algo == "areal" and c.areal.adv_norm == "batch"),
                           ">= 2 with --algo={s.algo} (a prompt's samples are scored against each other: a group of one "
                           "learns nothing; --algo=areal --areal.adv_norm=batch takes 1)"),
+        "gen.kv_tokens": relation(lambda v, c: v == 0 or c.gen.kv_layout == "static" or v >= c.kv_floor,
+                                  "0 (the default pool) or at least {s.kv_floor}: one sample of {p}gen.max_new_tokens="
+                                  "{s.gen.max_new_tokens} needs a page for its prompt and its own tokens + 1, in "
+                                  "pages of {s.kv_page} (the longest prompt is checked once the data are read)"),
         "train.buffer_capacity": relation(lambda v, c: v >= c.train.prompts_per_step * c.gen.n,
                                           ">= {p}train.prompts_per_step x {p}gen.n ({s.train.prompts_per_step} x "
                                           "{s.gen.n}: one batch fits the ring)"),
@@ -74,6 +79,16 @@ class RunConfig:
     # the config names) and what the trainer's evaluation loads beside the policy (none by default),
     # and the setting that turns that evaluation off
     EVAL_OFF = "--data.eval_size=0"
+
+    @property
+    def kv_page(self) -> int:
+        """Tokens per KV page of this run's generators (gen.kv_page_size, else the device's)."""
+        return kv_page(self.gen, self.train.device)
+
+    @property
+    def kv_floor(self) -> int:
+        """The least gen.kv_tokens that holds one sample of a one-token prompt (the sampler's rule)."""
+        return sample_kv_tokens(1, self.gen.max_new_tokens, self.kv_page)
 
     def reward_worker_models(self) -> tuple[str, ...] | None:
         return None

@@ -52,8 +52,9 @@ def test_an_exhausted_pool_refuses_and_changes_nothing():
 
 def test_a_sample_that_could_never_fit_is_refused_with_the_numbers():
     pool = PagePool(10, 256)
-    pool.check_fits(1000, 1500)  # 4 + 6 pages: the whole pool, not more
-    with pytest.raises(ValueError, match=r"1000 prompt \+ 1600 new tokens needs 11 pages of 256 tokens; the pool has 10"):
+    pool.check_fits(1000, 1500)  # 4 + 6 pages (1,501 own tokens: one past the last, a step in flight): the whole pool
+    with pytest.raises(ValueError, match=r"1000 prompt \+ 1600 new tokens needs 2,816 tokens of KV pool \(11 pages of "
+                                         r"256\); the pool has 2,560: raise gen.kv_tokens to 2,816"):
         pool.check_fits(1000, 1600)
     with pytest.raises(ValueError):
         PagePool(0, 16)

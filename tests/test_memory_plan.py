@@ -259,9 +259,10 @@ def test_reward_models_in_bf16_are_a_change_the_plan_names():
 
 def test_a_pool_below_one_sample_names_its_own_change_alone():
     """Nothing past a memory, only a KV pool too small for one full-length sample: the plan's change
-    is that pool's size, not a list of byte savers that cannot help."""
-    p = plan_of(run_gsm8k.make_config(["--model=tiny", "--gen.kv_tokens=300", "--gen.max_new_tokens=256"]))
-    assert not p.fits and p.fixes == [("--gen.kv_tokens=1344", "one full-length sample")]
+    is that pool's size, not a list of byte savers that cannot help: a 512-token prompt's 8 pages of 64
+    and 257 own tokens' 5 (the sampler's own rule, kv_pages.sample_kv_tokens), the prompt counted once."""
+    p = plan_of(run_gsm8k.make_config(["--model=tiny", "--gen.kv_tokens=500", "--gen.max_new_tokens=256"]))
+    assert not p.fits and p.fixes == [("--gen.kv_tokens=832", "one full-length sample")]
 
 
 def test_together_skips_a_change_that_does_not_help_and_names_one_that_fits_alone():

@@ -72,9 +72,8 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ pages (host; the sampler calls these)
     def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
-        """ValueError with the numbers if one sample could never fit the pool (+1: the column a
-        step in flight may write past the end under overlap)."""
-        self.pool.check_fits(prompt_tokens, max_new_tokens, slack=1)
+        """ValueError with the numbers if one sample could never fit the pool (`kv_pages.sample_kv_tokens`)."""
+        self.pool.check_fits(prompt_tokens, max_new_tokens)
 
     def cost(self, prompt_tokens: int, own_tokens: int) -> int:
         """Pages that opening a prompt of `prompt_tokens` (0: already open) and a slot of `own_tokens` take."""

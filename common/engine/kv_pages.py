@@ -27,6 +27,17 @@ class PoolExhausted(RuntimeError):
     """Not enough free pages for a request; nothing was taken."""
 
 
+def sample_kv_tokens(prompt_tokens: int, max_new_tokens: int, page_size: int) -> int:
+    """The KV pool, in tokens, one sample needs to finish with the whole pool to itself: its prompt's
+    pages (which its n samples share: counted once) and, from a fresh page on, its own for
+    `max_new_tokens` + 1 (the column a decode step in flight may write past the end: `inflight.py`),
+    in whole pages. The one rule of the sampler's refusal (`PagePool.check_fits`), the run's check
+    before its workers start, the config's range check and the memory plan."""
+    def pages(n):
+        return -(-n // page_size)
+    return (pages(prompt_tokens) + pages(max_new_tokens + 1)) * page_size
+
+
 class PagePool:
     """`n_pages` pages of `page_size` tokens each: which are free, and how many tables hold each."""
 
@@ -85,15 +96,15 @@ class PagePool:
             if self.ref[p] == 0:
                 self.free.append(p)
 
-    def check_fits(self, prompt_tokens: int, max_new_tokens: int, slack: int = 0) -> None:
+    def check_fits(self, prompt_tokens: int, max_new_tokens: int) -> None:
         """Refuse, with the numbers, a sample that could not finish even with the whole pool to itself
-        (its prompt's pages and its own, `slack` more own tokens): no amount of preemption would
-        ever let it through."""
-        need = self.pages_for(prompt_tokens) + self.pages_for(max_new_tokens + slack)
-        if need > self.n_pages:
-            raise ValueError(f"a sample of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need} pages of "
-                             f"{self.page_size} tokens; the pool has {self.n_pages} ({self.n_pages * self.page_size} "
-                             f"tokens): raise gen.kv_tokens or lower gen.max_new_tokens")
+        (`sample_kv_tokens`): no amount of preemption would ever let it through."""
+        need = sample_kv_tokens(prompt_tokens, max_new_tokens, self.page_size)
+        if need > self.n_pages * self.page_size:
+            raise ValueError(f"a sample of {prompt_tokens} prompt + {max_new_tokens} new tokens needs {need:,} tokens of "
+                             f"KV pool ({need // self.page_size} pages of {self.page_size}); the pool has "
+                             f"{self.n_pages * self.page_size:,}: raise gen.kv_tokens to {need:,} or more, or lower "
+                             f"gen.max_new_tokens")
 
 
 class PageTable:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from common.config import parse_overrides
 from common.engine.kv_budget import KV_FRACTION
+from common.engine.kv_pages import sample_kv_tokens
 from common.engine.memory_ledger import Plan, gb, share
 from common.engine.memory_plan import PROMPT_TOKENS, activation_bytes, half_precision, head_bytes
 
@@ -30,7 +31,7 @@ def fixes(p: Plan, cfg) -> None:
         pool_bytes = sum(x.nbytes for x in p.lines if x.what.startswith("KV pool"))
         free = p.capacity["cpu"] - (p.used("cpu") - pool_bytes)  # what the rest of the plan leaves
         tokens = int(free * KV_FRACTION / pools) // per // page * page  # half of it, as CUDA sizes it
-        if tokens >= seq + PROMPT_TOKENS:
+        if tokens >= sample_kv_tokens(PROMPT_TOKENS, g.max_new_tokens, page):
             paged = "--gen.kv_layout=paged " if g.kv_layout == "static" else ""
             p.fixes.append((f"{paged}--gen.kv_tokens={tokens}", f"saves {gb(pool_bytes - pools * tokens * per)}"
                             f" on cpu: a pool of {tokens // seq:,} full-length samples a generator, past which rows wait"))

@@ -29,6 +29,7 @@ import math
 import os
 
 from common.engine.kv_budget import KV_FRACTION, PAGE_SIZE, kv_bytes_per_token, static_kv_tokens
+from common.engine.kv_pages import sample_kv_tokens
 from common.engine.memory_ledger import Plan, Sizes, gb, share
 from common.engine.model_config import ModelConfig
 from common.engine.sampler import PREFILL_TOKENS
@@ -151,9 +152,9 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
 
 
 def _kv(p: Plan, d, who, g, per: int, seq: int, page: int, cuda: bool) -> None:
-    need = -(-(seq + 1) // page) * page + -(-PROMPT_TOKENS // page) * page  # one full-length sample and its prompt
+    need = sample_kv_tokens(PROMPT_TOKENS, g.max_new_tokens, page)  # one full-length sample: the sampler's own rule
     if g.kv_tokens:
-        tokens, how = g.kv_tokens, "gen.kv_tokens"
+        tokens, how = g.kv_tokens // page * page, "gen.kv_tokens"  # the pool's whole pages, as the sampler takes them
     elif not cuda:
         tokens, how = static_kv_tokens(g.max_batch, seq, PROMPT_TOKENS, page), "what static slots hold"
     elif p.capacity[d] is None:
@@ -169,8 +170,8 @@ def _kv(p: Plan, d, who, g, per: int, seq: int, page: int, cuda: bool) -> None:
     hint = _share_hint(p, d, who, g, per, seq, page) if cuda and not g.kv_tokens and tokens // seq < g.max_batch else ""
     p.add(d, who, f"KV pool ({how}): {tokens:,} tokens x {per / 1024:.0f} KiB", (tokens // page + 1) * page * per)  # whole pages and the scratch page
     if tokens < need:
-        p.errors.append(f"{who}'s KV pool holds {tokens:,} tokens, less than one full-length sample ({need:,}: "
-                        f"prompt <= {PROMPT_TOKENS} + gen.max_new_tokens)")
+        p.errors.append(f"{who}'s KV pool holds {tokens:,} tokens, less than one full-length sample needs ({need:,}: "
+                        f"a prompt of <= {PROMPT_TOKENS} + gen.max_new_tokens + 1, in pages of {page})")
         if g.kv_tokens:
             p.fixes.append((f"--gen.kv_tokens={need}", "one full-length sample"))
     else:

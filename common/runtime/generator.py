@@ -30,7 +30,10 @@ import torch
 
 from common.batch import PromptSet, Trajectory
 from common.config_check import any_finite, at_least, between, relation
+from common.errors import UserError
 from common.engine.precision import Precision
+from common.engine.kv_budget import PAGE_SIZE
+from common.engine.kv_pages import sample_kv_tokens
 from common.engine.sampler import Sampler
 from common.engine.sampling import SamplingParams
 from common.ops import reference_seq_logp
@@ -66,9 +69,31 @@ class GenConfig:
     CHECKS = {"max_batch": at_least(1), "max_new_tokens": at_least(1), "temperature": at_least(0),
               "top_p": between(0, 1, open_lo=True), "top_k": at_least(0), "n": at_least(1), "queue_depth": at_least(0),
               "prefill_tokens": at_least(1), "memory_fraction": between(0, 1), "no_stop_reward": any_finite(),
-              "error_reward": any_finite(), "kv_page_size": between(0, 4096),
-              "kv_tokens": relation(lambda v, s: v == 0 or v >= (s.kv_page_size or 256),
-                                    "0 (the default pool), or at least one page ({p}kv_page_size, 256 when 0)")}  # ranges (common/config_check.py)
+              "error_reward": any_finite(), "kv_tokens": at_least(0),
+              "kv_page_size": relation(lambda v, s: v == 0 or (16 <= v <= 4096 and v & (v - 1) == 0),
+                                       "0 (by device) or a power of two from 16 to 4096")}  # ranges (common/config_check.py);
+    # kv_tokens against what one sample needs: RunConfig's rule (it knows the device), then the trainer
+    # against the longest prompt (`check_kv_pool`)
+
+
+def kv_page(cfg: GenConfig, device) -> int:
+    """The page size a generator on `device` takes: `kv_page_size`, else the device's default."""
+    return cfg.kv_page_size or PAGE_SIZE["cuda" if str(device).startswith("cuda") else "cpu"]
+
+
+def check_kv_pool(cfg: GenConfig, device, prompt_tokens: int) -> None:
+    """Refuse, before any generator starts, a `kv_tokens` pool (its whole pages) that holds no sample
+    of a `prompt_tokens` prompt at full length (`kv_pages.sample_kv_tokens`, the sampler's own rule);
+    the default pool (0) is sized to hold one by construction (on CUDA, from the memory it finds)."""
+    if cfg.kv_layout != "paged" or not cfg.kv_tokens:
+        return
+    page = kv_page(cfg, device)
+    need, pool = sample_kv_tokens(prompt_tokens, cfg.max_new_tokens, page), cfg.kv_tokens // page * page
+    if pool < need:
+        raise UserError(f"--gen.kv_tokens={cfg.kv_tokens}: a pool of {pool:,} tokens (whole pages of {page}) holds no "
+                        f"sample of the longest prompt ({prompt_tokens} tokens) + gen.max_new_tokens "
+                        f"({cfg.max_new_tokens}) + 1, which needs {need:,}: use --gen.kv_tokens={need} or more, or "
+                        f"lower --gen.max_new_tokens (nothing was started)")
 
 
 def decode_graphs(cfg: GenConfig, device) -> bool:

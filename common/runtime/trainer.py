@@ -50,7 +50,7 @@ from common.run_files import record
 from common.runtime.buffer import ReplayBuffer
 from common.runtime.checkpoint import latest_checkpoint
 from common.runtime.checkpoint_dir import clean_checkpoints
-from common.runtime.generator import Control, generator_main
+from common.runtime.generator import Control, check_kv_pool, generator_main
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.peers import Peers
 from common.runtime.process import sigterm_as_interrupt
@@ -84,6 +84,7 @@ def run_trainer(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_
     (run_dir / "precision.json").write_text(json.dumps(prec.to_dict(), indent=2) + "\n")
     model, tok = trainer_model(prec, cfg.model, tc, ranks.model_device(tc))
     max_seq_len = max(len(p) for p in prompts.tokens) + cfg.gen.max_new_tokens
+    check_kv_pool(cfg.gen, tc.device, max_seq_len - cfg.gen.max_new_tokens)  # before any worker, whatever memory_check
     # a hard position limit (GPT-2's, Gemma 3's windows): refused here, before any generator starts
     model.check_positions(max_seq_len, f"{cfg.model}: the longest prompt ({max_seq_len - cfg.gen.max_new_tokens} tokens) "
                                        f"+ gen.max_new_tokens ({cfg.gen.max_new_tokens})")
