@@ -1,9 +1,12 @@
 """Fault injection: what the runtime does when a worker dies or hangs, a reward misbehaves, the
 trainer is killed mid-checkpoint, the user presses Ctrl-C, a data line is malformed, the disk
 fills up, or one of two trainer ranks (train.trainer_devices=2) dies, raises or hangs; then the
-attacks and mistakes (bench/faults_attacks.py: a forged store value, a planted checkpoint, a hostile
-run name, a really full disk, a zero-size setting). Prints one JSON line per scenario and a summary
-line (stdout), and a table (stderr).
+attacks and mistakes: on the run's store across nodes (bench/faults_store.py: a forged value, a
+replayed one, an earlier run's, a wildcard address through MASTER_ADDR, a weak secret) and on files
+and command lines (bench/faults_attacks.py: a planted checkpoint or buffer, a buffer of absurd size, a
+truncated weight file, a hostile run name, --overwrite over a user's file, a really full disk, a
+zero-size setting). Prints one JSON line per scenario and a summary line (stdout), and a table
+(stderr).
 
     python bench/faults.py                                 # every scenario, ~6 min on 2 cores
     python bench/faults.py --only generator_sigkill ctrl_c
@@ -42,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy task's model
 from bench.leaks import group_alive, leaked, shm_entries, wait_until  # noqa: E402 - the run's own /dev/shm entries only
-from bench.faults_attacks import ATTACKS, run_attack  # noqa: E402
+from bench import faults_attacks, faults_store  # noqa: E402
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
 
 STEPS, INJECT_AT, STALL_S, PACE_S, LOW = 60, 3, 5.0, 0.1, 20  # 60 paced steps (~8 s) outlast a 5 s stall
@@ -284,6 +287,16 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
     return res
 
 
+ATTACKS = {**faults_store.ATTACKS, **faults_attacks.ATTACKS}  # name -> (the attack, the message the user must see)
+
+
+def run_attack(name: str, root: Path, model: str) -> dict:
+    d = root / name
+    d.mkdir(parents=True)
+    module = faults_store if name in faults_store.ATTACKS else faults_attacks
+    return {"scenario": name, "fault": ATTACKS[name][0], **getattr(module, name)(d, model)}
+
+
 def table(rows: list[dict]) -> str:
     cols = ("scenario", "detected", "detect_s", "exit_s", "exit_code", "processes_left", "shm_left", "checkpoints_loadable",
             "rows_lost", "rows_duplicated", "resume_same_counters", "resume_kept_rows", "payload_ran", "foreign_file_kept",
@@ -313,7 +326,7 @@ def main():
     rows = []
     for name in a.only or [*SCENARIOS, *ATTACKS]:
         t = time.monotonic()
-        run = run_attack if name in ATTACKS else run_scenario  # the attacks and mistakes: bench/faults_attacks.py
+        run = run_attack if name in ATTACKS else run_scenario  # the attacks and mistakes: faults_store.py, faults_attacks.py
         rows.append({**run(name, root, str(root / "model")), "scenario_s": round(time.monotonic() - t, 1)})
         print(json.dumps(rows[-1]), flush=True)
     print(table(rows), file=sys.stderr)

@@ -17,7 +17,7 @@ from common.config_check import check
 from common.runtime.nodes.generator_node import generator_node
 from common.runtime.nodes.link import TrainerLink
 from common.runtime.nodes.trainer_node import trainer_node
-from common.runtime.nodes.world import is_generator_node, is_trainer_member_node, join, restarted
+from common.runtime.nodes.world import checked, is_generator_node, is_trainer_member_node, join, restarted
 from common.runtime.peers import Peers
 from common.runtime.pickling import check_sendable
 from common.runtime.process import trainer_process
@@ -48,6 +48,7 @@ def train(cfg, algo: Algorithm, prompts: PromptSet, reward_fn, stop_token_ids: t
                        algorithm=algo if tc.trainer_devices > 1 else None)
         nodes, peers, restarts = 1, Peers, torchrun_restarts()
         if under_torchrun():  # one node of several: its role comes from the world (common/runtime/nodes/)
+            checked(cfg, tc)  # the world's settings, the secret, the store's address: before any folder or socket
             if is_generator_node(cfg):  # generates, trains nothing, logs nothing
                 return generator_node(join(cfg, tc), cfg, prompts, reward_fn, stop_token_ids, reward_factory)
             if is_trainer_member_node(cfg):  # a trainer node after the first: its trainer ranks

@@ -194,7 +194,7 @@ class Node(RunKeys):
         super().close()
 
 
-def _checked(cfg, tc) -> DistConfig:
+def checked(cfg, tc) -> DistConfig:
     """The run's `dist` section, after the checks every node makes before it touches the network."""
     dc = getattr(cfg, "dist", None) or DistConfig()
     check(dc, tc, int(os.environ["WORLD_SIZE"]))
@@ -204,7 +204,7 @@ def _checked(cfg, tc) -> DistConfig:
 def host_keys(cfg, tc) -> RunKeys:
     """The trainer process under torchrun: the run's store, hosted here, as `RunKeys` (the world
     itself is joined by its node-link process: common/runtime/nodes/link.py)."""
-    dc = _checked(cfg, tc)
+    dc = checked(cfg, tc)
     keys = RunKeys(dc, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), os.environ.get("MASTER_ADDR", "127.0.0.1"),
                    None)
     keys.serve(dc.store_port)
@@ -216,7 +216,7 @@ def host_keys(cfg, tc) -> RunKeys:
 
 def member_keys(cfg, tc) -> RunKeys:
     """A trainer node after the first: the run's store as `RunKeys`, its port read from torchrun's store."""
-    dc = _checked(cfg, tc)
+    dc = checked(cfg, tc)
     agent = _agent_store(timedelta(seconds=dc.timeout))
     key = _STORE_PORT_KEY.format(generation())
     agent.wait([key], timedelta(seconds=dc.timeout))
@@ -230,4 +230,4 @@ def join(cfg, tc, port: int | None = None, start: int | None = None, run: str | 
     hosts the one, counted the other and drew the last (the trainer node's node-link process)."""
     if not under_torchrun():
         return None
-    return Node(cfg, _checked(cfg, tc), port, start, run)
+    return Node(cfg, checked(cfg, tc), port, start, run)
