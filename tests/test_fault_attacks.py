@@ -1,10 +1,10 @@
-"""The faults table's attack rows (bench/faults.py, bench/faults_attacks.py) run end to end: each ends
+"""The faults table's attack rows (bench/faults.py, bench/faults_store.py, bench/faults_attacks.py) run end to end: each ends
 in the promised one-line message within seconds, nothing of the attack achieved (no payload ran, no
 foreign file deleted, nothing written outside run_root), no process or /dev/shm entry left. The
 behaviours themselves are pinned closer to the code: tests/test_wire.py (a forged store value, also in
-a live two-node run), tests/test_checkpoint_trust.py (a planted checkpoint), tests/test_run_names.py
-and tests/test_user_errors.py (run names), tests/test_write_errors.py (a real full disk),
-tests/test_config_ranges.py (every setting)."""
+a live two-node run), tests/test_checkpoint_trust.py (a planted checkpoint or buffer), tests/test_run_names.py
+and tests/test_user_errors.py (run names, --overwrite, a truncated model), tests/test_write_errors.py
+(a real full disk), tests/test_config_ranges.py (every setting)."""
 import json
 import subprocess
 import sys
@@ -27,19 +27,30 @@ def _rows(tmp_path, *names) -> dict:
     return rows
 
 
-def test_hostile_run_name_and_zero_size_setting_rows(tmp_path):
-    rows = _rows(tmp_path, "hostile_run_name", "zero_size_setting")
+def test_hostile_run_name_zero_size_setting_overwrite_secret_and_address_rows(tmp_path):
+    rows = _rows(tmp_path, "hostile_run_name", "zero_size_setting", "foreign_overwrite", "weak_secret",
+                 "wildcard_master_addr", "truncated_model")
     name = rows["hostile_run_name"]
     assert name["exit_code"] == [2, 2] and name["message"].startswith("error: run name '../../x'")
     assert name["foreign_file_kept"] and not name["outside_written"]
     assert "was not made by this project" in name["overwrite_message"] and "nothing was changed" in name["overwrite_message"]
     zero = rows["zero_size_setting"]
     assert zero["exit_code"] == [2] and zero["message"].startswith("error: --gen.max_batch=0") and not zero["run_dir_made"]
+    over = rows["foreign_overwrite"]
+    assert over["exit_code"] == [2] and over["foreign_file_kept"] and over["nothing_removed"]
+    assert "checkpoints/step_000001/model/notes.txt" in over["message"] and "nothing was removed" in over["message"]
+    for name in ("weak_secret", "wildcard_master_addr"):  # refused on every node before a folder or a socket
+        assert rows[name]["exit_code"] == [1, 1] and not rows[name]["run_dir_made"], rows[name]
+    assert rows["truncated_model"]["exit_code"] == [2] and not rows["truncated_model"]["checkpoints_made"]
 
 
-@pytest.mark.slow  # a minute and a half: each behaviour is in the default suite (module docstring)
-def test_planted_checkpoint_forged_store_value_and_full_disk_rows(tmp_path):
-    rows = _rows(tmp_path, "planted_checkpoint", "forged_store_value", "disk_full")
+@pytest.mark.slow  # two minutes and a half: each behaviour is in the default suite (module docstring)
+def test_planted_files_store_values_and_full_disk_rows(tmp_path):
+    rows = _rows(tmp_path, "planted_checkpoint", "planted_buffer", "absurd_buffer", "forged_store_value",
+                 "replayed_store_value", "earlier_run_value", "disk_full")
+    assert not rows["planted_buffer"]["payload_ran"] and rows["planted_buffer"]["exit_code"] == [2]
+    assert rows["absurd_buffer"]["exit_code"] == [2]
+    assert not rows["replayed_store_value"]["keyerror"] and rows["replayed_store_value"]["checkpoint_after"]
     assert not rows["planted_checkpoint"]["payload_ran"] and rows["planted_checkpoint"]["exit_code"] != [0]
     assert not rows["forged_store_value"]["payload_ran"] and rows["forged_store_value"]["checkpoint_after"]
     assert rows["disk_full"]["tmp_dirs_left"] == 0 and rows["disk_full"]["latest_checkpoint"] is not None
