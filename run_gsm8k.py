@@ -9,15 +9,16 @@
     python run_gsm8k.py --help                       # every config key with its comment
 
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
-(`reward_correct`, common/math_answer.py: the final answer, the later of the last '####' and the
-last \\boxed{...}, compared numerically, math-verify as a fallback; exactly 1 or 0), the dataset
+(`reward_correct`, common/math_answer.py: the final answer, the later of the whole last \\boxed{...}
+and GSM8K's '####' answer, plain numbers compared exactly, anything else by math-verify, bounded in
+time; exactly 1 or 0, and 0 for a box cut at the token limit), the dataset
 (`--data.source`: local jsonl, a `datasets` folder or the hub's openai/gsm8k; default: the
 repository's copy in data/gsm8k), the config presets, the evaluation (greedy pass@1 on a fixed
 test subset) and main(reward=, loss=). The trainer runs in this process; the generators get
 `reward_fn` by reference when this module was imported (they import it), by value when it runs as
 the main script (common/runtime/pickling.py).
 
-Reward r(x, y) = 1[ extract_answer(y) == gold(x) ]; TBA's target is pi_ref(y|x) exp(r / beta).
+Reward r(x, y) = 1[ answer(y) equals gold(x) ]; TBA's target is pi_ref(y|x) exp(r / beta).
 Data rows are JSONL {"question": ..., "answer": "<reasoning>#### 42"}; the gold answer is the
 text after the last '####' with thousands separators removed ("1,200" -> "1200").
 """

@@ -1,34 +1,59 @@
-"""The final answer of a math completion, and the 0/1 reward that compares it with the gold one:
-GSM8K's "#### 42" and the reasoning models' \\boxed{42} (R1-Distill, DeepScaleR), any math word problem's.
+"""The final answer of a math completion, and the 0/1 reward that pays only for a right one:
+GSM8K's "#### 42" and the reasoning models' \\boxed{...} (R1-Distill, DeepScaleR), against a gold
+answer that is a number (GSM8K) or LaTeX (MATH, AIME).
 
 Runs wherever a reward is computed: the generators (or reward workers) and the trainer's evaluation
-(`run_gsm8k.py`'s `reward_fn` and `greedy_pass_at_1`).
+(`run_gsm8k.py`'s `reward_fn` and `greedy_pass_at_1`). Pure functions but the symbolic comparison,
+which runs math-verify in a child process of its own (common/bounded_verify.py), bounded in time.
 
-    r(y, gold) = 1[ extract_answer(y) == gold ]   numerically ("18.00" == "18", "1,200" == "1200"),
-                                                  math-verify as the fallback ("0.5" == "1/2")
+    r(y, gold) = 1[ answer(y) equals answer(gold) ]
 
-extract_answer(y): the number in the last \\boxed{...} or after the last '####', whichever comes later
-in the text; else the number after the last "answer is"; else the last number; None when there is none.
+`final_answer(y)`, whichever of these comes later in the text:
+  * the whole content of the last \\boxed{...} / \\fbox{...} (never its first number: \\boxed{2^{10}}
+    is 1024, \\boxed{3\\frac12} is 3.5, \\boxed{12-5} is 7), or
+  * GSM8K's own rule after the last '####': the first number that follows ("#### 42 apples. Check: 7"
+    is 42).
+  A last box left open (a completion cut at the token limit, "... so \\boxed{4") is no answer: 0.
+  With neither marker: the number after the last "answer is", else the last number (TBA's grader).
+
+Equality: the two answers normalised the same way (LaTeX spacing "\\,", "{,}", "\\!", thousands
+commas and digit-group spaces, \\$ and $, \\text{...} units after the number, a trailing period, the
+Unicode minus, "x = 5" read as its right-hand side, \\left/\\right); two plain numbers compare as
+exact decimals without any parser (the common case never waits); anything else (fractions, mixed
+numbers, powers, scientific notation, products and sums, radicals, LaTeX golds) goes to math-verify.
+A percentage is its number as written: "50\\%" equals 50, not 0.5, since the datasets record a
+percentage answer without its sign ("#### 25" for "25%"); reading it as 0.5 as well would pay a
+hedge that writes "%" after any number.
 """
 from __future__ import annotations
 
 import logging
-import math
 import re
-import threading
+from decimal import Decimal, InvalidOperation
+
+from common.bounded_verify import latex_equal
 
 log = logging.getLogger("asyncrl.math_answer")
 
-# a number: optional sign (not when it is a binary minus like "3-5"), optional $, then either
-# comma-grouped thousands "1,234,567" or plain digits, optional decimals, or a bare ".5"
+MAX_ANSWER_CHARS = 1000  # a box (or gold) holding more is not a final answer: 0, never parsed
+# a number: optional sign (not a binary minus like "3-5"), optional $, then comma-grouped thousands
+# "1,234,567" or plain digits, optional decimals, or a bare ".5"
 _NUM = re.compile(r"(?:(?<![\w)\]])-\s?)?\$?\s?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
 _ANSWER_IS = re.compile(r"answer\s+is", re.IGNORECASE)
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE = re.compile(r"(?<!\\)[{}]")  # a brace; "\{" and "\}" are literal braces in LaTeX
+_TEXT = re.compile(r"\\(?:text|textrm|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[,!;: ]|\\q?quad\b|~|\\left\b|\\right\b|\\displaystyle\b")
+_MINUS = str.maketrans({"\u2212": "-", "\u2013": "-", "\u2012": "-", "\ufe63": "-", "\uff0d": "-"})
+_GROUPED = re.compile(r"(?<![\d.])\d{1,3}(?:[ ,]\d{3})+(?![\d])")  # 1,234 / 10 000 (thousands)
+_UNITS = re.compile(r"^(.*?\d)\s+(?:[A-Za-z][A-Za-z.]*(?:\s*\^\s*\{?\d\}?)?\s*)+$")  # "18 dollars", "25 m^2" -> the number ("5x" is not)
+_PLAIN = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?")
+_LHS = re.compile(r"^\s*[A-Za-z]\w*\s*=(?!=)(.*)$", re.S)  # "x = 5" -> "5"
 
 
 def normalise_number(s: str) -> str:
     """'$1,200.' -> '1200', '- 3' -> '-3'; other text is returned stripped."""
-    s = s.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
-    return s
+    return s.strip().rstrip(".").replace(",", "").replace("$", "").replace(" ", "")
 
 
 def _first_number(text: str) -> str | None:
@@ -36,132 +61,115 @@ def _first_number(text: str) -> str | None:
     return normalise_number(m.group(0)) if m else None
 
 
-# \boxed{...} (R1-Distill / DeepScaleR-style reasoning models), \fbox{...} alike; its braces may nest
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_MAX_BOX_CHARS = 256  # a box holding more is not a final answer
-_BRACE = re.compile(r"(?<!\\)[{}]")  # a brace; "\{" and "\}" are literal braces in LaTeX
-_TEXT_CMD = re.compile(r"\\(?:text|textrm|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
-_LATEX_NOISE = re.compile(r"\\[,!;: ]|\\left|\\right|\\\$|\\%")  # thin spaces ("1\,234"), \left( , \$, \%
-_FRACTION = re.compile(r"(-?)\\[dt]?frac\{(-?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}|(-?\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)")
-
-
-def _boxed_value(content: str) -> str | None:
-    """The number a \\boxed{...} holds: "1,234" -> "1234", "\\$18" -> "18", "\\text{42}" -> "42",
-    "x = 5" -> "5" (after the last '='), "\\frac{3}{4}" or "3/4" -> "3/4" (compared by math-verify),
-    "5 \\text{ apples}" -> "5" (its first number); None when it holds none."""
-    s = content
-    for _ in range(3):  # \text{\textbf{42}}: nested wrappers, innermost first
-        s = _TEXT_CMD.sub(r" \1 ", s)
-    s = _LATEX_NOISE.sub("", s.replace("{,}", ","))
-    s = s.rsplit("=", 1)[-1]
-    frac = _FRACTION.fullmatch(s.replace(" ", "").replace("$", ""))
-    if frac:
-        sign, num, den = frac.groups()[:3] if frac.group(2) else ("", *frac.groups()[3:])
-        return f"{sign}{num}/{den}"
-    return _first_number(s)
-
-
-def _last_boxed(text: str) -> tuple[int, str] | None:
-    """(where it starts, its number) of the last complete \\boxed{...} in `text` that holds a number,
-    or None. Braces are matched once over the text (linear time, whatever the nesting); a box
-    left open (a completion cut at max_new_tokens) is skipped, and so is one holding more than
-    _MAX_BOX_CHARS characters (not a final answer; boxes nested in boxes stay linear)."""
+def _last_box(text: str) -> tuple[int, str | None] | None:
+    """(where the last \\boxed{ / \\fbox{ starts, its content or None when left open or too long),
+    or None without a box. Braces are matched once over the text from the first box (linear time,
+    whatever the nesting)."""
     boxes = list(_BOXED.finditer(text))
     if not boxes:
         return None
-    closing, stack = {}, []
-    for m in _BRACE.finditer(text, boxes[0].end() - 1):
-        if m.group(0) == "{":
-            stack.append(m.start())
-        elif stack:
-            closing[stack.pop()] = m.start()
-    for box in reversed(boxes):
-        end = closing.get(box.end() - 1)
-        if end is not None and end - box.end() <= _MAX_BOX_CHARS:
-            value = _boxed_value(text[box.end():end])
-            if value is not None:
-                return box.start(), value
-    return None
+    last, depth = boxes[-1], 0
+    for m in _BRACE.finditer(text, last.end() - 1):
+        depth += 1 if m.group(0) == "{" else -1
+        if depth == 0:
+            content = text[last.end():m.start()]
+            return last.start(), content if len(content) <= MAX_ANSWER_CHARS else None
+    return last.start(), None  # left open: cut at the token limit
 
 
-def extract_answer(text: str) -> str | None:
-    """Final numeric answer of a completion: the number in its last \\boxed{...} or after its last
-    '####', whichever comes later in the text (the LAST box that holds a number: nested braces,
-    '$' and thousands commas handled); else the number after the last "answer is"; else the last
-    number in the text; None when there is no number."""
+def final_answer(text: str) -> str | None:
+    """The text of a completion's final answer (module docstring), or None: no answer, a last box
+    left open or too long to be one. An empty box, or a '####' with no number after it, is no
+    marker at all: the other one, or the fallbacks, decide."""
     if not text:
         return None
-    marker = text.rfind("####")
-    boxed = _last_boxed(text)
-    if boxed is not None and boxed[0] > marker:
-        return boxed[1]
-    if marker >= 0:
-        ans = _first_number(text[marker + 4:])
-        if ans is not None:
-            return ans
-    if boxed is not None:
-        return boxed[1]
+    text = text.translate(_MINUS)  # one character for one: positions kept
+    marker, box = text.rfind("####"), _last_box(text)
+    hashed = _first_number(text[marker + 4:]) if marker >= 0 else None
+    if box is not None and box[1] is not None and not box[1].strip():
+        box = None  # \boxed{}: holds nothing
+    if box is not None and (box[0] > marker or hashed is None):
+        return box[1]  # None: left open (cut at the token limit) or too long
+    if hashed is not None:
+        return hashed
     hits = list(_ANSWER_IS.finditer(text))
-    if hits:
-        ans = _first_number(text[hits[-1].end():])
-        if ans is not None:
-            return ans
+    if hits and (ans := _first_number(text[hits[-1].end():])) is not None:
+        return ans
     last = None
     for last in _NUM.finditer(text):  # keep only the final match
         pass
     return normalise_number(last.group(0)) if last else None
 
 
-# ---------------------------------------------------------------------------------------------
-# the reward
+def extract_answer(text: str) -> str | None:
+    """`final_answer`, normalised: what a task compares and shows ("1,200" -> "1200", "\\$18" -> "18")."""
+    ans = final_answer(text)
+    return None if ans is None else normalise_answer(ans)
+
+
+def gold_answer(gold: str) -> str:
+    """The gold answer of a dataset row or a bare value: after its last '####' (GSM8K's rule), the
+    content of its last box (MATH-style solutions), else the value itself."""
+    if "####" in gold or _BOXED.search(gold):
+        ans = final_answer(gold)
+        return "" if ans is None else ans
+    return gold
+
+
+def normalise_answer(s: str) -> str:
+    """An answer's text with the notation that does not change its value removed (module docstring)."""
+    s = s.translate(_MINUS).replace("{,}", ",").replace("\\%", "%").replace("\\$", "$")
+    for _ in range(3):  # \text{\textbf{42}}: nested wrappers, innermost first
+        s = _TEXT.sub(r" \1 ", s)
+    s = _SPACING.sub(" ", s).replace("$", "").replace("%", "")
+    if (m := _LHS.match(s)) and "=" not in m.group(1):
+        s = m.group(1)
+    s = _GROUPED.sub(lambda g: g.group(0).replace(",", "").replace(" ", ""), s.strip())
+    s = s.strip().rstrip(".").strip()
+    if (m := _UNITS.match(s)) and _PLAIN.fullmatch(m.group(1).strip()):
+        s = m.group(1).strip()
+    return s
+
+
+def plain_number(s: str) -> Decimal | None:
+    """The exact decimal a normalised answer is, where it is a plain number ("42", "-3.50", ".5"), else None."""
+    if not _PLAIN.fullmatch(s):
+        return None
+    try:
+        return Decimal(s)
+    except InvalidOperation:
+        return None
+
+
+def answers_equal(gold: str, pred: str) -> bool:
+    """Whether two answers (raw text: a box's content, a '####' answer, a gold value) are equal:
+    plain numbers exactly, anything else symbolically (math-verify, bounded: common/bounded_verify.py)."""
+    g, p = normalise_answer(gold), normalise_answer(pred)
+    if not g or not p or len(g) > MAX_ANSWER_CHARS or len(p) > MAX_ANSWER_CHARS:
+        return False
+    gn, pn = plain_number(g), plain_number(p)
+    if gn is not None and pn is not None:
+        return gn == pn
+    if g == p:
+        return True
+    return latex_equal(g, p)
+
 
 _warned = False  # warn once per process: a systematic failure would otherwise spam every sample
 
 
-def _to_float(s: str) -> float | None:
-    try:
-        x = float(normalise_number(s))
-    except (TypeError, ValueError):
-        return None
-    return x if math.isfinite(x) else None
-
-
-def _math_verify_equal(gold: str, pred: str) -> bool:
-    import math_verify  # lazy: sympy import costs ~1 s and most rewards never get here
-
-    # math_verify's default timeout uses signal.alarm, which raises outside the main thread;
-    # our inputs are short number strings, so running without a timeout there is safe
-    timeout = 5 if threading.current_thread() is threading.main_thread() else None
-    return bool(math_verify.verify(math_verify.parse(gold, parsing_timeout=timeout),
-                                   math_verify.parse(pred, parsing_timeout=timeout),
-                                   timeout_seconds=timeout))
-
-
-def reward_correct(completion_text: str, gold: str, use_math_verify: bool = True) -> float:
-    """1.0 if the completion's extracted answer equals `gold`, else 0.0. Never raises.
-
-    Numeric comparison first ("18.00" == "18", "1,200" == "1200"); if that fails and
-    use_math_verify, math_verify decides (e.g. "0.5" vs "1/2"). Timed on this machine:
-    ~0.5-2 ms per call on short number strings (~30 ms on the very first, warm-up call), so it
-    stays on by default. Any exception -> 0.0 and one logged warning per process.
-    """
+def reward_correct(completion_text: str, gold: str) -> float:
+    """1.0 if the completion's final answer equals the gold one, else 0.0 (module docstring). Never
+    raises: any failure scores 0 and is logged once per process."""
     global _warned
     try:
-        pred = extract_answer(completion_text)
-        if pred is None:
-            return 0.0
-        g, p = _to_float(gold), _to_float(pred)
-        if g is not None and p is not None and math.isclose(g, p, rel_tol=1e-9, abs_tol=1e-9):
-            return 1.0
-        # a huge digit string is garbage, and sympy on it could be slow: don't hand it over
-        if use_math_verify and len(pred) <= 64:
-            return 1.0 if _math_verify_equal(normalise_number(gold), pred) else 0.0
-        return 0.0
+        pred = final_answer(completion_text)
+        return float(pred is not None and answers_equal(gold_answer(gold), pred))
     except Exception as e:  # noqa: BLE001 - a reward must never kill a generator
         if not _warned:
-            log.warning("reward_correct: %s: %s; returning 0.0 (further failures logged at DEBUG)",
-                        type(e).__name__, e)
+            log.warning("reward_correct: %s: %s; returning 0.0 (further failures logged at DEBUG)", type(e).__name__, e)
             _warned = True
         else:
             log.debug("reward_correct failed: %r", e)
         return 0.0
+

@@ -1,7 +1,6 @@
-"""Tests for run_gsm8k.py and common/math_answer.py: loading (real files + malformed ones), prompts,
-answer extraction and the 0/1 reward (including that it never raises)."""
+"""Tests for run_gsm8k.py: loading (real files + malformed ones), prompts, presets, the reward it
+takes (common/math_answer.py, whose own cases are tests/test_math_answer.py)."""
 import json
-import logging
 
 import pytest
 
@@ -84,115 +83,10 @@ def test_format_prompt():
         format_prompt("Q", None, "chat")
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("So she sold 72 clips.\n#### 72", "72"),
-    ("first 5 then #### 1,234", "1234"),
-    ("#### 3 and later #### 9", "9"),              # last '####' wins
-    ("We get 10 and 20. The answer is 30.", "30"),
-    ("The answer is $1,200.50", "1200.50"),
-    ("costs $18.", "18"),                          # $ sign and trailing period
-    ("temperature drops to -5 degrees", "-5"),
-    ("x = -4.5.", "-4.5"),
-    ("from 3-5 we get 2", "2"),                    # binary minus is not a sign
-    ("she has 3-5", "5"),
-    ("1, 2, 3, then 4", "4"),                      # list commas are not thousands separators
-    ("#### no number here but 7 before", "7"),      # empty '####' falls back
-    ("no digits at all", None),
-    ("", None),
-    # \boxed{...}, as R1-Distill / DeepScaleR-style reasoning models write it
-    (r"so the answer is \boxed{42}.", "42"),
-    (r"Total: \boxed{1,234} dollars", "1234"),               # thousands commas
-    (r"$\boxed{\$1,200.50}$", "1200.50"),                  # $ and \$ stripped
-    (r"\boxed{1{,}234} or \boxed{5\,000}", "5000"),       # LaTeX's {,} and thin-space separators
-    (r"\boxed{\frac{3}{4}}", "3/4"),                       # nested braces
-    (r"\boxed{-\dfrac{3}{4}}", "-3/4"),
-    (r"\boxed{\text{42}}", "42"),
-    (r"\boxed{18 \text{ dollars}}", "18"),
-    (r"\boxed{x = 5}", "5"),                               # the value after '='
-    (r"\boxed{-7}", "-7"),
-    (r"\boxed{2.5\%}", "2.5"),
-    (r"first \boxed{3}, on reflection \boxed{7} and 9 apples", "7"),  # the LAST box wins, over later numbers
-    (r"\boxed{3} then cut off: \boxed{4", "3"),           # an unclosed box (cut at max_new_tokens) is skipped
-    (r"\boxed{6} \boxed{} and 9", "6"),                   # an empty box holds no answer
-    (r"\boxed {12}", "12"),
-    (r"\fbox{12}", "12"),
-    (r"\boxed{\boxed{8}}", "8"),
-    (r"#### 5, then \boxed{6}", "6"),                      # the later of '####' and a box
-    (r"\boxed{6}, then #### 5", "5"),
-    (r"\boxed{6}, then #### nothing", "6"),                # an empty '####' falls back to the box
-    (r"The answer is \boxed{\frac{1}{2}}", "1/2"),        # a box beats "answer is"
-])
-def test_extract_answer(text, expected):
-    assert extract_answer(text) == expected
-
-
-def test_boxed_extraction_is_linear_on_hostile_text():
-    import time
-    t = time.perf_counter()
-    assert extract_answer(r"\boxed{" * 50_000 + "1") == "1"  # 50k unclosed boxes
-    assert extract_answer(r"\boxed{{" * 20_000 + "}" * 40_000 + r"\boxed{7}") == "7"
-    assert extract_answer(r"9 \boxed{" * 20_000 + "}" * 20_000) == "9"  # boxes in boxes: only short ones are read
-    assert time.perf_counter() - t < 2.0
-
-
-@pytest.mark.parametrize("completion, gold, r", [
-    ("She earns 10 dollars.\n#### 10", "10", 1.0),
-    ("#### 11", "10", 0.0),
-    ("The total is 1,200 apples.", "1200", 1.0),
-    ("#### 1200", "1,200", 1.0),
-    ("#### 18", "18.00", 1.0),
-    ("#### 18.00", "18", 1.0),
-    ("#### 42.0", "42", 1.0),
-    ("#### -3", "-3", 1.0),
-    ("I don't know", "5", 0.0),
-    ("", "5", 0.0),
-    (r"<think>3 + 4 = 7, wait, 3 x 4 = 12</think> The answer is \boxed{12}.", "12", 1.0),
-    (r"\boxed{1,234}", "1234", 1.0),
-    (r"\boxed{18.00}", "18", 1.0),
-    (r"\boxed{7} ... \boxed{8}", "7", 0.0),
-])
-def test_reward_cases(completion, gold, r):
-    out = reward_correct(completion, gold)
-    assert out == r and type(out) is float
-    assert reward_correct(completion, gold, use_math_verify=False) == r
-
-
-def test_reward_math_verify_fallback():
-    # numeric compare fails on a non-numeric gold; math_verify settles it
-    assert reward_correct("#### 0.5", "1/2") == 1.0
-    assert reward_correct("#### 0.5", "1/2", use_math_verify=False) == 0.0
-    assert reward_correct(r"\boxed{\frac{3}{4}}", "0.75") == 1.0  # a boxed fraction: "3/4"
-    assert reward_correct(r"\boxed{\frac{10}{2}}", "5") == 1.0
-    assert reward_correct(r"\boxed{\frac{3}{4}}", "0.5") == 0.0
-
-
-def test_reward_never_raises(caplog, monkeypatch):
-    garbage = "x#$%^&*(" * 20_000 + "9" * 5000 + "####" + ")(" * 1000
-    assert reward_correct(garbage, "3") == 0.0
-    assert reward_correct("#### 5", "") == 0.0
-    assert reward_correct(None, "5") == 0.0          # type: ignore[arg-type]
-    assert reward_correct("#### 5", None) == 0.0     # type: ignore[arg-type]
-
-    def boom(*a, **k):
-        raise RuntimeError("sympy exploded")
-    monkeypatch.setattr(math_answer, "_math_verify_equal", boom)
-    monkeypatch.setattr(math_answer, "_warned", False)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="asyncrl.math_answer"):
-        assert reward_correct("#### 5", "6") == 0.0
-        assert reward_correct("#### 7", "6") == 0.0
-    warnings = [rec for rec in caplog.records if rec.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "sympy exploded" in warnings[0].getMessage()
-
-
-def test_reward_math_verify_in_worker_thread():
-    # math_verify's default signal.alarm timeout raises outside the main thread
-    import threading
-    out = []
-    th = threading.Thread(target=lambda: out.append(reward_correct("#### 0.5", "1/2")))
-    th.start()
-    th.join()
-    assert out == [1.0]
+def test_the_task_takes_the_math_reward():
+    """The reward's own cases: tests/test_math_answer.py; here the task's names for it."""
+    assert gsm.reward_fn("so #### 1,200", "1200") == 1.0 and gsm.reward_fn(r"\boxed{2^{10}}", "2") == 0.0
+    assert extract_answer(r"\boxed{\$18}") == "18" and reward_correct is math_answer.reward_correct
 
 
 def test_algo_defaults_then_overrides():

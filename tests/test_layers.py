@@ -1,6 +1,6 @@
 """The import layers of common/, tba/ and areal/, checked on the source (AST, nothing imported).
 
-    task level   common/{task,run_config,evaluate,data,embed,reward_model,replay,toxicity,preflight,math_answer}.py,
+    task level   common/{task,run_config,evaluate,data,embed,reward_model,replay,toxicity,preflight,math_answer,bounded_verify}.py,
                  run_*.py and the modules beside them
                                                 anything but the rank and node layers (the entry picks those)
     entry        common/train.py                picks role, ranks and peers: runtime, ranks, nodes
@@ -31,7 +31,7 @@ OURS = ("common", "tba", "areal")
 CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.config_check", "common.errors",
              "common.log", "common.plots", "common.progress", "common.run_files"}
 TASK_LEVEL = {"common.task", "common.run_config", "common.evaluate", "common.data", "common.embed", "common.reward_model", "common.replay",
-              "common.toxicity", "common.preflight", "common.math_answer"}
+              "common.toxicity", "common.preflight", "common.math_answer", "common.bounded_verify"}
 CORE = {"runtime", "engine", "algorithm", "contract"}
 ALLOWED = {  # layer -> layers it may import
     "contract": {"contract"},
