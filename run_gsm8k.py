@@ -36,6 +36,7 @@ from common.config_check import at_least, relation
 from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
 from common.engine.hf_save import tokenizer_stop_ids
+from common.errors import UserError
 from common.evaluate import greedy_pass_at_1
 from common.math_answer import extract_answer, normalise_number, reward_correct  # noqa: F401 - extract_answer: run_gsm8k.extract_answer stays
 from common.runtime.generator import GenConfig
@@ -126,9 +127,10 @@ class DataConfig:
     eval_size: int = 128                # fixed test subset for greedy pass@1 (first N of test.jsonl); 0 = no evaluation
     eval_max_new_tokens: int = 256      # generation budget when evaluating
     eval_max_batch: int = 128           # sampler slots when evaluating (128 beat 32/64 on 2 CPU cores)
+    max_prompt_tokens: Optional[int] = None  # training prompts longer than this are left out (AReaL's max_prompt_len); None = all
 
     CHECKS = {"train_limit": at_least(1), "eval_size": at_least(0), "eval_max_new_tokens": at_least(1),
-              "eval_max_batch": at_least(1)}  # ranges (common/config_check.py)
+              "eval_max_batch": at_least(1), "max_prompt_tokens": at_least(1)}  # ranges (common/config_check.py)
 
 
 @dataclass
@@ -143,8 +145,8 @@ class GSM8KConfig(task.RunConfig):
     tba: TBAConfig = field(default_factory=lambda: TBAConfig(beta_anneal_steps=40))
     data: DataConfig = field(default_factory=DataConfig)
 
-    CHECKS = {"algo": relation(lambda v, c: c.preset != "areal_long" or v == "areal",  # RunConfig's rules kept
-                               "'areal' with --preset=areal_long (AReaL's settings: decoupled PPO, no reference)")}
+    CHECKS = {"algo": relation(lambda v, c: c.preset not in ("areal_long", "areal_eta") or v == "areal",  # RunConfig's kept
+                               "'areal' with --preset={s.preset} (AReaL's settings: decoupled PPO, no reference)")}
 
 
 def gpu_preset(cfg: GSM8KConfig) -> GSM8KConfig:
@@ -163,15 +165,14 @@ GSM8K_TRAIN_SIZE = 7473  # problems in GSM8K's train split
 
 
 def areal_long_preset(cfg: GSM8KConfig) -> GSM8KConfig:
-    """AReaL's long-reasoning settings (Fu et al. 2025, the 1.5B math run) on GSM8K; it implies
-    --algo=areal (`task.areal_defaults` adds eta = 4, k = 1, interruptible generation, no reference).
-    Policy R1-Distill-Qwen-1.5B from the hub; 512 prompts x 16 answers per step; up to 27,648 new
-    tokens at temperature 1, top-p 1; decoupled PPO with eps 0.2, 4 minibatches, behaviour weights
-    capped at 5 and advantages normalised over the whole batch (AReaL's reward +-5 is an affine map
-    of our 0/1, which batch normalisation removes); AdamW lr 2e-5 constant, weight decay 0.05,
-    betas (0.9, 0.95) (common/runtime/step.py), grad clip 1; micro-batches of 30,720 tokens; 5
-    epochs. Not here: AReaL's Adam eps 1e-5 (ours 1e-8), its warm-up (0.1% of steps: none at 73)
-    and its prompt (R1 models are told to box the answer; ours asks for '####', the reward reads both)."""
+    """AReaL's long-reasoning math run (Fu et al. 2025, R1-Distill-Qwen-1.5B) on GSM8K, as its code
+    has it (AReaL v0.3.0: training/configs/async-ppo.yaml and realhf's PPO interface): 512 prompts x
+    16 answers of up to 27,648 tokens at temperature 1; decoupled PPO, eps 0.2, 4 minibatches, no
+    behaviour-weight cap, a micro-batch whose mean pi/pi_prox exceeds 5 dropped, the reward +-5
+    (clip 20) normalised over the batch's tokens, eta 4; Adam lr 2e-5 constant after 0.1% of the
+    steps, betas (0.9, 0.95), eps 1e-5, weight decay 0.05, grad clip 1; prompts over 1,024 tokens
+    left out. It implies --algo=areal (`task.areal_defaults`: k = 1, interruptible generation, no
+    reference). Each setting beside AReaL's, with its file: docs/tasks.md, "Paper presets"."""
     cfg.algo, cfg.model, cfg.ref_model, cfg.name = "areal", R1_DISTILL_1_5B, None, "gsm8k_areal_long"
     # the KV cache is paged (gen.kv_layout): its pool, sized from the GPU's free memory when the generator
     # starts (gen.kv_tokens=0; 28 KiB a token in bf16: 28 layers x 2 KV heads x 128 x K,V), holds the tokens
@@ -179,15 +180,29 @@ def areal_long_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=27648, n=16, temperature=1.0, top_p=1.0, top_k=0,
                         update_mode="interrupt", ref_logp=False, kv_layout="paged", kv_tokens=0)
     cfg.train = TrainConfig(
-        steps=math.ceil(5 * GSM8K_TRAIN_SIZE / 512), lr=2e-5, warmup_steps=0, decay_steps=0, weight_decay=0.05,
-        grad_clip=1.0, prompts_per_step=512, sync_every=1, max_staleness=4, min_buffer=512 * 16,
+        steps=math.ceil(5 * GSM8K_TRAIN_SIZE / 512), lr=2e-5, warmup_steps=0, warmup_fraction=0.001,
+        lr_schedule="constant", decay_steps=0, weight_decay=0.05, adam_beta2=0.95, adam_eps=1e-5, grad_clip=1.0,
+        prompts_per_step=512, sync_every=1, max_staleness=4, min_buffer=512 * 16,
         buffer_capacity=65536,  # >= (eta + 1) x 512 x 16 = 40,960 trajectories in flight
         micro_batch_tokens=30720, checkpoint_every=10, eval_every=25)
-    cfg.areal = AReaLConfig(eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=5.0, n_minibatches=4,
-                            adv_norm="batch")
+    cfg.areal = AReaLConfig(eps_clip=0.2, eps_clip_high=None, behav_imp_weight_cap=None, n_minibatches=4,
+                            adv_norm="batch_tokens", early_stop_imp_ratio=5.0, mask_too_long=False,
+                            reward_bias=0.5, reward_scaling=10.0, max_reward_clip=20.0)
+    cfg.data.max_prompt_tokens = 1024
     # greedy pass@1 on the whole test set, with the training budget (a long reasoning cut short scores 0)
     cfg.data.eval_size, cfg.data.eval_max_new_tokens, cfg.data.eval_max_batch = 1319, 27648, 32
     return task.gpu_defaults(cfg)
+
+
+def areal_eta_preset(cfg: GSM8KConfig) -> GSM8KConfig:
+    """AReaL's staleness ablation (its blog v0.3, Table 3: eta in {0, 1, 2, 4, 8, 16, inf}, naive vs
+    decoupled PPO, AIME24/25): `areal_long`'s run at 8,192 new tokens, 512 x 16, 4 minibatches, lr
+    2e-5, 1,000 PPO updates, on R1-Distill-Qwen-1.5B. Set eta with --train.max_staleness; the naive
+    arm is a loss (areal.loss.ppo_loss), as `python bench/staleness.py --preset areal_eta` sweeps them."""
+    cfg = areal_long_preset(cfg)
+    cfg.name, cfg.gen.max_new_tokens, cfg.train.steps = "gsm8k_areal_eta", 8192, 1000
+    cfg.data.eval_max_new_tokens, cfg.data.eval_max_batch = 8192, 128
+    return cfg
 
 
 RHO_1B_SFT = "realtreetune/rho-1b-sft-GSM8K"  # TBA's GSM8K policy and reference: RhoMath-1B SFT on GSM8K (a 1.1B Llama)
@@ -195,17 +210,19 @@ RHO_1B_SFT = "realtreetune/rho-1b-sft-GSM8K"  # TBA's GSM8K policy and reference
 
 def paper_preset(cfg: GSM8KConfig) -> GSM8KConfig:
     """TBA's GSM8K run, read from its code (github.com/bbartoldson/TBA: configs/tba_rho1b_gsm8k.yml,
-    launch_training_gsm8k.sh and the TRL 0.9.4 defaults it inherits): RhoMath-1B SFT as policy and
-    reference, the "[MATH TASK]" prompt, 7 prompts x K = 20, 700 steps, T = 0.7 and <= 512 tokens, lr
-    1e-5 (50 warm-up, linear decay over the last 300), beta 0.014 -> 0.004 over 500 steps, k = 2, m =
-    0.95 with uniform replay over a prompt's newest 100, 500 samples before training, greedy eval on
-    the 1,319 test problems. Each setting beside TBA's, and what is not reproduced: docs/tasks.md,
-    "Paper presets". Needs the hub (or the checkpoint by path) and a GPU; `--random_weights` builds
-    the model's shape locally."""
+    launch_training_gsm8k.sh, src/tba_trainer_gsm8k.py and the TRL 0.9.4 / transformers 4.43
+    defaults it inherits): RhoMath-1B SFT as policy and reference, the "[MATH TASK]" prompt, 7
+    prompts x K = 20, 700 steps, T = 0.7 and <= 512 tokens; lr 1e-5 warmup-stable-decay (50 warm-up,
+    350 stable, a cosine decay over 600 that the run cuts at step 700: it ends at 5e-6), AdamW betas
+    (0.9, 0.999), eps 1e-8, no weight decay, no grad clipping; beta 0.014 -> 0.004 over 500 steps, k =
+    2, m = 0.95 with uniform replay over a prompt's newest 100, 500 samples before training, greedy
+    eval on the 1,319 test problems. Each setting beside TBA's: docs/tasks.md, "Paper presets".
+    Needs the hub (or the checkpoint by path) and a GPU; `--random_weights` builds its shape locally."""
     cfg.model, cfg.ref_model, cfg.name = RHO_1B_SFT, None, "gsm8k_paper"
     cfg.data.prompt_style = "paper"
     cfg.gen = GenConfig(max_batch=256, max_new_tokens=512, n=20, temperature=0.7, top_p=1.0, top_k=0)
-    cfg.train = TrainConfig(steps=700, lr=1e-5, warmup_steps=50, decay_steps=300, weight_decay=0.0, grad_clip=0.0,
+    cfg.train = TrainConfig(steps=700, lr=1e-5, warmup_steps=50, stable_steps=350, decay_steps=600,
+                            lr_schedule="cosine", weight_decay=0.0, adam_beta2=0.999, adam_eps=1e-8, grad_clip=0.0,
                             prompts_per_step=7, sync_every=2, min_buffer=500, buffer_capacity=65536,
                             micro_batch_tokens=32768, checkpoint_every=175, eval_every=0)
     cfg.tba = TBAConfig(beta_init=0.014, beta_final=0.004, beta_anneal_steps=500, m=0.95, sampling="uniform",
@@ -217,7 +234,8 @@ def paper_preset(cfg: GSM8KConfig) -> GSM8KConfig:
 def make_config(argv: list[str] | None = None) -> GSM8KConfig:
     """Defaults, then the preset, then the algorithm's defaults, then every other override."""
     return task.make_config(GSM8KConfig(), argv, presets={"gpu": gpu_preset, "paper": paper_preset,
-                                                          "areal_long": areal_long_preset}, description=__doc__)
+                                                          "areal_long": areal_long_preset, "areal_eta": areal_eta_preset},
+                            description=__doc__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +258,14 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     train_ex = load_split(cfg.data.source, "train", cfg.data.train_limit, cfg.data.hub_config)  # data errors first:
     test_ex = load_split(cfg.data.source, "test", cfg.data.eval_size, cfg.data.hub_config)  # they take a second
     tok = task.tokenizer_of(cfg)
-    prompts = PromptSet(tokenize_prompts(train_ex, tok, cfg.data.prompt_style), [ex.gold for ex in train_ex])
+    tokens = tokenize_prompts(train_ex, tok, cfg.data.prompt_style)
+    keep = [i for i, t in enumerate(tokens) if cfg.data.max_prompt_tokens is None or len(t) <= cfg.data.max_prompt_tokens]
+    if len(keep) < len(tokens):  # AReaL drops them (it does not cut them)
+        print(f"[gsm8k] {len(tokens) - len(keep)} of {len(tokens)} training prompts are over "
+              f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} tokens: left out")
+    if not keep:
+        raise UserError(f"no training prompt fits --data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    prompts = PromptSet([tokens[i] for i in keep], [train_ex[i].gold for i in keep])
     eval_prompts = tokenize_prompts(test_ex, tok, cfg.data.prompt_style)
     stops = tokenizer_stop_ids(tok)  # EOS and the chat template's end of turn
 

@@ -169,7 +169,10 @@ def paper_preset(cfg: RedTeamConfig) -> RedTeamConfig:
     cfg.data.prompt_style, cfg.data.shots, cfg.data.eval_attacks = "paper", 3, 1024
     cfg.gen.max_new_tokens, cfg.gen.n, cfg.gen.temperature = 20, 16, 1.0
     t = cfg.train
-    t.steps, t.lr, t.warmup_steps, t.decay_steps, t.weight_decay, t.grad_clip = 5000, 1e-4, 100, 4900, 0.01, 1.0
+    t.steps, t.lr, t.weight_decay, t.grad_clip, t.adam_beta2, t.adam_eps = 5000, 1e-4, 0.01, 1.0, 0.999, 1e-8
+    # Lee et al.'s scheduler is built for train_steps x grad_acc_steps = 40,000 steps and stepped once per
+    # update, 5,000 times: 100 warm-up steps, then linear toward 0 at 40,000, so the run ends at 0.877 x lr
+    t.warmup_steps, t.stable_steps, t.decay_steps, t.lr_schedule = 100, 0, 39_900, "linear"
     t.prompts_per_step, t.sync_every, t.eval_every, t.checkpoint_every = 8, 10, 500, 500
     cfg.victim = VictimConfig(model="vicgalle/gpt2-alpaca", max_new_tokens=30, samples=5, temperature=0.7, top_p=0.92,
                               prompt_style="alpaca", device="cuda")

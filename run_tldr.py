@@ -200,13 +200,17 @@ PAPER_DATA = "vwxyzjn/summarize_from_feedback_tldr_3_filtered_oai_preprocessing_
 
 
 def paper_preset(cfg: TLDRConfig) -> TLDRConfig:
-    """TBA's TL;DR run (the module docstring's table): the GPU preset's batch with the paper's
-    checkpoints, data, lr schedule, beta cut and initial buffer."""
+    """TBA's TL;DR run (docs/tasks.md's table): the GPU preset's batch with the paper's checkpoints,
+    data, lr schedule (linear to 0 over the run, no warm-up), AdamW as transformers' defaults have it
+    (betas (0.9, 0.999), eps 1e-8), no gradient clipping (TBA's loop never clips), beta cut and
+    initial buffer."""
     cfg = gpu_preset(cfg)
     cfg.model, cfg.ref_model = PAPER_POLICY, None
     cfg.reward.model, cfg.reward.gold_model, cfg.reward.input = PAPER_RM, PAPER_GOLD, "text"
     cfg.data.source, cfg.data.eval_split, cfg.data.prompt_style = PAPER_DATA, "validation", "paper"
     cfg.train.warmup_steps, cfg.train.decay_steps, cfg.train.min_buffer = 0, 256, 10_000
+    cfg.train.lr_schedule, cfg.train.stable_steps, cfg.train.grad_clip = "linear", None, 0.0
+    cfg.train.adam_beta2, cfg.train.adam_eps, cfg.train.weight_decay = 0.999, 1e-8, 0.0
     cfg.tba = TBAConfig(beta_init=1.0, beta_final=0.05, beta_anneal_steps=128, beta_cut_step=32, m=0.5,
                         sampling="reward", inv_temp=1.0, max_per_group=100)
     cfg.name = "tldr_paper"

@@ -10,9 +10,13 @@ Per trainer step (the AReaL paper's algorithm):
               temperature, through the one log-prob function (`common.ops.token_logp`):
               prox_logp, fixed for every minibatch of the step. With several trainer ranks
               each computes its micro-batches' rows and `rank_sum` completes the tensor.
-  advantages  no critic, no reference: the sequence reward normalised over the n samples of its
-              prompt ("group", default) or over the whole batch ("batch", the paper's), the
-              same for every token of the response (gamma = lambda = 1, reward on the last token).
+  advantages  no critic, no reference: the sequence reward, shaped as AReaL's code shapes it
+              ((r - reward_bias) x reward_scaling, clipped at max_reward_clip), normalised over
+              the n samples of its prompt ("group", default), over the batch's sequences
+              ("batch") or over its valid tokens ("batch_tokens", the paper's code), the same
+              for every token of the response (gamma = lambda = 1, reward on the last token).
+              With mask_too_long, rows cut at gen.max_new_tokens leave the loss and the
+              normalisation (AReaL's mask_too_long).
   updates     the batch split into `n_minibatches` minibatches of about equal token counts,
               one optimizer step each (the trainer loops, see `common.algorithm.Algorithm.minibatches`).
   loss        `loss_fn` (areal/loss.py, default decoupled_ppo_loss): a token mean over the
@@ -21,7 +25,10 @@ Per trainer step (the AReaL paper's algorithm):
               Any loss that takes (logp, prox_logp, behav_logp, advantages, mask) fits, with
               eps_clip / eps_clip_high / behav_imp_weight_cap and micro-batch fields by keyword
               if it names them; every stat it returns is logged (common/algorithm.py: the loss
-              contract), the behaviour-weight stats computed here over the whole batch.
+              contract), the behaviour-weight stats computed here over the whole batch. With
+              early_stop_imp_ratio r, a micro-batch whose mean u = pi_theta/pi_prox over its
+              valid tokens exceeds r contributes no gradient (AReaL's "abandon this minibatch");
+              its share of the token mean stays in the denominator.
 Staleness is bounded twice: by admission in the generators (`common.runtime.generator.Control`,
 started < (eta + v + 1) x prompts per version) and by the filter here, which makes the bound
 exact whatever order groups finish in.
@@ -33,10 +40,11 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from areal.loss import batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss
+from areal.loss import (batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss, shaped_reward,
+                        token_normalised_advantages)
 from common.algorithm import Algorithm, accumulate, call_loss, check_loss
-from common.batch import Batch
-from common.config_check import above, at_least, between
+from common.batch import FINISH_REASONS, Batch
+from common.config_check import above, any_finite, at_least, between
 from common.micro import micro_batches, packs_rows, rank_sum, rank_sum_stats
 from common.ops import group_normalised_advantages, token_logp
 
@@ -48,12 +56,19 @@ _SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # config fiel
 class AReaLConfig:
     eps_clip: float = 0.2             # PPO clip: u = pi/pi_prox kept in [1 - eps_clip, 1 + eps_clip_high]
     eps_clip_high: Optional[float] = None  # upper clip bound (asymmetric clipping); None = eps_clip
-    behav_imp_weight_cap: Optional[float] = 5.0  # tokens with pi_prox/pi_behav above this are masked; None = no cap
+    behav_imp_weight_cap: Optional[float] = 5.0  # tokens with pi_prox/pi_behav above this are masked; None = no cap (the paper's run)
     n_minibatches: int = 4            # optimizer steps per trainer step (the batch split by tokens)
-    adv_norm: Literal["group", "batch"] = "group"  # normalise rewards over a prompt's n samples, or over the batch (paper)
+    adv_norm: Literal["group", "batch", "batch_tokens"] = "group"  # normalise rewards over a prompt's n samples, the batch's sequences, or its valid tokens (the paper's code)
+    early_stop_imp_ratio: Optional[float] = None  # a micro-batch whose mean pi_theta/pi_prox exceeds this adds no gradient (the paper's code: 5); None = off
+    mask_too_long: bool = False       # rows cut at gen.max_new_tokens leave the loss and the advantages' statistics
+    reward_bias: float = 0.0          # reward shaping: (r - bias) x scaling (the paper's code on 0/1 success: bias 0.5, scaling 10: +-5)
+    reward_scaling: float = 1.0       # see reward_bias
+    max_reward_clip: Optional[float] = None  # the shaped reward clipped to [-clip, clip] (the paper's code: 20); None = off
 
     CHECKS = {"eps_clip": between(0, 1, open_lo=True, open_hi=True), "eps_clip_high": above(0),
-              "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1)}  # ranges (common/config_check.py)
+              "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1), "early_stop_imp_ratio": above(1),
+              "reward_bias": any_finite(), "reward_scaling": above(0),
+              "max_reward_clip": above(0)}  # ranges (common/config_check.py)
 
 
 def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:
@@ -75,8 +90,8 @@ class AReaL(Algorithm):
             raise ValueError("AReaL needs a staleness bound: set --train.max_staleness=ETA (paper: 4; 0 = sync)")
         if cfg.n_minibatches < 1:
             raise ValueError(f"areal.n_minibatches={cfg.n_minibatches}: need >= 1")
-        if cfg.adv_norm not in ("group", "batch"):
-            raise ValueError(f"areal.adv_norm={cfg.adv_norm!r}: expected 'group' or 'batch'")
+        if cfg.adv_norm not in ("group", "batch", "batch_tokens"):
+            raise ValueError(f"areal.adv_norm={cfg.adv_norm!r}: expected 'group', 'batch' or 'batch_tokens'")
         self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 5, _SETTINGS)
         self.B, self.temperature, self.max_staleness = prompts_per_step * n, temperature, max_staleness
         self.micro_batch_tokens = micro_batch_tokens
@@ -100,16 +115,30 @@ class AReaL(Algorithm):
         return rank_sum(prox)  # other ranks' rows are 0 here
 
     def advantages(self, batch: Batch) -> torch.Tensor:
-        if self.cfg.adv_norm == "group":
-            return group_normalised_advantages(batch.reward, batch.group_id)
-        return batch_normalised_advantages(batch.reward)
+        c = self.cfg
+        r = shaped_reward(batch.reward, c.reward_bias, c.reward_scaling, c.max_reward_clip)
+        n_tok = batch.loss_mask.sum(1)
+        if c.adv_norm == "batch_tokens":
+            return token_normalised_advantages(r, n_tok)
+        keep = n_tok > 0  # rows mask_too_long took out of the loss take no part in the statistics
+        adv = torch.zeros_like(r)
+        if keep.any():
+            adv[keep] = (group_normalised_advantages(r[keep], batch.group_id[keep]) if c.adv_norm == "group"
+                         else batch_normalised_advantages(r[keep]))
+        return adv
 
     def minibatches(self, model, batch: Batch, step: int) -> list[Batch]:
+        if self.cfg.mask_too_long and "finish" in batch.extra:  # cut at the token limit: out of the loss
+            cut = batch.extra["finish"] == FINISH_REASONS.index("length")
+            batch.loss_mask = batch.loss_mask & ~cut[:, None].to(batch.loss_mask.device)
+            self._cut = int(cut.sum())
         batch.extra["prox_logp"] = self.proximal_logp(model, batch)
         batch.extra["advantages"] = adv = self.advantages(batch)  # (B,)
         self._batch_stats = {**behaviour_stats(batch.extra["prox_logp"], batch.behav_logp, batch.loss_mask,
                                                self.cfg.behav_imp_weight_cap),
                              "adv_abs": adv.abs().mean().item()}
+        if self.cfg.mask_too_long:
+            self._batch_stats["masked_too_long"] = getattr(self, "_cut", 0)
         lengths = (batch.prompt_lens + batch.comp_lens).tolist()
         return [batch.select(rows) for rows in split_by_tokens(lengths, self.cfg.n_minibatches)]
 
@@ -123,8 +152,21 @@ class AReaL(Algorithm):
             loss, st = call_loss(self.loss_fn, mb, lp, mb.extra["prox_logp"], mb.behav_logp, mb.extra["advantages"],
                                  mb.loss_mask, **settings)
             w = float(mb.loss_mask.sum() / n_tok)  # this micro-batch's share of the minibatch's tokens
-            (loss * w).backward()
-            accumulate(totals, w, loss, st)
+            stop = self._early_stop(lp, mb)
+            if not stop:
+                (loss * w).backward()
+            accumulate(totals, w, loss, {**st, "early_stopped": float(stop)} if self.cfg.early_stop_imp_ratio else st)
         # the behaviour-weight stats describe the whole batch (prox and behav are fixed for the step):
         # they replace the loss's own per-micro-batch ones of the same names
         return {**rank_sum_stats(totals), **self._batch_stats}
+
+    @torch.no_grad()
+    def _early_stop(self, lp: torch.Tensor, mb: Batch) -> bool:
+        """Whether the micro-batch's mean u = pi_theta/pi_prox over its valid tokens exceeds
+        `early_stop_imp_ratio` (AReaL: its loss times 0, the step's other micro-batches go on)."""
+        r = self.cfg.early_stop_imp_ratio
+        if r is None:
+            return False
+        m = mb.loss_mask.bool()
+        u = torch.where(m, lp.detach() - mb.extra["prox_logp"], torch.zeros_like(lp)).exp()
+        return bool((u * m).sum() / m.sum().clamp(min=1) > r)

@@ -127,6 +127,25 @@ def ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Te
     return _reduce(surr, clip_won, mask, behaviour_stats(prox_logp, behav_logp, mask, None))
 
 
+def shaped_reward(reward: Tensor, bias: float = 0.0, scaling: float = 1.0, clip: float | None = None) -> Tensor:
+    """AReaL's reward shaping (its realhf math agent and PPO interface: reward_output_bias,
+    reward_output_scaling, max_reward_clip): (r - bias) x scaling, clipped to [-clip, clip]. Its
+    math run maps success s in {0, 1} to ((s - 0.5) x 2 - 0) x 5 = +-5: bias 0.5, scaling 10."""
+    r = (reward.float() - bias) * scaling
+    return r if clip is None else r.clamp(-clip, clip)
+
+
+def token_normalised_advantages(reward: Tensor, n_tokens: Tensor, eps: float = 1e-5) -> Tensor:
+    """(r - mean) / (std + eps) with the mean and the (population) std over every valid token of the
+    batch, each sequence's reward counted once per token it trains (AReaL's `masked_normalization` of
+    its per-token advantages, `adv_norm: true, group_adv_norm: false`); rows with no token count 0."""
+    r, w = reward.float(), n_tokens.float()
+    total = w.sum().clamp(min=1)
+    mean = (r * w).sum() / total
+    std = (((r - mean) ** 2) * w).sum().div(total).sqrt()
+    return (r - mean) / (std + eps)
+
+
 def batch_normalised_advantages(reward: Tensor, eps: float = 1e-6) -> Tensor:
     """(r - mean r) / (std r + eps) over every sequence of the batch (AReaL paper's setting;
     population std). The group-normalised variant is common.ops.group_normalised_advantages."""

@@ -19,6 +19,15 @@ trainer throughput (trained tokens / wall-clock) and the mean |prox - behav| gap
     python bench/staleness.py --quick              # etas 0 2, 1 seed, 6 steps (smoke check)
     python bench/staleness.py --auto [--seeds N]   # the controller (auto) vs every fixed eta on a
                                                    # simulated clock (bench/staleness_judge.py)
+    python bench/staleness.py --preset areal_eta --random_weights --etas 0 1 2 4 8 16 \
+        --set train.steps=20                       # AReaL's own ablation setup (run_gsm8k.py --preset=areal_eta:
+                                                   # R1-Distill-Qwen-1.5B, 512 x 16, 8,192 tokens) on a GPU
+
+With --preset, each (loss, eta) is a run of `run_gsm8k.py --preset=<preset>` (eta 0 in lock-step,
+`train.mode=sync`), naive PPO through `main(loss=ppo_loss)`, every `--set key=value` passed on as
+`--key=value` (a GPU's budget: fewer steps, a shorter evaluation); reported per run: its steps, the
+mean reward of its last steps, its last evaluation, the mean step time and trained tokens per
+second, the staleness and the behaviour-weight gap. `--random_weights` runs it without the hub.
 """
 from __future__ import annotations
 
@@ -137,6 +146,39 @@ def plot(summary: dict, etas: list[int], out_png: str) -> str | None:
     return out_png
 
 
+def preset_sweep(a) -> dict:
+    """Each (loss, eta) as a run of run_gsm8k.py's preset (module docstring); returns the JSON line."""
+    import run_gsm8k
+    from areal.loss import decoupled_ppo_loss, ppo_loss
+    from common.log import read_metrics
+    root, runs = a.root or tempfile.mkdtemp(prefix="asyncrl_staleness_"), []
+    for eta in a.etas:
+        for loss_name, loss_fn in (("decoupled", decoupled_ppo_loss), ("naive", ppo_loss)):
+            if eta == 0 and loss_name == "naive":
+                continue  # lock-step: every token on-policy, the two losses are one (AReaL's table: one row)
+            name = f"{a.preset}_{loss_name}_eta{eta}"
+            argv = [f"--preset={a.preset}", f"--name={name}", f"--run_root={root}", "--overwrite",
+                    *(["--train.mode=sync"] if eta == 0 else [f"--train.max_staleness={eta}"]),
+                    *(["--random_weights"] if a.random_weights else []), *(f"--{kv}" for kv in a.set)]
+            t = time.perf_counter()
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+                last = run_gsm8k.main(argv, loss=loss_fn)
+            rows = read_metrics(os.path.join(root, name, "metrics.jsonl"))
+            steps = [r for r in rows if "step_s" in r]
+            evals = [r for r in rows if "eval_accuracy" in r]
+            runs.append({"loss": loss_name, "eta": eta, "wall_s": round(time.perf_counter() - t, 1),
+                         "steps": len(steps), "train_reward": statistics.mean(r["reward_mean"] for r in steps[-5:]),
+                         "eval_accuracy": evals[-1]["eval_accuracy"] if evals else None,
+                         "step_s": statistics.mean(r["step_s"] for r in steps),
+                         "trainer_tok_per_s": statistics.mean(r.get("trainer_tok_s", 0.0) for r in steps),
+                         "staleness_mean": statistics.mean(r["staleness_mean"] for r in steps),
+                         "gap_mean": statistics.mean(r.get("gap_mean", 0.0) for r in steps),
+                         "version": last.get("version")})
+            print(json.dumps({"run": runs[-1]}), file=sys.stderr)
+    return {"bench": "staleness", "preset": a.preset, "random_weights": a.random_weights, "set": a.set,
+            "etas": a.etas, "runs": runs, "root": root}
+
+
 def main():
     if "--auto" in sys.argv[1:]:  # a different benchmark: its own arguments (bench/staleness_judge.py)
         from bench.staleness_judge import main as judge
@@ -155,7 +197,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="etas 0 2, one seed, 6 steps")
     ap.add_argument("--auto", action="store_true", help="judge the staleness controller instead (simulated clock; "
                     "see bench/staleness_judge.py --help)")
+    ap.add_argument("--preset", default=None, help="sweep run_gsm8k.py's preset instead of the toy task (areal_eta)")
+    ap.add_argument("--random_weights", action="store_true", help="--preset: random models of the published shapes")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="--preset: passed on as --KEY=VALUE")
     a = ap.parse_args()
+    if a.preset:
+        print(json.dumps(preset_sweep(a)))
+        return
     if a.quick:
         a.etas, a.seeds, a.steps = [0, 2], [0], 6
     torch.set_num_threads(1)

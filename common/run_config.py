@@ -40,7 +40,7 @@ class RunConfig:
     model: str = DEFAULT_POLICY         # policy: HF id or local checkpoint dir
     ref_model: Optional[str] = None     # frozen reference; None = the initial policy
     algo: Literal["tba", "areal", "grpo"] = "tba"  # TBA, AReaL (decoupled PPO), or the GRPO baseline (always on-policy)
-    preset: Literal["cpu", "gpu", "paper", "paper_llama", "areal_long"] = "cpu"  # preset applied before other overrides (the task's own: its docstring)
+    preset: Literal["cpu", "gpu", "paper", "paper_llama", "areal_long", "areal_eta"] = "cpu"  # preset applied before other overrides (the task's own: its docstring)
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
     overwrite: bool = False             # replace an earlier run in runs/<name> (deleted first)

@@ -22,6 +22,7 @@ import run_tldr
 from common.config import ConfigError
 from common.engine.hf_io import load_model
 from common.log import read_metrics
+from common.runtime.train_config import lr_lambda
 from common.toxicity import Guard, label_index
 from tests import tiny
 from tests.test_redteam_task import fake_toxicity
@@ -63,7 +64,13 @@ def test_presets_resolve_offline_to_the_papers_settings(capsys):
     assert (c.train.prompts_per_step, c.gen.n, c.gen.max_new_tokens, c.gen.temperature) == (8, 20, 128, 0.7)
     assert (c.train.steps, c.train.lr, c.train.sync_every, c.train.min_buffer) == (256, 3e-6, 10, 10_000)
     assert (c.tba.beta_init, c.tba.beta_final, c.tba.beta_anneal_steps, c.tba.beta_cut_step) == (1.0, 0.05, 128, 32)
+    assert (c.train.grad_clip, c.train.adam_beta2, c.train.adam_eps, c.train.warmup_steps) == (0.0, 0.999, 1e-8, 0)
+    lr = lr_lambda(c.train)  # TBA's: update u at (256 - u) / 256, the last at 0
+    assert (lr(0), lr(127), lr(255)) == (255 / 256, 128 / 256, 0.0)
     r = run_redteam.make_config(["--preset=paper", "--reward.beta=0.2"])
+    assert (r.train.adam_beta2, r.train.weight_decay, r.train.grad_clip) == (0.999, 0.01, 1.0)  # torch AdamW's defaults
+    lr = lr_lambda(r.train)  # Lee et al.'s linear schedule for 40,000 steps, stepped 5,000 times
+    assert (lr(0), lr(99), lr(4999)) == (0.01, 1.0, pytest.approx(35_000 / 39_900))
     assert (r.model, r.victim.model, r.toxicity.model) == ("gpt2", "vicgalle/gpt2-alpaca",
                                                            "facebook/roberta-hate-speech-dynabench-r4-target")
     assert (r.reward.beta, r.reward.average, r.victim.prompt_style, r.data.prompt_style) == (0.2, "log", "alpaca", "paper")
@@ -71,7 +78,7 @@ def test_presets_resolve_offline_to_the_papers_settings(capsys):
     big = run_redteam.make_config(["--preset=paper_llama"])
     assert big.toxicity.guard and big.toxicity.model == "meta-llama/Llama-Guard-3-8B" and big.toxicity.label == "unsafe"
     assert (big.model, big.victim.model) == ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.1-8B-Instruct")
-    with pytest.raises(ValueError, match="presets are cpu, gpu, paper, areal_long"):
+    with pytest.raises(ValueError, match="presets are cpu, gpu, paper, areal_long, areal_eta"):
         run_gsm8k.make_config(["--preset=paper_llama"])
     with pytest.raises(SystemExit):
         run_tldr.make_config(["--preset=paper", "--help"])
@@ -84,8 +91,12 @@ def test_gsm8k_paper_resolves_offline_to_tbas_settings():
     assert (c.model, c.ref_model, c.algo, c.name) == ("realtreetune/rho-1b-sft-GSM8K", None, "tba", "gsm8k_paper")
     assert (c.data.prompt_style, c.data.eval_size, c.data.eval_max_new_tokens) == ("paper", 1319, 512)
     assert (c.train.prompts_per_step, c.gen.n, c.gen.max_new_tokens, c.gen.temperature, c.gen.top_p) == (7, 20, 512, 0.7, 1.0)
-    assert (c.train.steps, c.train.lr, c.train.warmup_steps, c.train.decay_steps) == (700, 1e-5, 50, 300)
+    assert (c.train.steps, c.train.lr, c.train.warmup_steps, c.train.stable_steps, c.train.decay_steps,
+            c.train.lr_schedule) == (700, 1e-5, 50, 350, 600, "cosine")
     assert (c.train.sync_every, c.train.min_buffer, c.train.grad_clip, c.train.weight_decay) == (2, 500, 0.0, 0.0)
+    assert (c.train.adam_beta2, c.train.adam_eps) == (0.999, 1e-8)  # transformers' TrainingArguments defaults
+    lr = lr_lambda(c.train)  # update u runs at lambda(u), transformers' WSD stepped before the update
+    assert [round(lr(s), 6) for s in (0, 48, 49, 398, 399, 699)] == [0.02, 0.98, 1.0, 1.0, 1.0, 0.5]  # ends at 5e-6
     assert (c.tba.beta_init, c.tba.beta_final, c.tba.beta_anneal_steps) == (0.014, 0.004, 500)
     assert (c.tba.m, c.tba.sampling, c.tba.inv_temp, c.tba.max_per_group) == (0.95, "uniform", 0.0, 100)
     assert (c.train.device, c.train.activation_checkpointing) == ("cuda", True)
@@ -115,17 +126,23 @@ def test_gsm8k_areal_long_resolves_offline_to_areals_settings():
         assert (c.gen.temperature, c.gen.top_p, c.gen.top_k, c.gen.max_new_tokens, c.gen.n) == (1.0, 1.0, 0, 27648, 16)
         assert (c.gen.update_mode, c.gen.ref_logp, c.gen.kv_layout) == ("interrupt", False, "paged")
         assert (c.train.prompts_per_step, c.train.lr, c.train.weight_decay, c.train.grad_clip) == (512, 2e-5, 0.05, 1.0)
-        assert (c.train.warmup_steps, c.train.decay_steps, c.train.steps) == (0, 0, 73)  # constant lr, 5 epochs
+        assert (c.train.lr_schedule, c.train.warmup_fraction, c.train.steps) == ("constant", 0.001, 73)  # 5 epochs
+        assert (c.train.adam_beta2, c.train.adam_eps, c.data.max_prompt_tokens) == (0.95, 1e-5, 1024)
         assert (c.train.sync_every, c.train.max_staleness, c.train.min_buffer) == (1, 4, 512 * 16)
         assert c.train.buffer_capacity >= 5 * 512 * 16 and c.train.micro_batch_tokens == 30720
         assert (c.areal.eps_clip, c.areal.eps_clip_high, c.areal.n_minibatches, c.areal.behav_imp_weight_cap,
-                c.areal.adv_norm) == (0.2, None, 4, 5.0, "batch")
+                c.areal.adv_norm) == (0.2, None, 4, None, "batch_tokens")
+        assert (c.areal.early_stop_imp_ratio, c.areal.mask_too_long) == (5.0, False)
+        assert (c.areal.reward_bias, c.areal.reward_scaling, c.areal.max_reward_clip) == (0.5, 10.0, 20.0)  # +-5
         assert (c.train.device, c.train.activation_checkpointing, c.data.eval_max_new_tokens) == ("cuda", True, 27648)
     c = run_gsm8k.make_config(["--preset=areal_long", "--gen.max_new_tokens=8192", "--areal.adv_norm=group"])
     assert (c.gen.max_new_tokens, c.areal.adv_norm, c.gen.n) == (8192, "group", 16)
     with pytest.raises(ConfigError, match=r"^--algo='tba': must be 'areal' with --preset=areal_long"):
         run_gsm8k.make_config(["--preset=areal_long", "--algo=tba"])
     assert run_gsm8k.make_config(["--algo=areal"]).areal.adv_norm == "group"  # other presets: AReaL's defaults
+    e = run_gsm8k.make_config(["--preset=areal_eta", "--train.max_staleness=8"])  # the ablation's setup
+    assert (e.algo, e.gen.max_new_tokens, e.train.steps, e.train.prompts_per_step, e.gen.n, e.areal.n_minibatches,
+            e.train.lr, e.train.max_staleness, e.model) == ("areal", 8192, 1000, 512, 16, 4, 2e-5, 8, c.model)
 
 
 @pytest.mark.parametrize("script, preset", [("run_tldr.py", "paper"), ("run_redteam.py", "paper_llama"),

@@ -36,11 +36,12 @@ def trainer_model(prec, path: str, tc, device: str):
     return model, tok
 
 
-def make_optimizer(model, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW over this rank's parameters (its shards when sharded)."""
+def make_optimizer(model, lr: float, weight_decay: float, beta2: float = 0.95, eps: float = 1e-8) -> torch.optim.Optimizer:
+    """AdamW over this rank's parameters (its shards when sharded), betas (0.9, `beta2`)."""
     # fused: one pass over each parameter's weights, gradient and moments, on CUDA and on CPU
     # (where torch's default loops over parameters with several passes each: BENCHMARKS, AdamW)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95), fused=True)
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, beta2), eps=eps,
+                             fused=True)
 
 
 def update(algo: Algorithm, model, opt, batch: Batch, step: int, grad_clip: float,
@@ -75,7 +76,7 @@ class OneRank:
         # (model_path, prec) and report into run_dir; `peers` (common/runtime/peers.py) are the
         # other nodes, whose trainer ranks join theirs
         self.model, self.algo, self.store, self.device = model, algo, store, model.device
-        self.opt = make_optimizer(model, tc.lr, tc.weight_decay)
+        self.opt = make_optimizer(model, tc.lr, tc.weight_decay, tc.adam_beta2, tc.adam_eps)
 
     def update(self, batch: Batch, step: int, lr: float, grad_clip: float) -> tuple[dict, float]:
         """One trainer step on `batch` (CPU); returns its (averaged) stats and grad norm. `lr`:

@@ -5,6 +5,7 @@ trainer loop (`trainer.py`), a replay (common/replay.py) and the node layer; no 
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional, Union
@@ -20,8 +21,13 @@ class TrainConfig:
     steps: int = 100                  # trainer steps (one batch each; an optimizer update per minibatch)
     lr: float = 1e-5                  # peak learning rate (AdamW)
     warmup_steps: int = 5             # linear warm-up steps; 0 = none
-    decay_steps: int = 0              # warmup-stable-decay: linear decay to 0 over the last N steps; 0 = none
+    warmup_fraction: float = 0.0      # > 0: warm-up steps = int(fraction x steps) instead (AReaL's warmup_steps_proportion)
+    lr_schedule: Literal["linear", "cosine", "constant"] = "linear"  # decay shape after the stable phase (warmup-stable-decay); constant = none
+    decay_steps: int = 0              # steps the decay to 0 takes; 0 = no decay
+    stable_steps: Optional[int] = None  # steps at the peak after warm-up, then the decay (may outlast the run: it ends mid-decay); None = decay over the last decay_steps
     weight_decay: float = 0.0         # AdamW weight decay
+    adam_beta2: float = 0.95          # AdamW's second-moment decay (beta1 0.9); transformers' and torch's default 0.999
+    adam_eps: float = 1e-8            # AdamW's epsilon (AReaL: 1e-5)
     grad_clip: float = 1.0            # max global grad norm; 0 = off
     micro_batch_tokens: int = 8192    # token budget of one micro-batch (dynamic batching): real tokens when rows are packed, else rows x longest row
     activation_checkpointing: bool = False  # recompute each block's activations in backward: memory for ~1/3 more compute
@@ -51,6 +57,8 @@ class TrainConfig:
 
     CHECKS = {  # ranges (common/config_check.py)
         "steps": at_least(1), "lr": between(0, 1, open_lo=True), "warmup_steps": at_least(0), "decay_steps": at_least(0),
+        "warmup_fraction": between(0, 1, open_hi=True), "stable_steps": at_least(0), "adam_beta2": between(0, 1, open_lo=True, open_hi=True),
+        "adam_eps": between(0, 1, open_lo=True),
         "weight_decay": (at_least(0), relation(lambda v, s: v * s.lr < 1, "< 1 / {p}lr={s.lr:g} (AdamW scales the "
                                                "weights by 1 - lr x weight_decay per update)")),
         "grad_clip": at_least(0), "micro_batch_tokens": at_least(1), "memory_fraction": between(0, 1),
@@ -92,15 +100,30 @@ class LogConfig:
     wandb_project: str = "asyncrl"    # W&B project name
 
 
+def warmup_steps(cfg: TrainConfig) -> int:
+    """The warm-up's length in trainer steps: `warmup_fraction` of the run where set, else `warmup_steps`."""
+    return int(cfg.warmup_fraction * cfg.steps) if cfg.warmup_fraction > 0 else cfg.warmup_steps
+
+
 def lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
-    """The LR multiplier of step `step` (0-based): linear warm-up, flat, then a linear decay to 0
-    over the last `decay_steps` (warmup-stable-decay)."""
+    """The LR multiplier of trainer step `step` (0-based), warmup-stable-decay as transformers'
+    `get_wsd_schedule` has it, its scheduler stepped before each update (TBA's loops, AReaL's): update
+    u = step + 1 runs at lambda(u) = u / W during the warm-up of W steps, then 1 for the stable
+    phase, then over `decay_steps` D from its start s = W + `stable_steps` (None: s = steps - D, the
+    decay ends with the run) with progress p = (u - s) / D: 1 - p (`linear`) or (1 + cos(pi p)) / 2
+    (`cosine`), and 0 once the decay is over; `constant` never decays. The last update of a run that
+    decays to its end runs at 0."""
+    W = warmup_steps(cfg)
+    start = (cfg.steps - cfg.decay_steps) if cfg.stable_steps is None else W + cfg.stable_steps
+
     def f(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.decay_steps and step >= cfg.steps - cfg.decay_steps:
-            return max(0.0, (cfg.steps - step) / cfg.decay_steps)
-        return 1.0
+        u = step + 1
+        if u < W:
+            return u / W
+        if cfg.lr_schedule == "constant" or not cfg.decay_steps or u < start:
+            return 1.0
+        p = min(1.0, (u - start) / cfg.decay_steps)
+        return 1.0 - p if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * p))
     return f
 
 

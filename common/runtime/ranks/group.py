@@ -110,7 +110,7 @@ class TrainerGroup(OneRank):
         reshard = resolve_reshard(tc.reshard, tc.device)
         setup = RankSetup(self.world, self._tcp.port, host, self.local, tc.device, timeout, model_path, prec,
                           tc.activation_checkpointing, tc.share_prompts, tc.pack_rows, reshard, tc.lr, tc.weight_decay,
-                          tc.grad_clip)
+                          tc.grad_clip, tc.adam_beta2, tc.adam_eps)
         if self.world > self.local:  # the other trainer nodes build their ranks from this
             self.keys.put("trainer/setup", (setup, algo_bytes))
             self._remote = CommandSender(self.keys)

@@ -48,6 +48,8 @@ class RankSetup:
     lr: float                 # AdamW's initial rate (each step command carries rank 0's current one)
     weight_decay: float       # AdamW weight decay
     grad_clip: float          # max global grad norm; 0 = off
+    adam_beta2: float = 0.95  # AdamW's betas (0.9, this)
+    adam_eps: float = 1e-8    # AdamW's epsilon
 
 
 def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore, commands, beat, *, stop_event):
@@ -69,7 +71,7 @@ def rank_main(rank: int, setup: RankSetup, algo_bytes: bytes, store: WeightStore
     mesh = init_group(rank, setup.world, tcp, device, setup.timeout_s, loopback=setup.world == setup.local)
     try:
         shard(model, mesh, setup.reshard)
-        opt = make_optimizer(model, setup.lr, setup.weight_decay)
+        opt = make_optimizer(model, setup.lr, setup.weight_decay, setup.adam_beta2, setup.adam_eps)
         share = Share(model, rank, setup.world, beat=lambda: beat("training"), reshard=setup.reshard)
         set_ranks(share)
         while not stop_event.is_set():
