@@ -9,7 +9,7 @@
     python run_gsm8k.py --help                       # every config key with its comment
 
 What is here: the prompt (chat template, or the paper's "[MATH TASK]" template), the reward
-(`reward_correct`, common/math_answer.py: the final answer, the later of the whole last \\boxed{...}
+(`reward_correct`, common/rewards/math_answer.py: the final answer, the later of the whole last \\boxed{...}
 and GSM8K's '####' answer, plain numbers compared exactly, anything else by math-verify, bounded in
 time; exactly 1 or 0, and 0 for a box cut at the token limit), the dataset
 (`--data.source`: local jsonl, a `datasets` folder or the hub's openai/gsm8k; default: the
@@ -31,14 +31,14 @@ from typing import Literal, Optional
 
 from areal.algo import AReaLConfig
 from common import task
-from common.batch import PromptSet
-from common.config_check import at_least, relation
+from common.contracts.batch import PromptSet
+from common.contracts.config_check import at_least, relation
 from common.data import default_data_dir as find_data_dir
 from common.data import load_examples, read_jsonl
-from common.engine.hf_save import tokenizer_stop_ids
-from common.errors import UserError
+from common.engine.checkpoints.hf_save import tokenizer_stop_ids
+from common.contracts.errors import UserError
 from common.evaluate import greedy_pass_at_1
-from common.math_answer import extract_answer, normalise_number, reward_correct  # noqa: F401 - extract_answer: run_gsm8k.extract_answer stays
+from common.rewards.math_answer import extract_answer, normalise_number, reward_correct  # noqa: F401 - extract_answer: run_gsm8k.extract_answer stays
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
@@ -130,7 +130,7 @@ class DataConfig:
     max_prompt_tokens: Optional[int] = None  # training prompts longer than this are left out (AReaL's max_prompt_len); None = all
 
     CHECKS = {"train_limit": at_least(1), "eval_size": at_least(0), "eval_max_new_tokens": at_least(1),
-              "eval_max_batch": at_least(1), "max_prompt_tokens": at_least(1)}  # ranges (common/config_check.py)
+              "eval_max_batch": at_least(1), "max_prompt_tokens": at_least(1)}  # ranges (common/contracts/config_check.py)
 
 
 @dataclass

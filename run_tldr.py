@@ -14,10 +14,10 @@ What is here: the data (`--data.source`: a folder with train/val.jsonl rows {"do
 fields, e.g. trl-lib/tldr), the prompt (the post, truncated on a sentence boundary to
 `data.max_post_tokens`, in the model's chat template with a summarisation instruction, or the
 papers' "<post>\\nTL;DR:"), the evaluation, presets, main(). The reward models (scoring, and
-training the offline ones) are tldr_reward_model.py's.
+training the offline ones) are common/rewards/tldr.py's.
 
 Reward: r(x, y) = RM(post, summary), the scalar head of any Hugging Face sequence-classification
-reward model (`common/reward_model.py`), run batched in reward-worker processes; a summary cut at
+reward model (`common/rewards/reward_model.py`), run batched in reward-worker processes; a summary cut at
 `gen.max_new_tokens` without EOS gets `gen.no_stop_reward` (paper: -1) instead. TBA's target is
 pi_ref(y|x) exp(r / beta). Offline default RMs: MiniLM cross-encoders fine-tuned with the
 Bradley-Terry loss on pairs built from the local sample (`train-rm`): the true TL;DR is preferred
@@ -69,18 +69,18 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from common import task
-from common.batch import PromptSet
-from common.config_check import at_least
+from common.contracts.batch import PromptSet
+from common.contracts.config_check import at_least
 from common.data import default_data_dir, load_examples
-from common.engine.hf_io import load_model
-from common.engine.hf_save import tokenizer_stop_ids
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.checkpoints.hf_save import tokenizer_stop_ids
 from common.evaluate import bootstrap_diff, completion_logps, greedy_completions, win_vector
-from common.reward_model import RewardModel
-from common.run_files import record
+from common.rewards.reward_model import RewardModel
+from common.contracts.run_files import record
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from tba.algo import TBAConfig
-from tldr_reward_model import (RM_DTYPES, RewardConfig, RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts,
+from common.rewards.tldr import (RM_DTYPES, RewardConfig, RMTrainConfig, make_rm_reward, resolve_rm, rm_prompts,
                                train_offline_rms)
 
 HUB_DATASET = "trl-lib/tldr"  # rows {"prompt": "SUBREDDIT: ... POST: ... TL;DR:", "completion": " ..."}
@@ -154,7 +154,7 @@ class DataConfig:
     eval_max_batch: int = 64            # sampler slots when evaluating
 
     CHECKS = {"max_post_tokens": at_least(1), "train_limit": at_least(1), "eval_size": at_least(0),
-              "eval_max_new_tokens": at_least(1), "eval_max_batch": at_least(1)}  # ranges (common/config_check.py)
+              "eval_max_new_tokens": at_least(1), "eval_max_batch": at_least(1)}  # ranges (common/contracts/config_check.py)
 
 
 @dataclass
@@ -222,7 +222,7 @@ def make_config(argv: list[str] | None = None) -> TLDRConfig:
 
 
 def train_rms(cfg: TLDRConfig) -> dict:
-    """`train-rm`: the offline reward models (tldr_reward_model.py) from the first `data.train_limit`
+    """`train-rm`: the offline reward models (common/rewards/tldr.py) from the first `data.train_limit`
     training posts, their pair accuracy on `rm.eval_posts` held-out posts of the eval split."""
     train_ex = load_split(cfg.data.source, cfg.data.train_split, cfg.data.train_limit, cfg.data.hub_config)
     val_ex = load_split(cfg.data.source, cfg.data.eval_split, cfg.rm.eval_posts, cfg.data.hub_config)
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
     if len(evaluate.wins) >= 2:  # the change from before training to after, paired over the same posts
         s = bootstrap_diff(evaluate.wins[0], evaluate.wins[-1], seed=cfg.seed)
         out = Path(cfg.run_root) / cfg.name / "eval_summary.json"
-        record(out)  # in the run folder: ours (common/run_files.py)
+        record(out)  # in the run folder: ours (common/contracts/run_files.py)
         out.write_text(json.dumps({"win_rate": s, "reward_model": rm_path or "the reward passed to main",
                                    "gold_model": gold_path}, indent=2) + "\n")
         print(f"[tldr] win-rate vs reference (gold RM, {s['n']} posts): before {s['before']:.3f}, after "

@@ -7,7 +7,7 @@ Per trainer step (the AReaL paper's algorithm):
               (eta = 0, settled by the run's config check) takes exactly the batch the current
               weights generated.
   prox pass   one no-grad pass of the current weights over the batch, at the sampling
-              temperature, through the one log-prob function (`common.ops.token_logp`):
+              temperature, through the one log-prob function (`common.contracts.ops.token_logp`):
               prox_logp, fixed for every minibatch of the step. With several trainer ranks
               each computes its micro-batches' rows and `rank_sum` completes the tensor.
   advantages  no critic, no reference: the sequence reward, shaped as AReaL's code shapes it
@@ -18,13 +18,13 @@ Per trainer step (the AReaL paper's algorithm):
               With mask_too_long, rows cut at gen.max_new_tokens leave the loss and the
               normalisation (AReaL's mask_too_long).
   updates     the batch split into `n_minibatches` minibatches of about equal token counts,
-              one optimizer step each (the trainer loops, see `common.algorithm.Algorithm.minibatches`).
+              one optimizer step each (the trainer loops, see `common.contracts.algorithm.Algorithm.minibatches`).
   loss        `loss_fn` (areal/loss.py, default decoupled_ppo_loss): a token mean over the
               whole minibatch; micro-batches (token-budget first-fit-decreasing packing) are
               weighted by their share of its tokens, so micro-batching never changes the gradient.
               Any loss that takes (logp, prox_logp, behav_logp, advantages, mask) fits, with
               eps_clip / eps_clip_high / behav_imp_weight_cap and micro-batch fields by keyword
-              if it names them; every stat it returns is logged (common/algorithm.py: the loss
+              if it names them; every stat it returns is logged (common/contracts/algorithm.py: the loss
               contract), the behaviour-weight stats computed here over the whole batch. With
               early_stop_imp_ratio r, a micro-batch whose mean u = pi_theta/pi_prox over its
               valid tokens exceeds r contributes no gradient (AReaL's "abandon this minibatch");
@@ -42,11 +42,11 @@ import torch
 
 from areal.loss import (batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss, shaped_reward,
                         token_normalised_advantages)
-from common.algorithm import Algorithm, accumulate, call_loss, check_loss
-from common.batch import FINISH_REASONS, Batch
-from common.config_check import above, any_finite, at_least, between
-from common.micro import micro_batches, packs_rows, rank_sum, rank_sum_stats
-from common.ops import group_normalised_advantages, token_logp
+from common.contracts.algorithm import Algorithm, accumulate, call_loss, check_loss
+from common.contracts.batch import FINISH_REASONS, Batch
+from common.contracts.config_check import above, any_finite, at_least, between
+from common.contracts.micro import micro_batches, packs_rows, rank_sum, rank_sum_stats
+from common.contracts.ops import group_normalised_advantages, token_logp
 
 
 _SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # config fields a loss may take by keyword
@@ -68,7 +68,7 @@ class AReaLConfig:
     CHECKS = {"eps_clip": between(0, 1, open_lo=True, open_hi=True), "eps_clip_high": above(0),
               "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1), "early_stop_imp_ratio": above(1),
               "reward_bias": any_finite(), "reward_scaling": above(0),
-              "max_reward_clip": above(0)}  # ranges (common/config_check.py)
+              "max_reward_clip": above(0)}  # ranges (common/contracts/config_check.py)
 
 
 def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:

@@ -148,7 +148,7 @@ def token_normalised_advantages(reward: Tensor, n_tokens: Tensor, eps: float = 1
 
 def batch_normalised_advantages(reward: Tensor, eps: float = 1e-6) -> Tensor:
     """(r - mean r) / (std r + eps) over every sequence of the batch (AReaL paper's setting;
-    population std). The group-normalised variant is common.ops.group_normalised_advantages."""
+    population std). The group-normalised variant is common.contracts.ops.group_normalised_advantages."""
     r = reward.float()
     c = r - r.mean()
     return c / (c.pow(2).mean().sqrt() + eps)

@@ -1,7 +1,7 @@
 """Random models of a published model's shape for the CPU benchmarks (`--arch`): the engine's speed
 on another family, measured on the same work as the default model's figures, nothing downloaded.
 
-The shapes are common/engine/shapes.py's (`ARCHS` names two of them by a short name); the model is
+The shapes are common/engine/checkpoints/shapes.py's (`ARCHS` names two of them by a short name); the model is
 built once by `random_model_dir` into `$ASYNCRL_CACHE/random_models/`, with the default model's
 tokenizer (SmolLM2's 49,152 ids fit both vocabularies), so prompts and lengths are the default
 model's workload.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from common.engine.hf_io import DEFAULT_MODEL, has_tokenizer, load_tokenizer, resolve_checkpoint
-from common.engine.shapes import random_model_dir
+from common.engine.checkpoints.hf_io import DEFAULT_MODEL, has_tokenizer, load_tokenizer, resolve_checkpoint
+from common.engine.checkpoints.shapes import random_model_dir
 
 ARCHS = {"pythia-160m": "EleutherAI/pythia-160m", "gpt2-124m": "gpt2"}  # short name -> hub id of the shapes table
 

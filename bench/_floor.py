@@ -9,7 +9,7 @@ completion tokens), L layers, hidden D, heads H / Hkv of width hd, MLP width I, 
                                                                 recomputed QK^T (2 + 5 GEMMs)
   head       6 * n * D * V                                      on the scored positions only
 The floor: every GEMM of the step timed alone at its own shape in `linear`'s layout (x W^T), on
-the faster of this machine's two CPU fp32 GEMM backends (`common/engine/linear.py`) for each part,
+the faster of this machine's two CPU fp32 GEMM backends (`common/engine/model/linear.py`) for each part,
 and the attention's FLOPs at the rate of the fastest of those GEMMs. The backend the floor names
 can differ from the step's: the step's dX and dW run as dY W and dY^T X, whose rates differ by
 backend (BENCHMARKS.md, the AVX2 EPYC section). A step cannot beat it without fewer FLOPs or a faster GEMM; the
@@ -32,8 +32,8 @@ from collections import defaultdict
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from common.engine.linear import linear, linear_dw, linear_dx, onednn_available, set_onednn
-from common.engine.machine import backend_times
+from common.engine.model.linear import linear, linear_dw, linear_dx, onednn_available, set_onednn
+from common.engine.machine.cpu import backend_times
 
 
 def work_args(ap) -> None:

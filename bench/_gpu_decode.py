@@ -25,8 +25,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench._gpu_gen import (LAUNCH_BOUND, PADDING, Workload, eager_fallbacks, has_cuda_graphs, new_sampler,
                             sample_params, variants, workloads)
 from bench._gpu_util import Ctx, device_ms, free_memory, kernel_counts, median, sync, top_kernels
-from common.engine.decode import COL_GRAIN, bucket_grain
-from common.engine.sampler import Sampler
+from common.engine.sampler.decode import COL_GRAIN, bucket_grain
+from common.engine.sampler.sampler import Sampler
 
 
 def _captures(s: Sampler) -> int | None:

@@ -34,9 +34,9 @@ from dataclasses import dataclass, replace
 
 import torch
 from bench._gpu_util import FIRST_ID, Ctx, free_memory, random_prompts, sync
-from common.engine import decode_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+from common.engine.sampler import decode_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 
 LAUNCH_BOUND = 1.5  # wall / device time above this: the host, not the GPU, sets the pace
 

@@ -1,5 +1,5 @@
 """The papers' model sizes for `bench/gpu.py --arch`: a random checkpoint of a published shape
-(common/engine/shapes.py's table, by hub id or a short alias), a tiny model of the same family for
+(common/engine/checkpoints/shapes.py's table, by hub id or a short alias), a tiny model of the same family for
 `--smoke`, and the two figures that need the card's speeds.
 
 floor  A decode step reads every weight it multiplies once (the input embedding is a gather of a
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from common.engine import kv_budget
-from common.engine.hf_io import build_dir
-from common.engine.model_config import ModelConfig
-from common.engine.shapes import SHAPES, hf_config
+from common.engine.kv import budget as kv_budget
+from common.engine.checkpoints.hf_io import build_dir
+from common.engine.model.model_config import ModelConfig
+from common.engine.checkpoints.shapes import SHAPES, hf_config
 
 ALIASES = {"pythia-1b": "mnoukhov/pythia1b-sft-tldr",                  # TBA's TL;DR policy (GPT-NeoX)
            "rho-1b": "realtreetune/rho-1b-sft-GSM8K",                   # TBA's GSM8K policy (1.1B Llama)
@@ -50,10 +50,10 @@ _TINY_FAMILY = {"gpt_neox": dict(intermediate_size=256),
 
 
 def hub_id(arch: str) -> str:
-    """An alias or a hub id of common/engine/shapes.py's table -> the hub id (ValueError else)."""
+    """An alias or a hub id of common/engine/checkpoints/shapes.py's table -> the hub id (ValueError else)."""
     h = ALIASES.get(arch, arch)
     if h not in SHAPES or SHAPES[h][1] != "causal":
-        raise ValueError(f"--arch {arch!r}: use one of {sorted(ALIASES)} or a causal hub id of common/engine/shapes.py")
+        raise ValueError(f"--arch {arch!r}: use one of {sorted(ALIASES)} or a causal hub id of common/engine/checkpoints/shapes.py")
     return h
 
 

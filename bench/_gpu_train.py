@@ -47,11 +47,11 @@ import run_gsm8k
 from bench._gpu_util import (FIRST_ID, Ctx, device_ms, free_memory, median, random_prompts, sync, top_kernels,
                              toy_reward)
 from common import task
-from common.batch import PromptSet
-from common.log import read_metrics
-from common.ops import token_logp
+from common.contracts.batch import PromptSet
+from common.contracts.log import read_metrics
+from common.contracts.ops import token_logp
 from common.runtime.generator import GenConfig
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 from common.train import train
 
 
@@ -84,7 +84,7 @@ def trainer_section(ctx: Ctx) -> dict:
            "peak_source": "torch.cuda.max_memory_allocated over the timed steps" if ctx.cuda else
            "CPU: process max RSS (ru_maxrss), not reset between settings"}
     settings = [("no_checkpointing", False, None), ("checkpointing", True, None)]
-    if a.train_group > 1:  # the trainer's call: each group's prompt run once (common/engine/prefix.py)
+    if a.train_group > 1:  # the trainer's call: each group's prompt run once (common/engine/model/prefix.py)
         settings += [("shared_prompts", False, plens), ("shared_prompts_checkpointing", True, plens)]
     out["group"] = a.train_group
     for name, ckpt, pl in settings:

@@ -36,7 +36,7 @@ class Ctx:
     """What every section needs: parsed args, device, resolved precision, checkpoint, workload."""
     args: object
     device: torch.device
-    prec: object                      # common.engine.precision.Precision
+    prec: object                      # common.engine.machine.precision.Precision
     ckpt: str                         # random checkpoint directory (config.json + safetensors)
     shape: dict                       # the LlamaConfig fields it was built with
     prompts: list[list[int]]          # the sampler workload's prompts (token ids)

@@ -1,5 +1,5 @@
 """The trainer on long, uneven completions: a micro-batch's rows packed end to end
-(`train.pack_rows`, common/engine/packing.py) against right-padded rows, and the attention
+(`train.pack_rows`, common/engine/model/packing.py) against right-padded rows, and the attention
 candidates the packed pass was picked from. Functions for `bench/long_outputs.py` to call; one
 process, one CPU thread, fp32 (the GEMM backend and attention kernel this machine's precision
 picks), a small random Llama (`SHAPE`: the body dominates per token, as in a real model; the
@@ -28,7 +28,7 @@ backward, peak RSS; 2-core AMD EPYC with AVX-512, torch 2.13):
 The kernel's peak is its attention, not the activations: a (G*T x T) fp32 score block per
 key/value head (2 GiB at T = 16k, G = 2; forward's P, backward's P, dP, dS) and a (T x T) additive
 mask (1 GiB), which activation checkpointing (`train.activation_checkpointing`) cannot free and
-the chunked head (512 MiB of logits at a time, common/engine/head.py) does not touch. SDPA's
+the chunked head (512 MiB of logits at a time, common/engine/model/head.py) does not touch. SDPA's
 flash kernel tiles; there it is also faster than ours on one row of 512 tokens (1.2x), 1k (1.6x),
 4k (2.5x) (4 query / 2 key-value heads of 64, forward + backward).
 
@@ -54,14 +54,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from common.batch import Trajectory, collate
-from common.engine.causal_attention import causal_attention
-from common.engine.hf_io import load_model
-from common.engine.model import Transformer
-from common.engine.model_config import ModelConfig
-from common.engine.precision import PrecisionConfig, cpu_info, resolve
-from common.engine.tiny_model import BASE
-from common.ops import token_logp
+from common.contracts.batch import Trajectory, collate
+from common.engine.model.causal_attention import causal_attention
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.transformer import Transformer
+from common.engine.model.model_config import ModelConfig
+from common.engine.machine.precision import PrecisionConfig, cpu_info, resolve
+from common.engine.checkpoints.tiny_model import BASE
+from common.contracts.ops import token_logp
 from common.runtime.process import set_process_defaults
 from tba.algo import TBA, TBAConfig
 

@@ -10,9 +10,9 @@ from collections import defaultdict
 
 import torch
 
-from common.engine.layers import LayerNorm, RMSNorm
-from common.engine.model import MLP, Attention
-from common.ops import token_logp
+from common.engine.model.layers import LayerNorm, RMSNorm
+from common.engine.model.transformer import MLP, Attention
+from common.contracts.ops import token_logp
 
 _GEMM = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")
 _COPY = ("aten::copy_", "aten::clone", "aten::_to_copy", "aten::cat", "aten::contiguous", "aten::index",

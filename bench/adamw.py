@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.engine.hf_io import load_model  # noqa: E402
-from common.engine.precision import cpu_info  # noqa: E402
+from common.engine.checkpoints.hf_io import load_model  # noqa: E402
+from common.engine.machine.precision import cpu_info  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from areal.algo import split_by_tokens
 from areal.loss import behaviour_stats, decoupled_ppo_loss, ppo_loss
-from common.ops import group_normalised_advantages
+from common.contracts.ops import group_normalised_advantages
 from common.runtime.generator import Control
 from common.runtime.staleness_control import ControlSettings, StalenessController
 

@@ -28,8 +28,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.log import read_metrics  # noqa: E402
-from common.plots import plot_runs  # noqa: E402
+from common.contracts.log import read_metrics  # noqa: E402
+from common.contracts.plots import plot_runs  # noqa: E402
 
 
 # per task: the flag that turns evaluation off, and the batch this bench uses unless told (None = the task's preset)
@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--root", default=None, help="run directory root (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="2 prompts x 2 samples, 16 tokens, 3 steps")
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto",
-                    help="run_gsm8k's --precision.dtype (auto: picked per machine, common/engine/precision.py)")
+                    help="run_gsm8k's --precision.dtype (auto: picked per machine, common/engine/machine/precision.py)")
     a = ap.parse_args()
     for k, v in TASKS[a.task][1].items():
         if getattr(a, k) is None and v is not None:

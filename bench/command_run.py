@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.log import read_metrics  # noqa: E402
-from common.engine.machine import cpu_info  # noqa: E402
+from common.contracts.log import read_metrics  # noqa: E402
+from common.engine.machine.cpu import cpu_info  # noqa: E402
 
 _PYTEST = re.compile(r"=+ (.*?) in ([\d.]+)s")
 

@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.engine.attention import additive_mask, attend_lse  # noqa: E402
-from common.engine.precision import cpu_info  # noqa: E402
+from common.engine.model.attention import additive_mask, attend_lse  # noqa: E402
+from common.engine.machine.precision import cpu_info  # noqa: E402
 
 
 def plain_attention(q, k, v, mask):
@@ -87,7 +87,7 @@ def workload_split() -> dict:
     path calls `attend_lse` twice per layer: the own part, then the prompt part), after the same
     warm-up; the mean live shape of its decode steps from the sampler's counters."""
     import bench.sampler as bs
-    import common.engine.decode_attention as da
+    import common.engine.sampler.decode_attention as da
     name = "HuggingFaceTB/SmolLM2-135M-Instruct"
     bs.keep_freed_memory()
     model, tok = bs.resolve(bs.PrecisionConfig()).apply().load(name)

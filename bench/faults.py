@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch.distributed as dist  # noqa: E402
-from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy task's model
+from common.engine.checkpoints.tiny_model import build_tiny  # noqa: E402 - the toy task's model
 from bench.leaks import group_alive, leaked, shm_entries, wait_until  # noqa: E402 - the run's own /dev/shm entries only
 from bench import faults_attacks, faults_store  # noqa: E402
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
@@ -103,7 +103,7 @@ def make_fault_reward():
 
 def _patch_checkpoint_writes(fault: str, d: Path) -> None:
     """Make checkpoints after the first slow (so a SIGKILL lands mid-write) or fail with ENOSPC."""
-    import common.runtime.checkpoint as ck
+    import common.runtime.files.checkpoint as ck
     orig, calls = ck.save_pretrained, [0]
 
     def save_pretrained(model, path, **kw):
@@ -123,8 +123,8 @@ def _patch_checkpoint_writes(fault: str, d: Path) -> None:
 
 def child(a) -> None:
     import torch
-    from common.batch import PromptSet
-    from common.engine.precision import PrecisionConfig
+    from common.contracts.batch import PromptSet
+    from common.engine.machine.precision import PrecisionConfig
     from common.runtime.generator import GenConfig
     from common.runtime.train_config import TrainConfig
     from common.task import RunConfig
@@ -178,8 +178,8 @@ def _start(name: str, d: Path, model: str, resume: bool, marker: Path, checkpoin
 def inspect_checkpoints(d: Path, model: str) -> dict:
     """Load every checkpoint; check the ring rows of the latest one."""
     import torch
-    from common.engine.hf_io import load_model
-    from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from common.engine.checkpoints.hf_io import load_model
+    from common.runtime.files.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
     root = d / "runs" / "job" / "checkpoints"
     ckpts = sorted(root.glob("step_*")) if root.is_dir() else []
     ok = 0
@@ -194,7 +194,7 @@ def inspect_checkpoints(d: Path, model: str) -> dict:
            "tmp_dirs_left": len(list(root.glob(".tmp_*"))) if root.is_dir() else 0}
     latest = latest_checkpoint(d / "runs" / "job")
     if latest is not None and (latest / "buffer.pt").exists():
-        from common.runtime.buffer import ReplayBuffer
+        from common.runtime.shared.buffer import ReplayBuffer
         b = ReplayBuffer.load(latest / "buffer.pt")
         ids = b.cols["insert_idx"][b.cols["insert_idx"] >= 0].tolist()
         want = set(range(b.n_added - len(b), b.n_added))

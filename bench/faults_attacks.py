@@ -27,7 +27,7 @@ import torch
 
 from bench._faults_util import ROOT, Payload, finish, job, spawn, steps
 from bench.leaks import shm_entries, wait_until
-from common.engine.hf_io import resolve_checkpoint
+from common.engine.checkpoints.hf_io import resolve_checkpoint
 
 # name -> (the attack, regex the user's output must hold)
 ATTACKS = {
@@ -154,7 +154,7 @@ def hostile_run_name(d: Path, model: str) -> dict:
 
 
 def disk_full(d: Path, model: str) -> dict:
-    from common.runtime.checkpoint import latest_checkpoint  # noqa: E402 - the parent reads the run's files
+    from common.runtime.files.checkpoint import latest_checkpoint  # noqa: E402 - the parent reads the run's files
     mnt, shm = d / "runs", shm_entries()
     mnt.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m", "tmpfs", str(mnt)], capture_output=True, text=True)

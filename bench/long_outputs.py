@@ -3,7 +3,7 @@ padded ones. One process, one thread; prints one JSON line.
 
   (a) rows_paged_over_static   rows held at equal KV memory under lognormal output lengths (mean
       `--mean`, cap `--cap`, sigma `--sigma` of the log; prompts `--prompt` tokens): continuous
-      batching simulated on the real page allocator (`common/engine/kv_pages.py`: admission with its
+      batching simulated on the real page allocator (`common/engine/kv/pages.py`: admission with its
       watermark, a page taken per `page` tokens, the youngest preempted when short) against static
       slots, each of which reserves prompt + cap. Mean rows over the run's steady part.
   (b) sampler_paged_over_static  the sampler's tokens/s on that length distribution scaled down by
@@ -39,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench._long_train import trainer_packed_vs_padded  # noqa: E402
-from common.engine.kv_pages import PagePool  # noqa: E402
-from common.engine.kv_budget import PAGE_SIZE  # noqa: E402
-from common.engine.kv_paged import WATERMARK  # noqa: E402
-from common.engine.model import Transformer  # noqa: E402
-from common.engine.model_config import ModelConfig  # noqa: E402
-from common.engine.sampler import Sampler  # noqa: E402
-from common.engine.sampling import SamplingParams  # noqa: E402
+from common.engine.kv.pages import PagePool  # noqa: E402
+from common.engine.kv.budget import PAGE_SIZE  # noqa: E402
+from common.engine.kv.paged_cache import WATERMARK  # noqa: E402
+from common.engine.model.transformer import Transformer  # noqa: E402
+from common.engine.model.model_config import ModelConfig  # noqa: E402
+from common.engine.sampler.sampler import Sampler  # noqa: E402
+from common.engine.sampler.sampling import SamplingParams  # noqa: E402
 
 
 def lognormal_lengths(n: int, mean: float, sigma: float, cap: int, seed: int = 0) -> list[int]:
@@ -132,7 +132,7 @@ def timed_generate(model, prompts, params_list, **kw) -> dict:
 
 def long_workload(model, args) -> dict:
     """(b)'s requests: lognormal lengths scaled by `--scale` (forced by max_new_tokens, no stop),
-    random prompts, and the KV memory of `--static-batch` static slots in tokens (`kv_cache.py`:
+    random prompts, and the KV memory of `--static-batch` static slots in tokens (`kv/static_cache.py`:
     (slots + 1) prompt entries of the longest prompt, slots of prompt + cap)."""
     mean, cap = max(8, int(args.mean * args.scale)), max(16, int(args.cap * args.scale))
     lengths = lognormal_lengths(args.requests, mean, args.sigma, cap, seed=1)

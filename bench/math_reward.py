@@ -3,7 +3,7 @@
 1. Fidelity. bench/data/math_reward_cases.jsonl holds GSM8K-format chains of thought and R1-style
    reasoning (kept apart from the tests), each with the right reward written by hand. Each grader
    is judged on them: cases it gets wrong, and of those the false rewards (paid for a wrong answer).
-   Graders: ours (common/math_answer.py), math-verify alone over the whole completion (`verify(parse(
+   Graders: ours (common/rewards/math_answer.py), math-verify alone over the whole completion (`verify(parse(
    gold), parse(completion))`, its defaults), TBA's grader (the last number of the completion, as
    its gsm8k_utils.py reads it) and, with --before REV, this repository's reward at that commit
    (loaded from git, run in this process).
@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.math_answer import reward_correct  # noqa: E402
+from common.rewards.math_answer import reward_correct  # noqa: E402
 
 CASES = ROOT / "bench" / "data" / "math_reward_cases.jsonl"
 _TBA_NUMBER = re.compile(r"(?:[+-]?\d+\.\d*|[+-]?\.\d+|[+-]?\d+e[-+]?\d+|[+-]?\d+)")
@@ -54,8 +54,8 @@ def math_verify_alone(completion: str, gold: str) -> float:
 
 
 def before(rev: str):
-    """`reward_correct` of common/math_answer.py at commit `rev` (a module loaded from git)."""
-    src = subprocess.run(["git", "show", f"{rev}:common/math_answer.py"], cwd=ROOT, capture_output=True, text=True,
+    """`reward_correct` of common/rewards/math_answer.py at commit `rev` (a module loaded from git)."""
+    src = subprocess.run(["git", "show", f"{rev}:common/rewards/math_answer.py"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     spec = importlib.util.spec_from_loader(f"math_answer_{rev}", loader=None)
     mod = importlib.util.module_from_spec(spec)

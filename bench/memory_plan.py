@@ -1,4 +1,4 @@
-"""The memory plan (common/engine/memory_plan.py) against measured peaks: a preset's policy as a random
+"""The memory plan (common/plan/memory_plan.py) against measured peaks: a preset's policy as a random
 model of its published shape (`--random_weights`), one trainer step at the preset's micro-batch and one
 sampler call at its batch and KV pool, each part in a fresh process, beside the plan's lines for it.
 
@@ -33,14 +33,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.host_memory import rss_bytes  # noqa: E402
-from common import preflight  # noqa: E402
-from common.engine.memory_plan import CONTEXT, PROMPT_TOKENS, TOLERANCE  # noqa: E402
-from common.engine.precision import resolve  # noqa: E402
-from common.engine.sampler import Sampler  # noqa: E402
-from common.engine.sampling import SamplingParams  # noqa: E402
-from common.ops import token_logp  # noqa: E402
+from common.plan import preflight  # noqa: E402
+from common.plan.memory_plan import CONTEXT, PROMPT_TOKENS, TOLERANCE  # noqa: E402
+from common.engine.machine.precision import resolve  # noqa: E402
+from common.engine.sampler.sampler import Sampler  # noqa: E402
+from common.engine.sampler.sampling import SamplingParams  # noqa: E402
+from common.contracts.ops import token_logp  # noqa: E402
 from common.runtime.step import make_optimizer  # noqa: E402
-from common.runtime.weights import WeightStore  # noqa: E402
+from common.runtime.shared.weights import WeightStore  # noqa: E402
 
 PARTS = ("trainer", "generator")
 

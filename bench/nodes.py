@@ -51,17 +51,17 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from common.batch import Trajectory  # noqa: E402
-from common.engine.tiny_model import build_tiny  # noqa: E402 - the toy run's model (--staleness)
-from common.log import read_metrics  # noqa: E402
-from common.runtime.buffer import ReplayBuffer  # noqa: E402
+from common.contracts.batch import Trajectory  # noqa: E402
+from common.engine.checkpoints.tiny_model import build_tiny  # noqa: E402 - the toy run's model (--staleness)
+from common.contracts.log import read_metrics  # noqa: E402
+from common.runtime.shared.buffer import ReplayBuffer  # noqa: E402
 from common.runtime.generator import Control  # noqa: E402
 from common.runtime.nodes.trajectories import Ingest, StoreControl, TrajSender  # noqa: E402
 from common.runtime.nodes.weights import WeightReceiver, send_weights  # noqa: E402
 from common.runtime.nodes.world import Node  # noqa: E402
 from common.runtime.ranks.publish import receive_rows, send_rows, shard_rows  # noqa: E402
 from common.runtime.train_config import DistConfig  # noqa: E402
-from common.runtime.weights import WeightStore  # noqa: E402
+from common.runtime.shared.weights import WeightStore  # noqa: E402
 
 P_LEN, C_LEN, N = 100, 200, 4  # a GSM8K-shaped group: prompt, completion tokens, samples
 

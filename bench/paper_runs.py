@@ -13,7 +13,7 @@ buffer's fill):
                  once for its group it computes fewer: `prompt_share` bounds the overstatement)
   step_s, wait_frac, trainer_tok_s, gen_tok_s, staleness, interrupts, preemptions: as logged
   memory        each process's CUDA allocator peak (`cuda_peak_gib`, `gen_cuda_peak_gib`) against
-                 the memory plan's line for it (common/engine/memory_plan.py, this config, this card),
+                 the memory plan's line for it (common/plan/memory_plan.py, this config, this card),
                  and each process's nvidia-smi peak, reward workers included (`smi_peak_gib`,
                  bench/_process_memory.py) against its planned total with its context, `within` 15%;
                  on a CPU not measured (bench/memory_plan.py reads the resident set)
@@ -49,10 +49,10 @@ sys.path.insert(0, str(ROOT))
 from bench._gpu_paper import card, mfu  # noqa: E402
 from bench._process_memory import Peaks, plan_process, smi_used  # noqa: E402
 from bench.leaks import group_alive, wait_until  # noqa: E402
-from common import preflight  # noqa: E402
-from common.engine.memory_plan import TOLERANCE, GiB  # noqa: E402
-from common.engine.shapes import param_count  # noqa: E402
-from common.log import read_metrics  # noqa: E402
+from common.plan import preflight  # noqa: E402
+from common.plan.memory_plan import TOLERANCE, GiB  # noqa: E402
+from common.engine.checkpoints.shapes import param_count  # noqa: E402
+from common.contracts.log import read_metrics  # noqa: E402
 
 AREAL_TOK_S_PER_GPU = 6000.0  # AReaL's appendix: 47.8k tokens/s on 8 GPUs (R1-Distill-Qwen-1.5B, 8k context)
 LEASE = {  # preset -> what a few-minute run changes (no evaluation; AReaL: 4 prompts x 16 at 8k context)

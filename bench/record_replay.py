@@ -35,13 +35,13 @@ import torch  # noqa: E402
 
 import run_gsm8k  # noqa: E402  (the task script, run as bench/async_speedup.py runs it)
 
-from common.engine.hf_io import load_model  # noqa: E402
-from common.engine.precision import Precision  # noqa: E402
-from common.log import read_metrics  # noqa: E402
+from common.engine.checkpoints.hf_io import load_model  # noqa: E402
+from common.engine.machine.precision import Precision  # noqa: E402
+from common.contracts.log import read_metrics  # noqa: E402
 from common.replay import replay_config, replay_stream  # noqa: E402
-from common.runtime.checkpoint import latest_checkpoint  # noqa: E402
+from common.runtime.files.checkpoint import latest_checkpoint  # noqa: E402
 from common.runtime.step import make_optimizer, update  # noqa: E402
-from common.runtime.stream import read_meta, read_steps  # noqa: E402
+from common.runtime.files.stream import read_meta, read_steps  # noqa: E402
 from common.task import make_algo  # noqa: E402
 
 

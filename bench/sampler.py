@@ -1,7 +1,7 @@
 """Sampler throughput: our KV-cache continuous-batching sampler vs transformers' `generate`.
 
 Single process, default model, one thread (as every process of a run: docs/internals.md, "CPU threads"). Ours runs at the precision
-the runtime picks for this machine (`common/engine/precision.py`, `--dtype auto`; the choice is in the
+the runtime picks for this machine (`common/engine/machine/precision.py`, `--dtype auto`; the choice is in the
 JSON line) and, with `--vs-fp32`, also in fp32 (the previous default). transformers runs in fp32
 (its default, as a user runs it) and in bf16; `speedup_tok_s` is against the faster of the two.
 Workload: `--prompts` GSM8K test questions in the chat template, `--n` samples each,
@@ -22,7 +22,7 @@ bandwidth). Prints one JSON line.
     python bench/sampler.py --arch pythia-160m  # a random GPT-NeoX of Pythia-160M's shape (bench/_arch.py)
 
 `--arch` runs another family on the same workload: a random model of that published shape built
-locally (common/engine/shapes.py), the prompts tokenised with the default model's tokenizer.
+locally (common/engine/checkpoints/shapes.py), the prompts tokenised with the default model's tokenizer.
 
 Host work per decode step (`host_ms_per_step`, in every run): the time `Sampler.step` spends
 outside the model (planning, bookkeeping, recording), measured as step time minus the time in
@@ -45,15 +45,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-import common.engine.live_batch as live_batch_mod  # noqa: E402
-import common.engine.sampler as sampler_mod  # noqa: E402
-from common.engine.hf_io import load_model  # noqa: E402
-from common.engine.linear import onednn_enabled, set_onednn  # noqa: E402
-from common.engine.machine_decode import compile_ab  # noqa: E402
-from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
-from common.engine.sampler import Sampler  # noqa: E402
-from common.engine.sampling import SamplingParams  # noqa: E402
-from common.engine.tiny_model import build_tiny  # noqa: E402
+import common.engine.sampler.live_batch as live_batch_mod  # noqa: E402
+import common.engine.sampler.sampler as sampler_mod  # noqa: E402
+from common.engine.checkpoints.hf_io import load_model  # noqa: E402
+from common.engine.model.linear import onednn_enabled, set_onednn  # noqa: E402
+from common.engine.machine.decode_choice import compile_ab  # noqa: E402
+from common.engine.machine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.sampler.sampler import Sampler  # noqa: E402
+from common.engine.sampler.sampling import SamplingParams  # noqa: E402
+from common.engine.checkpoints.tiny_model import build_tiny  # noqa: E402
 from common.runtime.process import keep_freed_memory  # noqa: E402
 from run_gsm8k import default_data_dir, format_prompt, load_split  # noqa: E402
 from bench._arch import add_arch_arg, arch_dir, prompt_tokenizer  # noqa: E402
@@ -310,7 +310,7 @@ def main():
         res["auto_vs_fp32_tok_s"] = res["ours"]["tok_s"] / res["ours_fp32"]["tok_s"]
     if not a.skip_hf:
         import transformers
-        from common.engine.hf_io import resolve_checkpoint
+        from common.engine.checkpoints.hf_io import resolve_checkpoint
         hf = transformers.AutoModelForCausalLM.from_pretrained(  # same weights, transformers' model
             str(resolve_checkpoint(a.model)), dtype=torch.float32).eval()
         pad = tok.pad_token_id or eos

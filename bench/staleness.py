@@ -44,8 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from common.batch import PromptSet  # noqa: E402
-from common.engine.precision import PrecisionConfig
+from common.contracts.batch import PromptSet  # noqa: E402
+from common.engine.machine.precision import PrecisionConfig
 from common.runtime.generator import GenConfig  # noqa: E402
 from common.runtime.train_config import TrainConfig  # noqa: E402
 from common.task import RunConfig  # noqa: E402
@@ -75,9 +75,9 @@ def prompts(n: int = 32) -> PromptSet:
 
 @torch.no_grad()
 def policy_reward(model_dir: str, max_new: int) -> float:
-    from common.engine.hf_io import load_model
-    from common.engine.sampler import Sampler
-    from common.engine.sampling import SamplingParams
+    from common.engine.checkpoints.hf_io import load_model
+    from common.engine.sampler.sampler import Sampler
+    from common.engine.sampler.sampling import SamplingParams
     m = load_model(model_dir, tokenizer=False)[0]
     ps = prompts().tokens[:16]
     outs = Sampler(m, max_batch=256, max_seq_len=8 + max_new).generate(
@@ -88,7 +88,7 @@ def policy_reward(model_dir: str, max_new: int) -> float:
 def run_one(a, model_dir: str, root: str, loss_name: str, eta: int, seed: int) -> dict:
     from areal.algo import AReaL, AReaLConfig
     from areal.loss import decoupled_ppo_loss, ppo_loss
-    from common.log import read_metrics
+    from common.contracts.log import read_metrics
     from common.train import train
     name = f"{loss_name}_eta{eta}_s{seed}"
     cfg = RunConfig(name=name, run_root=root, model=model_dir, seed=seed,
@@ -150,7 +150,7 @@ def preset_sweep(a) -> dict:
     """Each (loss, eta) as a run of run_gsm8k.py's preset (module docstring); returns the JSON line."""
     import run_gsm8k
     from areal.loss import decoupled_ppo_loss, ppo_loss
-    from common.log import read_metrics
+    from common.contracts.log import read_metrics
     root, runs = a.root or tempfile.mkdtemp(prefix="asyncrl_staleness_"), []
     for eta in a.etas:
         for loss_name, loss_fn in (("decoupled", decoupled_ppo_loss), ("naive", ppo_loss)):

@@ -4,7 +4,7 @@ Single process, one thread, fp32 (the precision of a CPU without bf16 units; `--
 takes this machine's choice for ours). The work: `--rows` x `--tokens` random tokens of the
 default model, loss on the last half of each row (completions after a prompt), forward +
 backward, no optimizer step:
-  ours          `common.ops.token_logp(model, tokens, T, mask).sum().backward()`, the trainer's call
+  ours          `common.contracts.ops.token_logp(model, tokens, T, mask).sum().backward()`, the trainer's call
   transformers  its own fp32 model (SDPA attention) with `logits_to_keep` = the scored span,
                 log-softmax of logits / T, the targets' log-probs summed, backward: what a careful
                 user of transformers writes
@@ -14,11 +14,11 @@ compare two invocations, not both within one: alternated in one process, the two
 memory peaks made the plain one's times swing widely (BENCHMARKS.md), the allocator's state, not the code.
 `--group n`: rows in groups of n sharing their prompt (the first half of the row), as the trainer's
 batches are (n samples per prompt); ours is then the trainer's call with `prompt_lens` (each prompt
-run once: common/engine/prefix.py) and `ours_unshared` the same rows each in full. The floor stays
+run once: common/engine/model/prefix.py) and `ours_unshared` the same rows each in full. The floor stays
 that of the rows in full: `frac_of_floor` is the unshared engine's, `shared_speedup` what running
 each prompt once saves, `speedup_vs_transformers` ours (shared) against transformers on the same rows,
 `shared_frac_of_own_floor` ours (shared) against the floor of the work it runs (the packed tokens).
-`--compile` adds ours with `train.compile_blocks` (common/engine/model.py: compiled_block). The runs
+`--compile` adds ours with `train.compile_blocks` (common/engine/model/transformer.py: compiled_block). The runs
 alternate `--reps` times after one warm-up each (drift on a shared machine hits both
 alike); medians. The floor (bench/_floor.py) is every GEMM of the step timed alone at its shape
 on this machine, measured again before every rep; `frac_of_floor` is the median of each rep's
@@ -66,15 +66,15 @@ import torch.nn.functional as F  # noqa: E402
 from bench._arch import add_arch_arg, arch_dir  # noqa: E402
 from bench._floor import backend_ab, frac_of_floor, gemm_floor, gemms_in_place, work_args  # noqa: E402
 from bench._profile import profile  # noqa: E402
-from common.engine.causal_attention import set_kernel  # noqa: E402
-from common.engine.fused import set_fused  # noqa: E402
-from common.engine.hf_io import resolve_checkpoint  # noqa: E402
-from common.engine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
-from common.engine.linear import linear, onednn_available, onednn_enabled, set_onednn  # noqa: E402
-from common.engine.prefix import SharedPrefixes  # noqa: E402
-from common.engine.sampler import Sampler  # noqa: E402
-from common.engine.sampling import SamplingParams  # noqa: E402
-from common.ops import token_logp  # noqa: E402
+from common.engine.model.causal_attention import set_kernel  # noqa: E402
+from common.engine.model.fused import set_fused  # noqa: E402
+from common.engine.checkpoints.hf_io import resolve_checkpoint  # noqa: E402
+from common.engine.machine.precision import Precision, PrecisionConfig, resolve  # noqa: E402
+from common.engine.model.linear import linear, onednn_available, onednn_enabled, set_onednn  # noqa: E402
+from common.engine.model.prefix import SharedPrefixes  # noqa: E402
+from common.engine.sampler.sampler import Sampler  # noqa: E402
+from common.engine.sampler.sampling import SamplingParams  # noqa: E402
+from common.contracts.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
 def ours_step(model, tokens, mask, T, prompt_lens=None):
@@ -156,7 +156,7 @@ def beside(a, prec, step, reps: int, neighbour=_decode_forever) -> dict:
 
 def _packed_work(tokens, plens, length: int) -> tuple[int, int]:
     """(tokens, causal attention pairs) the packed pass runs for rows of `length` tokens (the last
-    scored one's predictor ends each row) sharing prompts of `plens` (common/engine/prefix.py)."""
+    scored one's predictor ends each row) sharing prompts of `plens` (common/engine/model/prefix.py)."""
     L = SharedPrefixes.build(tokens, plens, torch.full_like(plens, length))
     pre = [int(n) for n in L.pre_valid.sum(1)]
     suf = [int(n) for n in L.suf_valid.sum(1)]

@@ -1,7 +1,7 @@
 """Trainer memory: peak memory of one training micro-batch with the head unchunked (the full
-(tokens x vocab) logits, as before `common/engine/head.py`), chunked, and chunked with per-block
+(tokens x vocab) logits, as before `common/engine/model/head.py`), chunked, and chunked with per-block
 activation checkpointing, on the same work in one run; and `chunked_plain`, chunked with the
-model's MLP, RMSNorm and attention as plain PyTorch operations (no `common/engine/fused.py`,
+model's MLP, RMSNorm and attention as plain PyTorch operations (no `common/engine/model/fused.py`,
 SDPA's attention): what those two files save in fp32 on CPU (with bf16 autocast they are not used).
 
 One micro-batch of `--rows` x `--tokens` random tokens (loss on the tokens after `--prompt`,
@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common.engine.causal_attention import set_kernel  # noqa: E402
-from common.engine.fused import set_fused  # noqa: E402
-from common.engine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
-from common.ops import logp_from_logits, token_logp  # noqa: E402
+from common.engine.model.causal_attention import set_kernel  # noqa: E402
+from common.engine.model.fused import set_fused  # noqa: E402
+from common.engine.machine.precision import PrecisionConfig, cpu_info, resolve  # noqa: E402
+from common.contracts.ops import logp_from_logits, token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 
 VARIANTS = ("full_logits", "chunked", "chunked_checkpointed", "chunked_plain")

@@ -44,15 +44,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench._floor import frac_of_floor, gemm_floor, work_args  # noqa: E402
-from common.batch import Trajectory, collate  # noqa: E402
-from common.engine.precision import Precision, PrecisionConfig, cpu_info, resolve  # noqa: E402
-from common.engine.sampler import Sampler  # noqa: E402
-from common.engine.sampling import SamplingParams  # noqa: E402
-from common.ops import token_logp  # noqa: E402
+from common.contracts.batch import Trajectory, collate  # noqa: E402
+from common.engine.machine.precision import Precision, PrecisionConfig, cpu_info, resolve  # noqa: E402
+from common.engine.sampler.sampler import Sampler  # noqa: E402
+from common.engine.sampler.sampling import SamplingParams  # noqa: E402
+from common.contracts.ops import token_logp  # noqa: E402
 from common.runtime.process import set_process_defaults  # noqa: E402
 from common.runtime.step import make_optimizer  # noqa: E402
 from common.runtime.train_config import TrainConfig  # noqa: E402
-from common.runtime.weights import WeightStore  # noqa: E402
+from common.runtime.shared.weights import WeightStore  # noqa: E402
 from common.train import trainer_ranks  # noqa: E402
 from tba.algo import TBA, TBAConfig  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Benchmark: trainer -> generator weight update, `common.runtime.weights.WeightStore` vs a pickled Queue.
+"""Benchmark: trainer -> generator weight update, `common.runtime.shared.weights.WeightStore` vs a pickled Queue.
 
 Two processes: this one (the trainer: owns the model, publishes) and one spawned generator
 (holds its own copy of the model, applies updates, reports floats/timestamps only).
@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from common.runtime.weights import WeightStore  # noqa: E402
+from common.runtime.shared.weights import WeightStore  # noqa: E402
 
 
 class _Attn(nn.Module):
@@ -74,7 +74,7 @@ class RandomSmolLM(nn.Module):
 def build_model(name: str | None) -> nn.Module:
     if name is None:
         return RandomSmolLM()
-    from common.engine.hf_io import load_model
+    from common.engine.checkpoints.hf_io import load_model
     model = load_model(name)
     return model[0] if isinstance(model, tuple) else model  # load_model -> (model, tokenizer)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 from typing import Callable, Iterator, TypeVar
 
-from common.errors import UserError
+from common.contracts.errors import UserError
 
 T = TypeVar("T")
 REPO_DATA = Path(__file__).resolve().parent.parent / "data"  # the repository's copy (data/README.md)

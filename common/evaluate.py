@@ -4,7 +4,7 @@
   reward and the reward function; a prompt counts as solved when the greedy completion scores
   >= threshold.
 - `sample_completions` / `greedy_completions`, `completion_logps`: policy outputs on a fixed
-  set, and their sequence log-probs under any model (the one log-prob function, `common.ops`),
+  set, and their sequence log-probs under any model (the one log-prob function, `common.contracts.ops`),
   for KL to a reference.
 - `win_vector`: per-prompt wins against a baseline under a judge's scores, ties counted 1/2.
 - `bootstrap_diff`: the change of a per-prompt metric between two evaluations of the same
@@ -15,10 +15,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.batch import Trajectory
-from common.engine.sampler import Sampler
-from common.engine.sampling import Completion, SamplingParams
-from common.ops import reference_seq_logp
+from common.contracts.batch import Trajectory
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import Completion, SamplingParams
+from common.contracts.ops import reference_seq_logp
 
 
 @torch.no_grad()
@@ -44,7 +44,7 @@ def sample_completions(model, prompts: list[list[int]], params: SamplingParams, 
     the generators' sampler: on CUDA its decode runs as CUDA graphs when the run decodes so
     (`--gen.cuda_graphs`, passed on as `model.decode_graphs`), instead of one launch per kernel.
     `progress`: a bar of the samples finished, labelled "eval" or with the string given (its ETA
-    only once a rate is real: common/progress.py, `SampleBar`)."""
+    only once a rate is real: common/contracts/progress.py, `SampleBar`)."""
     P = max(len(p) for p in prompts)
     s = Sampler(model, max_batch=min(max_batch, len(prompts) * params.n), max_seq_len=P + params.max_new_tokens,
                 max_prompt_len=P)

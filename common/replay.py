@@ -2,7 +2,7 @@
 and config of your choice, with no generators: the library call `replay(...)`, the command line,
 the loop (`replay_stream`) and the side-by-side plot of a stream's replays. Runs in the launching
 process (with `train.trainer_devices` = N > 1 the ranks as in training); the stream format and its
-writer are the trainer's (common/runtime/stream.py).
+writer are the trainer's (common/runtime/files/stream.py).
 
     python run_gsm8k.py --train.record=true --name=x            # record (any task, any algorithm)
     python -m common.replay runs/x/stream --name=x_tb           # the same algorithm and config: same weights
@@ -40,19 +40,19 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from common.algorithm import Algorithm
-from common.config import format_help, load_config, parse_overrides, to_dict
-from common.engine.precision import Precision, resolve
-from common.log import MetricsLogger
-from common.plots import plot_metrics, plot_runs
-from common.progress import Progress
-from common.run_files import record
+from common.contracts.algorithm import Algorithm
+from common.contracts.config import format_help, load_config, parse_overrides, to_dict
+from common.engine.machine.precision import Precision, resolve
+from common.contracts.log import MetricsLogger
+from common.contracts.plots import plot_metrics, plot_runs
+from common.contracts.progress import Progress
+from common.contracts.run_files import record
 from common.runtime.process import trainer_process
-from common.errors import UserError
-from common.runtime.run_dir import RunNameError, check_name, run_dir_of
+from common.contracts.errors import UserError
+from common.runtime.files.run_dir import RunNameError, check_name, run_dir_of
 from common.runtime.run_log import evaluate_now, prepare_run_dir, staleness
 from common.runtime.step import trainer_model
-from common.runtime.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
+from common.runtime.files.stream import StreamError, fingerprint, read_meta, read_steps, recorded_threads, stream_steps
 from common.runtime.train_config import check_config, lr_lambda
 from common.task import RunConfig, make_algo, setup, user_error, validate
 from common.train import trainer_ranks
@@ -231,7 +231,7 @@ REPLAY_PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("eval_accuracy",
 def plot_replays(runs, out_png, panels=REPLAY_PANELS, title: Optional[str] = None):
     """Several replays of one stream side by side against the step: runs = [run_dir or
     (run_dir, label), ...], one colour per run, written to out_png; returns the matplotlib Figure
-    (a notebook displays it as an image: `common.plots.plot_runs`), None when there is nothing to plot."""
+    (a notebook displays it as an image: `common.contracts.plots.plot_runs`), None when there is nothing to plot."""
     return plot_runs(runs, out_png, x="step", panels=panels, title=title)
 
 

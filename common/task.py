@@ -11,7 +11,7 @@ defaults, its data, prompt, reward, evaluation and presets. It then calls
     run(cfg, prompts, reward_fn, stops, evaluate=..., title="My task", loss=loss)
 
 `loss` (of `run` and `make_algo`) is None (the algorithm's own), a loss function for the
-algorithm `cfg.algo` names (common/algorithm.py: the loss contract), or a whole `Algorithm`
+algorithm `cfg.algo` names (common/contracts/algorithm.py: the loss contract), or a whole `Algorithm`
 object used as is. A reward is `fn(text, meta) -> float` (meta: the prompt's entry of
 `PromptSet.meta`), run in the generators, or in reward workers with `train.reward_workers` > 0;
 or a factory for reward workers (`reward_factory`, or any function of no arguments given as a
@@ -36,12 +36,12 @@ from typing import Callable, Optional, Union
 import torch
 
 from areal.algo import AReaL
-from common.algorithm import Algorithm
-from common.batch import PromptSet
-from common.engine.hf_io import check_model, load_tokenizer, resolve_checkpoint
-from common.errors import UserError, debug
-from common.plots import plot_metrics
-from common.preflight import check_devices, check_memory, use_random_weights
+from common.contracts.algorithm import Algorithm
+from common.contracts.batch import PromptSet
+from common.engine.checkpoints.hf_io import check_model, load_tokenizer, resolve_checkpoint
+from common.contracts.errors import UserError, debug
+from common.contracts.plots import plot_metrics
+from common.plan.preflight import check_devices, check_memory, use_random_weights
 from common.run_config import ALGOS, DEFAULT_POLICY, RunConfig, areal_defaults, gpu_defaults, make_config, validate
 from common.runtime.process import set_process_defaults
 from common.runtime.train_config import check_config, filter_staleness
@@ -57,7 +57,7 @@ def script(main: Callable[[], object]) -> None:
     `UserError`: a bad setting, a model or data path that does not exist or lacks files, a run
     name, an existing run) printed as one line, `error: <what, where, the fix>`, exit status 2;
     and Ctrl-C ending with the runtime's own line (the checkpoint it saved), exit status 130. The
-    traceback is printed too only with `ASYNCRL_DEBUG=1` (common/errors.py).
+    traceback is printed too only with `ASYNCRL_DEBUG=1` (common/contracts/errors.py).
 
     `main` runs from the script imported under its own name (`python run_x.py` runs what
     `run_x.main()` does): what the run sends to workers (a reward worker's factory, the task's
@@ -91,13 +91,13 @@ def user_error(e: UserError) -> int:
 
 def setup(cfg: RunConfig) -> None:
     """The devices the run names, checked; per-process torch defaults (one CPU thread) and the run's
-    seed; `--random_weights`' local models and the memory check (common/preflight.py)."""
+    seed; `--random_weights`' local models and the memory check (common/plan/preflight.py)."""
     check_devices(cfg)  # first: a GPU preset on a CPU machine stops here, before a model is built
     set_process_defaults(cfg.train.device)
     torch.manual_seed(cfg.seed)
     if cfg.memory_check:  # before anything loads or is built: a plan that does not fit stops here, naming what to change
         check_memory(cfg)
-    if cfg.random_weights:  # hub ids -> local random models, before any worker starts (common/preflight.py)
+    if cfg.random_weights:  # hub ids -> local random models, before any worker starts (common/plan/preflight.py)
         use_random_weights(cfg)
 
 
@@ -111,7 +111,7 @@ def tokenizer_of(cfg: RunConfig):
 
 
 def make_algo(cfg: RunConfig, loss: Union[Callable, Algorithm, None] = None) -> Algorithm:
-    """The `Algorithm` (common/algorithm.py) that `cfg.algo` names, built from its section once
+    """The `Algorithm` (common/contracts/algorithm.py) that `cfg.algo` names, built from its section once
     `cfg.train` is settled (`check_config`: sync mode's eta = 0), with `loss` as its loss function
     if given; `loss` an `Algorithm` is returned as is."""
     if isinstance(loss, Algorithm):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from common.algorithm import Algorithm
-from common.batch import PromptSet
-from common.config_check import check
+from common.contracts.algorithm import Algorithm
+from common.contracts.batch import PromptSet
+from common.contracts.config_check import check
 from common.runtime.nodes.generator_node import generator_node
 from common.runtime.nodes.link import TrainerLink
 from common.runtime.nodes.trainer_node import trainer_node

@@ -66,14 +66,14 @@ if ROOT is None:
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from common.engine.precision import PrecisionConfig
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.log import read_metrics
-from common.ops import group_mean
+from common.engine.machine.precision import PrecisionConfig
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.log import read_metrics
+from common.contracts.ops import group_mean
 from common.replay import plot_replays, replay
 from common.runtime.generator import GenConfig
-from common.runtime.stream import read_meta, read_steps
+from common.runtime.files.stream import read_meta, read_steps
 from common.runtime.train_config import TrainConfig
 from common.task import RunConfig, run, setup
 from notebooks.toy_task import prompts, tiny_model, toy_reward
@@ -174,8 +174,8 @@ the reward of fresh samples from its policy (the recorded run's reward is the sa
 """)
 
 code("""
-from common.engine.hf_io import load_model
-from common.runtime.checkpoint import latest_checkpoint
+from common.engine.checkpoints.hf_io import load_model
+from common.runtime.files.checkpoint import latest_checkpoint
 
 def final_weights(run_dir):
     return load_model(str(latest_checkpoint(run_dir) / "model"), tokenizer=False)[0].state_dict()

@@ -84,10 +84,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import run_gsm8k
-from common.engine.precision import machine_precision
-from common.ops import group_mean, seq_logp, token_logp
-from common.runtime.buffer import ReplayBuffer
-from common.runtime.checkpoint import latest_checkpoint
+from common.engine.machine.precision import machine_precision
+from common.contracts.ops import group_mean, seq_logp, token_logp
+from common.runtime.shared.buffer import ReplayBuffer
+from common.runtime.files.checkpoint import latest_checkpoint
 from tba.loss import linear_beta, tb_loss, tb_loss_no_ref
 
 

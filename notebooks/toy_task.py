@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from common.batch import PromptSet
-from common.engine.tiny_model import build_tiny
+from common.contracts.batch import PromptSet
+from common.engine.checkpoints.tiny_model import build_tiny
 
 LOW = 20      # token ids below this earn reward
 VOCAB = 97    # the tiny model's vocabulary (ids 0..96; no tokenizer: rewards see ids)
@@ -23,7 +23,7 @@ def toy_reward(tokens, meta) -> float:
 
 def tiny_model(path, seed: int = 0) -> str:
     """Write a random 2-layer model of the default architecture (hidden 32, no tokenizer) as a
-    Hugging Face directory at `path` (`common/engine/tiny_model.py`); returns it."""
+    Hugging Face directory at `path` (`common/engine/checkpoints/tiny_model.py`); returns it."""
     return str(build_tiny(path, vocab_size=VOCAB, seed=seed, hidden_size=32, intermediate_size=64, head_dim=8))
 
 

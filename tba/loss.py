@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from common.ops import group_index, group_sums
+from common.contracts.ops import group_index, group_sums
 
 
 def _check_beta(beta) -> Tensor | float:

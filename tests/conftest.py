@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine.causal_attention import set_kernel
-from common.engine.fused import set_fused
-from common.engine.linear import set_onednn
+from common.engine.model.causal_attention import set_kernel
+from common.engine.model.fused import set_fused
+from common.engine.model.linear import set_onednn
 
 torch.set_num_threads(1)
 
@@ -60,7 +60,7 @@ def _default_kernels():
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(ours, reference): our model and the transformers model of one tiny random Llama."""
-    from common.engine.hf_io import load_model
+    from common.engine.checkpoints.hf_io import load_model
     from tests.tiny import save_hf
     d = tmp_path_factory.mktemp("llama")
     ref = save_hf("llama_tied", d)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from bench.leaks import wait_until
-from common.log import read_metrics
+from common.contracts.log import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "nodes_toy.py"

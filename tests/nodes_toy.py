@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for `common`, `tba` and `tests`
 
-from common.engine.precision import PrecisionConfig  # noqa: E402
+from common.engine.machine.precision import PrecisionConfig  # noqa: E402
 from common.runtime.generator import GenConfig  # noqa: E402
 from common.runtime.train_config import TrainConfig  # noqa: E402
 from common.task import RunConfig, make_algo, make_config, setup  # noqa: E402 - after the path

@@ -5,12 +5,12 @@ import torch
 
 from areal.algo import AReaL, AReaLConfig, split_by_tokens
 from areal.loss import ppo_loss
-from common.batch import Trajectory
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import token_logp
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.batch import Trajectory
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import token_logp
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.step import update
 from tests.close import assert_scaled_close, grad_scale
 from tests.test_tba_algo import _batch

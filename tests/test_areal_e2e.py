@@ -5,7 +5,7 @@ import time
 import pytest
 
 from areal.algo import AReaL, AReaLConfig
-from common.log import read_metrics
+from common.contracts.log import read_metrics
 from common.runtime.train_config import check_config
 from common.train import train
 from tests.test_e2e import _cfg, _policy_reward, _prompts, toy_reward

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from bench.decode_attention import plain_attention
-from common.engine.attention import additive_mask, attend_lse
+from common.engine.model.attention import additive_mask, attend_lse
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from bench._floor import _gemm_shapes, backend_ab, frac_of_floor, gemm_floor, gemms_in_place, step_flops
-from common.engine.hf_io import load_model
-from common.engine.linear import Linear, onednn_available, set_onednn
-from common.ops import token_logp
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.linear import Linear, onednn_available, set_onednn
+from common.contracts.ops import token_logp
 from tests.tiny import save_hf
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from bench import _process_memory, paper_runs
 from bench.leaks import group_alive, leaked, shm_entries, wait_until
-from common.engine import memory_plan
-from common.engine.memory_plan import GiB
-from common.preflight import plan_of
-from common.log import read_metrics
+from common.plan import memory_plan
+from common.plan.memory_plan import GiB
+from common.plan.preflight import plan_of
+from common.contracts.log import read_metrics
 
 
 @pytest.mark.parametrize("task, preset", sorted(paper_runs.LEASE))

@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from common.engine.attention import _CPU_FLASH, attend_lse_gqa
-from common.engine.hf_io import load_model
-from common.engine.model import Transformer
-from common.engine.model_config import ModelConfig
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import token_logp
+from common.engine.model.attention import _CPU_FLASH, attend_lse_gqa
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.transformer import Transformer
+from common.engine.model.model_config import ModelConfig
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import token_logp
 from tests.tiny import save_hf
 
 

@@ -1,4 +1,4 @@
-"""Tests for common/runtime/buffer.py and common/runtime/buffer_sampling.py (shared-memory ring replay buffer)."""
+"""Tests for common/runtime/shared/buffer.py and common/runtime/shared/buffer_sampling.py (shared-memory ring replay buffer)."""
 import math
 import random
 import time
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from common.batch import Trajectory, collate
-from common.runtime.buffer import ReplayBuffer
-from common.runtime.buffer_sampling import sample_tba, take_oldest
+from common.contracts.batch import Trajectory, collate
+from common.runtime.shared.buffer import ReplayBuffer
+from common.runtime.shared.buffer_sampling import sample_tba, take_oldest
 
 torch.set_num_threads(1)
 

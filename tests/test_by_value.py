@@ -25,16 +25,16 @@ import pytest
 import torch
 
 import run_redteam
-from common.batch import PromptSet
-from common.config import to_dict
-from common.engine.precision import Precision, PrecisionConfig
+from common.contracts.batch import PromptSet
+from common.contracts.config import to_dict
+from common.engine.machine.precision import Precision, PrecisionConfig
 from common.runtime.generator import GenConfig
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.pickling import NotSendable, check_sendable, dumps
 from common.runtime.ranks.group import TrainerGroup
 from common.runtime.step import RankFailed
 from common.runtime.train_config import TrainConfig
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 from common.task import RunConfig
 from common.train import train
 from tba.algo import TBA, TBAConfig
@@ -47,8 +47,8 @@ NOTEBOOK = textwrap.dedent('''
     import json, sys
     from pathlib import Path
     import torch
-    from common.batch import PromptSet
-    from common.engine.precision import Precision, PrecisionConfig
+    from common.contracts.batch import PromptSet
+    from common.engine.machine.precision import Precision, PrecisionConfig
     from common.runtime.generator import GenConfig
     from common.runtime.train_config import TrainConfig
     from common.task import RunConfig, run

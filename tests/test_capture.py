@@ -1,4 +1,4 @@
-"""What a captured decode step runs (common/engine/decode.py), checked on CPU: on a schedule shaped
+"""What a captured decode step runs (common/engine/sampler/decode.py), checked on CPU: on a schedule shaped
 like the GSM8K GPU preset the graph buckets stay within 2x of the live batch, bucketed shapes give
 the live samples, the few distinct buckets fit the graph cap, and the step reads nothing back to
 the host (a captured step that did would fail or silently stall on the GPU)."""
@@ -6,16 +6,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import common.engine.sampler as sampler_mod
-from common.engine import attention
-from common.engine.decode import Rows, Shape, bucket_grain, captured_shape, decode_step
-from common.engine.decode_model import DecodeModel
-from common.engine.hf_io import load_model
-from common.engine.kv_cache import KVCache
-from common.engine.model import Transformer
-from common.engine.model_config import ModelConfig
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+import common.engine.sampler.sampler as sampler_mod
+from common.engine.model import attention
+from common.engine.sampler.decode import Rows, Shape, bucket_grain, captured_shape, decode_step
+from common.engine.sampler.decode_model import DecodeModel
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.kv.static_cache import KVCache
+from common.engine.model.transformer import Transformer
+from common.engine.model.model_config import ModelConfig
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 from tests.tiny import save_hf
 
 

@@ -1,4 +1,4 @@
-"""The CPU fp32 causal attention kernel (common/engine/causal_attention.py) against a float64
+"""The CPU fp32 causal attention kernel (common/engine/model/causal_attention.py) against a float64
 reference written out from the definition, forward and backward, through both GEMM backends;
 its custom ops' registration (torch.library.opcheck); and which path each input takes."""
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine.causal_attention import _forward_op, causal_attention, set_kernel
-from common.engine.linear import onednn_available, set_onednn
+from common.engine.model.causal_attention import _forward_op, causal_attention, set_kernel
+from common.engine.model.linear import onednn_available, set_onednn
 
 
 def _reference(q, k, v):
@@ -86,7 +86,7 @@ def test_custom_ops_are_registered_correctly():
 def test_rows_past_the_score_budget_take_the_flash_kernel(monkeypatch):
     """A row whose (G*T x T) fp32 score block would pass MAX_SCORE_BYTES goes to SDPA (memory linear
     in T), the same attention; shorter rows keep the kernel."""
-    import common.engine.causal_attention as ca
+    import common.engine.model.causal_attention as ca
     calls = []
     real = ca._forward_op
     monkeypatch.setattr(ca, "_forward_op", lambda *a: calls.append(a[0].shape[1]) or real(*a))

@@ -15,12 +15,12 @@ import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as fs
 from torch.distributed.checkpoint import CheckpointException
 
-from common.batch import Trajectory
-from common.engine.hf_io import load_model
-from common.runtime.buffer import ReplayBuffer
-import common.runtime.checkpoint as ck
-from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from common.errors import UserError
+from common.contracts.batch import Trajectory
+from common.engine.checkpoints.hf_io import load_model
+from common.runtime.shared.buffer import ReplayBuffer
+import common.runtime.files.checkpoint as ck
+from common.runtime.files.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from common.contracts.errors import UserError
 from tests.tiny import save_hf, tokenizer
 
 # every write error a run can end with (checkpoint, record stream, metrics): what, where, cause, free space

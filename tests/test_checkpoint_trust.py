@@ -16,11 +16,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from common.engine.hf_io import load_model
-from common.errors import UserError
-from common.runtime.buffer import _FORMAT, ReplayBuffer
-from common.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from common.runtime.state import _MetadataUnpickler, _allowed, check_state, read_state
+from common.engine.checkpoints.hf_io import load_model
+from common.contracts.errors import UserError
+from common.runtime.shared.buffer import _FORMAT, ReplayBuffer
+from common.runtime.files.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from common.runtime.files.state import _MetadataUnpickler, _allowed, check_state, read_state
 from tests.tiny import save_hf
 
 

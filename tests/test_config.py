@@ -1,4 +1,4 @@
-"""Tests for common/config.py: typed overrides, error messages, --help, JSON round trip."""
+"""Tests for common/contracts/config.py: typed overrides, error messages, --help, JSON round trip."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ from typing import Literal, Optional
 import pytest
 
 import run_gsm8k
-from common.config import (ConfigError, cli, flatten, load_config, parse_overrides,
+from common.contracts.config import (ConfigError, cli, flatten, load_config, parse_overrides,
                            save_config, to_dict)
 
 

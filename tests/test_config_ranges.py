@@ -1,4 +1,4 @@
-"""Every numeric setting of every task is range-checked when its config resolves (common/config_check.py):
+"""Every numeric setting of every task is range-checked when its config resolves (common/contracts/config_check.py):
 0, -1 and an absurd value (and NaN / inf for a float) either raise a ConfigError naming the key, or
 are allowed here with the reason. Configs only: nothing loads, so nothing can hang; one end-to-end
 run of a task script checks the one-line error and its exit status.
@@ -16,8 +16,8 @@ import pytest
 import run_gsm8k
 import run_redteam
 import run_tldr
-from common.config import ConfigError, _leaves
-from common.config_check import _numeric, check, unchecked
+from common.contracts.config import ConfigError, _leaves
+from common.contracts.config_check import _numeric, check, unchecked
 from common.train import train
 
 ROOT = Path(__file__).resolve().parents[1]

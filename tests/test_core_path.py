@@ -49,7 +49,7 @@ def test_one_device_run_enters_no_rank_or_node_module(tmp_path):
     print(f"\n{len(files)} of our modules entered on one device:\n  " + "\n  ".join(files))
     assert [f for f in files if f.startswith(LAYERS)] == []
     assert {"common/train.py", "common/runtime/trainer.py", "common/runtime/step.py", "common/runtime/peers.py",
-            "common/runtime/checkpoint.py", "common/runtime/state.py", "common/runtime/stream.py"} <= set(files)
+            "common/runtime/files/checkpoint.py", "common/runtime/files/state.py", "common/runtime/files/stream.py"} <= set(files)
 
 
 def test_the_hook_sees_the_rank_layer_when_it_runs(tmp_path):

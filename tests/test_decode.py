@@ -1,4 +1,4 @@
-"""The decode step a CUDA graph captures (common/engine/decode.py), run eagerly on CPU: the same
+"""The decode step a CUDA graph captures (common/engine/sampler/decode.py), run eagerly on CPU: the same
 tokens and log-probs as the live-shaped step, also through the attention code CUDA runs; the
 counter-based random numbers; batched prefill."""
 import math
@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from common.engine import attention
-from common.engine.decode import bucket
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams, row_keys, uniforms
+from common.engine.model import attention
+from common.engine.sampler.decode import bucket
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams, row_keys, uniforms
 from tests.test_sampler import PROMPTS, _hf_greedy
 from tests.tiny import save_hf
 

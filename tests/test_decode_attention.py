@@ -1,14 +1,14 @@
-"""The decode step's attention layouts (common/engine/decode_attention.py), checked on CPU: the flash
+"""The decode step's attention layouts (common/engine/sampler/decode_attention.py), checked on CPU: the flash
 path's varlen layout (strided token-major views of the cache, cu_seqlens, seqused_k, the two
 log-sum-exp layouts) through a reference of the kernel's semantics, against the dense masked path;
 and the whole sampler through the flash layout and through the compiled layer body."""
 import pytest
 import torch
 
-from common.engine import decode_attention as da
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+from common.engine.sampler import decode_attention as da
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 from tests.test_sampler import PROMPTS
 from tests.tiny import save_hf
 
@@ -45,8 +45,8 @@ def test_flash_layout_equals_dense_masked(monkeypatch, padded_lse, B, E, n, S, P
     """Ragged own lengths (1 = only the new token: the first decode step) and prompt lengths,
     n = 1, unused entries: the flash path's outputs equal the dense masked attention's."""
     monkeypatch.setattr(da, "_FLASH", lambda *a, **kw: varlen_reference(*a, **kw, padded_lse=padded_lse))
-    from common.engine.kv_cache import KVCache
-    from common.engine.model_config import ModelConfig
+    from common.engine.kv.static_cache import KVCache
+    from common.engine.model.model_config import ModelConfig
     cfg = ModelConfig(num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     g = torch.Generator().manual_seed(B * 100 + S)
     cache = KVCache(cfg, max_batch=6, max_seq_len=8, dtype=torch.float32, device="cpu", max_prompt_len=10)

@@ -1,4 +1,4 @@
-"""The decode step's layer body through torch.compile (common/engine/decode_model.py) against the
+"""The decode step's layer body through torch.compile (common/engine/sampler/decode_model.py) against the
 same code run eagerly, on CPU (inductor's C++ backend), for every supported architecture: the same
 greedy tokens, sampled log-probs within rounding, slot refills and shared prompts included; and
 how often it compiles over a ragged schedule (once per piece for every batch of two rows or more,
@@ -6,10 +6,10 @@ rows dynamic from the first compile, once more for a single row: never once per 
 import pytest
 import torch
 
-from common.engine.decode_model import EAGER_SHAPES
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+from common.engine.sampler.decode_model import EAGER_SHAPES
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 from tests.test_sampler import PROMPTS
 from tests.tiny import save_hf
 
@@ -87,7 +87,7 @@ def test_a_shape_inductor_cannot_compile_runs_eagerly_with_a_warning(tmp_path, m
     2.11) runs those shapes eagerly, warned once per shape, and the run goes on: the same samples."""
     from torch._inductor.exc import InductorError
 
-    import common.engine.decode_model as dm
+    import common.engine.sampler.decode_model as dm
     save_hf("llama_tied", tmp_path)
     model = load_model(str(tmp_path), tokenizer=False)[0]
     _, eager = _single_row_schedule(model, compile=False)

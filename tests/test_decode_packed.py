@@ -1,15 +1,15 @@
 """The sampler's CPU bf16 decode GEMMs on weights packed for oneDNN (`precision.decode_gemm=packed`:
-common/engine/linear.py `pack` / `packed_linear`, common/engine/decode_model.py) against F.linear on
+common/engine/model/linear.py `pack` / `packed_linear`, common/engine/sampler/decode_model.py) against F.linear on
 the same bf16 weights: the same greedy tokens and log-probs within bf16 rounding, eagerly and with
 the layer body compiled, biases included; a weight update re-packs (the next step reads the new
 weights); and the sampler refuses packing where it cannot apply."""
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.engine.linear import bf16_packing_available, pack, packed_linear
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.linear import bf16_packing_available, pack, packed_linear
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 from tests.test_sampler import PROMPTS
 from tests.tiny import save_hf
 

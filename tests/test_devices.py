@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from common.batch import Trajectory
-from common.ops import reference_seq_logp, token_logp
+from common.contracts.batch import Trajectory
+from common.contracts.ops import reference_seq_logp, token_logp
 
 
 class DeviceMismatch(RuntimeError):

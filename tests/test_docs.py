@@ -7,6 +7,8 @@ import importlib
 import re
 from pathlib import Path
 
+from tests.layout import current, modules_of, table
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "data" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 TOP = "common|tba|areal|bench|tests|notebooks|data|docs"
@@ -61,10 +63,10 @@ def test_the_docs_name_only_code_that_exists():
 
 def test_a_moved_file_is_reported():
     """The check itself: a pointer at a file or name that is not there is caught."""
-    assert _problems("see `common/runtime/ranks.py` and `common/ops.py: token_logp`") == ["path common/runtime/ranks.py"]
-    assert _problems("`common.runtime.replay.plot_replays`, `common/ops.py: no_such_fn`") == [
-        "module common.runtime.replay.plot_replays", "no_such_fn not in common/ops.py"]
-    assert _problems("`common.replay.plot_replays`, `common.plots`, `tba.beta = 1`") == []
+    assert _problems("see `common/runtime/ranks.py` and `common/contracts/ops.py: token_logp`") == ["path common/runtime/ranks.py"]
+    assert _problems("`common.runtime.replay.plot_replays`, `common/contracts/ops.py: no_such_fn`") == [
+        "module common.runtime.replay.plot_replays", "no_such_fn not in common/contracts/ops.py"]
+    assert _problems("`common.replay.plot_replays`, `common.contracts.plots`, `tba.beta = 1`") == []
 
 
 def _task_commands(text: str) -> list[tuple[str, list[str]]]:
@@ -98,3 +100,9 @@ def test_every_task_command_in_the_docs_parses():
                 raise AssertionError(f"{d.relative_to(ROOT)}: {script}.py {' '.join(flags)}: {e}") from None
             seen += 1
     assert seen >= 10  # the README alone has more: the parser found the commands
+
+
+def test_the_layout_table_lists_what_the_tree_holds():
+    """docs/internals.md's table of rooms and modules is tests/layout.py's, sizes aside: a module
+    moved or added without `python tests/layout.py --write` fails here."""
+    assert modules_of(current()) == modules_of(table())

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from common.batch import PromptSet
-from common.engine.precision import PrecisionConfig
-from common.log import read_metrics
+from common.contracts.batch import PromptSet
+from common.engine.machine.precision import PrecisionConfig
+from common.contracts.log import read_metrics
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from common.task import RunConfig
@@ -63,9 +63,9 @@ def _reward_curve(cfg):
 
 def _policy_reward(model_dir, prompts, cfg) -> float:
     """Mean toy reward of 4 x 16 fresh samples from a checkpoint (measures the policy, not the buffer)."""
-    from common.engine.hf_io import load_model
-    from common.engine.sampler import Sampler
-    from common.engine.sampling import SamplingParams
+    from common.engine.checkpoints.hf_io import load_model
+    from common.engine.sampler.sampler import Sampler
+    from common.engine.sampler.sampling import SamplingParams
     m = load_model(str(model_dir), tokenizer=False)[0]
     outs = Sampler(m, max_batch=64, max_seq_len=32).generate(
         prompts.tokens, SamplingParams(max_new_tokens=cfg.gen.max_new_tokens, temperature=1.0, n=4, seed=1))
@@ -73,7 +73,7 @@ def _policy_reward(model_dir, prompts, cfg) -> float:
 
 
 def test_async_tba_raises_reward(tmp_path):
-    from common.engine.hf_io import load_model
+    from common.engine.checkpoints.hf_io import load_model
     cfg = _cfg(tmp_path)
     before = {k: v.clone() for k, v in load_model(cfg.model, tokenizer=False)[0].state_dict().items()}
     last = train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
@@ -112,8 +112,8 @@ def test_grpo_baseline_and_failing_reward_runs(tmp_path, capfd):
 
 
 def test_resume_continues_counters_buffer_and_metrics(tmp_path):
-    from common.engine.hf_io import load_model
-    from common.runtime.checkpoint import latest_checkpoint, load_checkpoint
+    from common.engine.checkpoints.hf_io import load_model
+    from common.runtime.files.checkpoint import latest_checkpoint, load_checkpoint
     cfg = _cfg(tmp_path, steps=6, checkpoint_every=3)
     train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     run = tmp_path / "runs" / "toy"
@@ -138,7 +138,7 @@ def test_resume_continues_counters_buffer_and_metrics(tmp_path):
 
 
 def test_resume_without_checkpoint_and_corrupt_checkpoint(tmp_path):
-    from common.runtime.checkpoint import CheckpointError
+    from common.runtime.files.checkpoint import CheckpointError
     cfg = _cfg(tmp_path, steps=2)
     train(cfg, _tba(cfg), _prompts(), toy_reward, stop_token_ids=())
     ck = tmp_path / "runs" / "toy" / "checkpoints" / "step_000002"

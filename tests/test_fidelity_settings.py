@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from areal.loss import shaped_reward, token_normalised_advantages
-from common.batch import FINISH_REASONS
+from common.contracts.batch import FINISH_REASONS
 from common.runtime.step import OneRank, make_optimizer
 from common.runtime.train_config import TrainConfig, lr_lambda, warmup_steps
 from tests.test_areal_algo import _algo, _batch, _grads, model  # noqa: F401 - the module fixture

@@ -1,13 +1,13 @@
-"""The blocked MLP and RMSNorm (common/engine/fused.py) against their plain PyTorch expressions
+"""The blocked MLP and RMSNorm (common/engine/model/fused.py) against their plain PyTorch expressions
 in float64, forward and backward, with row counts that leave a partial last block; the paths
 other inputs take; and what the blocked path saves for backward."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-import common.engine.fused as fused
-from common.engine.fused import mlp, rms_norm, set_fused
-from common.engine.linear import linear, onednn_available, set_onednn
+import common.engine.model.fused as fused
+from common.engine.model.fused import mlp, rms_norm, set_fused
+from common.engine.model.linear import linear, onednn_available, set_onednn
 
 
 def _mlp_ref(x, wg, wu, wd):
@@ -97,5 +97,5 @@ def test_bf16_and_autocast_take_the_plain_expressions():
 def test_biases_take_the_plain_expression():
     x, wg, wu, wd = (t.detach() for t in _leaves((2, 3, 8), (16, 8), (16, 8), (8, 16)))
     bg, bu, bd = torch.randn(16), torch.randn(16), torch.randn(8)
-    y = mlp(x, wg, wu, wd, bg, bu, bd)  # as the model's Linear modules compute it (common/engine/linear.py)
+    y = mlp(x, wg, wu, wd, bg, bu, bd)  # as the model's Linear modules compute it (common/engine/model/linear.py)
     assert torch.equal(y, linear(F.silu(linear(x, wg, bg)) * linear(x, wu, bu), wd, bd))

@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from areal.algo import AReaL, AReaLConfig
-from common.batch import PromptSet, Trajectory
-from common.engine.hf_io import load_model
-from common.engine.precision import Precision
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.batch import PromptSet, Trajectory
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.machine.precision import Precision
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import Control, GenConfig, decode_graphs, decode_overlap, generator_main, prompt_order
 from common.runtime.run_log import staleness
 from common.runtime.watchdog import Heartbeats
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 from tests.tiny import save_hf
 
 B = 3  # prompts per version

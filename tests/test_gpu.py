@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from common.engine.decode_model import EAGER_SHAPES
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import token_logp
+from common.engine.sampler.decode_model import EAGER_SHAPES
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import token_logp
 from tests.tiny import save_hf
 
 pytestmark = pytest.mark.gpu
@@ -86,7 +86,7 @@ def test_cuda_graph_decode_equals_eager(tmp_path, kw):
 def test_decode_step_never_syncs_on_cuda(tmp_path, monkeypatch, flags):
     """Every decode step of a run (bucketed shapes, the CUDA attention branch) under
     set_sync_debug_mode("error"): a host read inside the step raises instead of stalling."""
-    import common.engine.sampler as sampler_mod
+    import common.engine.sampler.sampler as sampler_mod
     save_hf("qwen3_qknorm", tmp_path)
     model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
     real = sampler_mod.decode_step
@@ -123,7 +123,7 @@ def test_cuda_graphs_over_a_ragged_schedule(tmp_path):
 
 def test_head_backward_on_cuda_equals_cpu():
     """The head's backward on CUDA (GEMMs on transposed views) against the CPU path, fp32."""
-    from common.engine.head import head_logp
+    from common.engine.model.head import head_logp
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(37, 16, generator=g), torch.randn(101, 16, generator=g)
     y = torch.randint(0, 101, (37,), generator=g)
@@ -156,9 +156,9 @@ def test_graphs_dropped_when_the_rope_table_is_rebuilt(tmp_path):
 def test_flash_decode_attention_equals_dense(B, E, n, S, P):
     """The bundled flash kernel on the decode layouts (strided views of the cache, seqused_k, its
     log-sum-exp layout) against the dense masked attention, bf16, ragged lengths, unused entries."""
-    from common.engine import decode_attention as da
-    from common.engine.kv_cache import KVCache
-    from common.engine.model_config import ModelConfig
+    from common.engine.sampler import decode_attention as da
+    from common.engine.kv.static_cache import KVCache
+    from common.engine.model.model_config import ModelConfig
     assert da.flash_available("cuda", torch.bfloat16), "no flash kernel with seqused_k in this torch build"
     cfg = ModelConfig(num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
     g = torch.Generator(device="cuda").manual_seed(B + S)

@@ -1,10 +1,10 @@
 """Tests for run_gsm8k.py: loading (real files + malformed ones), prompts, presets, the reward it
-takes (common/math_answer.py, whose own cases are tests/test_math_answer.py)."""
+takes (common/rewards/math_answer.py, whose own cases are tests/test_math_answer.py)."""
 import json
 
 import pytest
 
-import common.math_answer as math_answer
+import common.rewards.math_answer as math_answer
 import run_gsm8k as gsm
 from common.data import REPO_DATA
 from run_gsm8k import (PAPER_TEMPLATE, GSM8KExample, default_data_dir, extract_answer,

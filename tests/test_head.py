@@ -1,15 +1,15 @@
-"""The chunked output head (common/engine/head.py) and per-layer activation checkpointing give
+"""The chunked output head (common/engine/model/head.py) and per-layer activation checkpointing give
 today's unchunked log-probs and gradients, with and without bf16 autocast."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-from common.engine import head
-from common.engine.head import head_logp
-from common.engine.hf_io import load_model
-from common.engine.linear import set_onednn
-from common.ops import token_logp
+from common.engine.model import head
+from common.engine.model.head import head_logp
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.linear import set_onednn
+from common.contracts.ops import token_logp
 from tests.close import assert_scaled_close
 from tests.tiny import save_hf
 
@@ -109,7 +109,7 @@ def test_token_logp_and_grads_match_unchunked_path(tmp_path, arch, monkeypatch):
     mask[1, 9:] = False  # a shorter completion
     want = _unchunked_token_logp(model, tokens, 0.7, mask)
     ref = torch.autograd.grad(want.sum(), list(model.parameters()))
-    monkeypatch.setattr("common.engine.head.LOGIT_BUDGET_BYTES", 5 * 4 * 97)  # 5 positions per chunk
+    monkeypatch.setattr("common.engine.model.head.LOGIT_BUDGET_BYTES", 5 * 4 * 97)  # 5 positions per chunk
     got = token_logp(model, tokens, 0.7, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for a, b in zip(torch.autograd.grad(got.sum(), list(model.parameters())), ref):

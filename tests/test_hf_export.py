@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.engine.hf_save import ARCHITECTURES, repair_hf_dir, save_pretrained
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.checkpoints.hf_save import ARCHITECTURES, repair_hf_dir, save_pretrained
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 from tests.tiny import ARCHS, CHAT_TEMPLATE, save_hf, tokenizer
 
 STRAY = ("id2label", "label2id", "problem_type", "_name_or_path", "torch_dtype", "quantization_config")

@@ -1,4 +1,4 @@
-"""One rule for what one sample needs of the paged KV pool (common/engine/kv_pages.py:
+"""One rule for what one sample needs of the paged KV pool (common/engine/kv/pages.py:
 sample_kv_tokens), shared by the sampler's refusal, the run's check before its workers start
 (common/runtime/generator.py: check_kv_pool), the config's range check (RunConfig's gen.kv_tokens)
 and the memory plan: walked over prompt and answer lengths against the sampler itself, which runs a
@@ -6,14 +6,14 @@ sample to its full length in exactly that pool and refuses it one page less."""
 import pytest
 
 import run_gsm8k
-from common.config import ConfigError
-from common.engine.hf_io import load_model
-from common.engine.kv_pages import sample_kv_tokens
-from common.engine.memory_plan import PROMPT_TOKENS
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.errors import UserError
-from common.preflight import plan_of
+from common.contracts.config import ConfigError
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.kv.pages import sample_kv_tokens
+from common.plan.memory_plan import PROMPT_TOKENS
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.errors import UserError
+from common.plan.preflight import plan_of
 from common.runtime.generator import GenConfig, check_kv_pool
 from tests.tiny import save_hf
 

@@ -4,11 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.engine import attention
-from common.engine.hf_io import load_model
-from common.engine.linear import linear, onednn_enabled, set_onednn
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams, block_sums, draw
+from common.engine.model import attention
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.linear import linear, onednn_enabled, set_onednn
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams, block_sums, draw
 from tests.test_sampler import PROMPTS, _hf_greedy
 from tests.tiny import save_hf
 

@@ -1,16 +1,16 @@
-"""The sampler on the paged KV cache (common/engine/kv_paged.py, preempt.py) against the static one:
+"""The sampler on the paged KV cache (common/engine/kv/paged_cache.py, preempt.py) against the static one:
 the same tokens, greedy and sampled, with and without preemption, overlap, interruption, a
 pending finish-mode update and an abort while samples wait preempted; every page given back; a
 sample that could never fit refused at submit; the flash layout over gathered pages."""
 import pytest
 import torch
 
-from common.engine import decode_attention as da
-from common.engine.hf_io import load_model
-from common.engine.kv_paged import PagedKVCache
-from common.engine.model_config import ModelConfig
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
+from common.engine.sampler import decode_attention as da
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.kv.paged_cache import PagedKVCache
+from common.engine.model.model_config import ModelConfig
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
 from tests.test_decode_attention import varlen_reference
 from tests.test_sampler import PROMPTS
 from tests.tiny import save_hf
@@ -206,7 +206,7 @@ def test_the_default_pool_admits_every_batch_the_static_cache_ran(llama, page_si
 def test_the_cuda_default_pool_stays_within_the_process_cap(monkeypatch):
     """On CUDA the default pool is KV_FRACTION of the memory this process may still take: the
     device's free memory, or less under `--gen.memory_fraction`'s cap (stand-ins for the CUDA calls)."""
-    from common.engine import kv_budget
+    from common.engine.kv import budget as kv_budget
     cfg = ModelConfig(num_hidden_layers=2, num_key_value_heads=2, head_dim=16)
     per_token = 2 * 2 * 2 * 16 * 2  # K and V, layers, kv heads, head dim, bf16 bytes
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (60 * 2**30, 80 * 2**30))

@@ -1,11 +1,11 @@
-"""The paged KV pool's host side (common/engine/kv_pages.py): pages taken as tokens arrive and given
+"""The paged KV pool's host side (common/engine/kv/pages.py): pages taken as tokens arrive and given
 back at the end, a prompt's pages shared by its samples and freed only when the last holder lets go,
 an exhausted pool that refuses and changes nothing, and the invariants under a random schedule."""
 import random
 
 import pytest
 
-from common.engine.kv_pages import PagePool, PageTable, PoolExhausted
+from common.engine.kv.pages import PagePool, PageTable, PoolExhausted
 
 
 def test_pages_follow_the_tokens_and_come_back():

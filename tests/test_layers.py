@@ -1,21 +1,26 @@
-"""The import layers of common/, tba/ and areal/, checked on the source (AST, nothing imported).
+"""The import layers of common/, tba/ and areal/, checked on the source (AST, nothing imported). Each
+folder is a room; a room imports only itself and the rooms below it:
 
-    task level   common/{task,run_config,evaluate,data,embed,reward_model,replay,toxicity,preflight,math_answer,bounded_verify}.py,
-                 run_*.py and the modules beside them
+    task level   common/{task,run_config,replay,evaluate,data}.py, run_*.py
                                                 anything but the rank and node layers (the entry picks those)
     entry        common/train.py                picks role, ranks and peers: runtime, ranks, nodes
-    nodes        common/runtime/nodes/          several nodes: ranks, the core, engine, contracts
-    ranks        common/runtime/ranks/          N trainer ranks: the core, engine, contracts, algorithm
-    runtime      common/runtime/*.py            the one-node core, the processes: engine, contracts,
-                                                common/algorithm.py; never ranks/ or nodes/
-    engine       common/engine/                 one process runs a model; imports engine and contracts only
-    algorithms   tba/, areal/                   their own package, common/algorithm.py and the contracts
-    algorithm    common/algorithm.py            contracts only
-    contracts    common/{batch,ops,micro,config,config_check,errors,log,plots,progress,run_files}.py   contracts only
-Imports point one way: nodes -> ranks -> core. No import cycle anywhere; no function-local import
-of our own modules; a function-local import of a third-party module carries a comment saying why
-(on its line, or above its run of imports). A new module must be placed in a layer here before it
-can land.
+    nodes        common/runtime/nodes/          several nodes: ranks, the core and below
+    ranks        common/runtime/ranks/          N trainer ranks: the core and below
+    runtime      common/runtime/*.py            the one-node core, the processes: files, shared, engine,
+                                                algorithm, contracts; never ranks/ or nodes/
+    files        common/runtime/files/          what a run writes on disk: shared, engine, contracts
+    shared       common/runtime/shared/         what the processes share in memory: engine, contracts
+    plan         common/plan/                   the preflight and the memory plan: engine, contracts
+    rewards      common/rewards/                every task's reward: engine, contracts (never the runtime)
+    engine       common/engine/{model,checkpoints,kv,sampler,machine}/   one process runs a model; each
+                                                room imports the ones before it in that order, and the contracts
+    algorithms   tba/, areal/                   their own package, common/contracts/algorithm.py and the contracts
+    algorithm    common/contracts/algorithm.py  contracts only
+    contracts    common/contracts/*.py          contracts only
+Imports point one way: nodes -> ranks -> core -> files -> shared. No import cycle anywhere; no
+function-local import of our own modules; a function-local import of a third-party module carries a
+comment saying why (on its line, or above its run of imports). A new module must be placed in a
+layer here before it can land.
 """
 from __future__ import annotations
 
@@ -28,21 +33,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("common", "tba", "areal")
-CONTRACTS = {"common.batch", "common.ops", "common.micro", "common.config", "common.config_check", "common.errors",
-             "common.log", "common.plots", "common.progress", "common.run_files"}
-TASK_LEVEL = {"common.task", "common.run_config", "common.evaluate", "common.data", "common.embed", "common.reward_model", "common.replay",
-              "common.toxicity", "common.preflight", "common.math_answer", "common.bounded_verify"}
-CORE = {"runtime", "engine", "algorithm", "contract"}
+TASK_LEVEL = {"common.task", "common.run_config", "common.evaluate", "common.data", "common.replay"}
+ENGINE = ("model", "checkpoints", "kv", "sampler", "machine")  # the engine's rooms, lowest first
+ENGINE_ROOMS = {f"engine.{r}" for r in ENGINE}
+CORE = {"runtime", "files", "shared", *ENGINE_ROOMS, "algorithm", "contract"}
 ALLOWED = {  # layer -> layers it may import
     "contract": {"contract"},
     "algorithm": {"contract"},
-    "engine": {"engine", "contract"},
+    **{f"engine.{r}": {f"engine.{x}" for x in ENGINE[:i + 1]} | {"contract"} for i, r in enumerate(ENGINE)},
+    "shared": {"shared", *ENGINE_ROOMS, "contract"},
+    "files": {"files", "shared", *ENGINE_ROOMS, "contract"},
     "runtime": CORE,
     "ranks": {"ranks", *CORE},
     "nodes": {"nodes", "ranks", *CORE},
     "entry": {"entry", "nodes", "ranks", *CORE},
+    "plan": {"plan", *ENGINE_ROOMS, "contract"},
+    "rewards": {"rewards", *ENGINE_ROOMS, "contract"},
     "algo": {"algo", "algorithm", "contract"},
-    "task": {"task", "entry", "algo", *CORE},
+    "task": {"task", "entry", "algo", "plan", "rewards", *CORE},
 }
 
 
@@ -67,27 +75,28 @@ def sources() -> dict[str, str]:
     return {module_of(p): p.read_text() for p in files}
 
 
-TOP = {module_of(p) for p in ROOT.glob("*.py")}  # run_*.py and what they split off (tldr_reward_model.py, ...)
+TOP = {module_of(p) for p in ROOT.glob("*.py")}  # run_*.py and what they split off (common/rewards/tldr.py, ...)
 
 
 def layer(mod: str) -> str | None:
     if mod in TOP or mod in TASK_LEVEL:
         return "task"
-    if mod in CONTRACTS:
-        return "contract"
-    if mod == "common.algorithm":
+    if mod == "common.contracts.algorithm":
         return "algorithm"
-    if mod.startswith("common.engine"):
-        return "engine"
+    parts = mod.split(".")
+    if parts[:2] == ["common", "contracts"] and len(parts) == 3:
+        return "contract"
+    if parts[:2] == ["common", "engine"] and len(parts) >= 4 and parts[2] in ENGINE:
+        return f"engine.{parts[2]}"
     if mod == "common.train":
         return "entry"
-    if mod.startswith("common.runtime.ranks"):
-        return "ranks"
-    if mod.startswith("common.runtime.nodes"):
-        return "nodes"
-    if mod.startswith("common.runtime"):
+    if parts[:2] in (["common", "plan"], ["common", "rewards"]) and len(parts) == 3:
+        return parts[1]
+    if parts[:2] == ["common", "runtime"] and len(parts) >= 4 and parts[2] in ("ranks", "nodes", "shared", "files"):
+        return {"ranks": "ranks", "nodes": "nodes", "shared": "shared", "files": "files"}[parts[2]]
+    if parts[:2] == ["common", "runtime"] and len(parts) == 3:
         return "runtime"
-    if mod.split(".")[0] in ("tba", "areal"):
+    if parts[0] in ("tba", "areal") and len(parts) == 2:
         return "algo"
     return None
 
@@ -117,7 +126,7 @@ def edges(mods: dict[str, str]) -> list[Edge]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module:
-                # `from common import task` imports the module common.task; `from common.ops import x` common.ops
+                # `from common import task` imports the module common.task; `from common.contracts.ops import x` common.contracts.ops
                 targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
                            for a in node.names]
             else:
@@ -132,8 +141,9 @@ def edges(mods: dict[str, str]) -> list[Edge]:
 
 def violations(mods: dict[str, str]) -> list[str]:
     """Every broken rule in `mods` (see the module docstring), one line each."""
+    packages = {m for m in mods if (ROOT / m.replace(".", "/") / "__init__.py").exists()}  # a folder's docstring
     bad = [f"{m}: not in any layer (place it in tests/test_layers.py)" for m in mods
-           if layer(m) is None and m not in ("common", *OURS, "common.runtime.ranks", "common.runtime.nodes")]
+           if layer(m) is None and m not in packages]
     for e in edges(mods):
         ours = e.dst.split(".")[0] in OURS
         if e.local and ours:
@@ -181,7 +191,7 @@ def test_layers_hold():
 def test_every_layer_has_modules():
     """The checker sees the tree (an empty walk would pass everything)."""
     mods = sources()
-    assert {layer(m) for m in mods} >= set(ALLOWED)
+    assert {layer(m) for m in mods} >= set(ALLOWED)  # every room holds modules
     assert len(edges(mods)) > 50
 
 
@@ -193,18 +203,30 @@ def _planted(module: str, line: str) -> list[str]:
 
 # (module, the import planted at its top, what the report must say)
 PLANTED = [
-    ("common.engine.model", "from common.runtime.trainer import train", "engine module imports common.runtime.trainer"),
+    ("common.engine.model.transformer", "from common.runtime.trainer import train", "engine.model module imports common.runtime.trainer"),
+    # the engine's rooms: model -> checkpoints -> kv -> sampler -> machine, each importing only those before
+    ("common.engine.kv.pages", "from common.engine.sampler.sampler import Sampler",
+     "engine.kv module imports common.engine.sampler.sampler"),
+    ("common.engine.model.linear", "from common.engine.checkpoints.hf_io import load_model",
+     "engine.model module imports common.engine.checkpoints.hf_io"),
+    ("common.engine.sampler.sampling", "from common.engine.machine.precision import Precision",
+     "engine.sampler module imports common.engine.machine.precision"),
+    ("common.rewards.math_answer", "from common.runtime.generator import Control", "rewards module imports common.runtime.generator"),
+    ("common.plan.memory_plan", "from common.run_config import RunConfig", "plan module imports common.run_config"),
+    ("common.runtime.files.state", "from common.runtime.trainer import run_trainer", "files module imports common.runtime.trainer"),
+    ("common.runtime.shared.buffer", "from common.runtime.files.state import rng_state",
+     "shared module imports common.runtime.files.state"),
     ("common.runtime.generator", "from tba.algo import TBA", "runtime module imports tba.algo"),
-    ("tba.algo", "from common.runtime.buffer import ReplayBuffer", "algo module imports common.runtime.buffer"),
-    ("areal.algo", "import common.engine.sampler", "algo module imports common.engine.sampler"),
+    ("tba.algo", "from common.runtime.shared.buffer import ReplayBuffer", "algo module imports common.runtime.shared.buffer"),
+    ("areal.algo", "import common.engine.sampler.sampler", "algo module imports common.engine.sampler.sampler"),
     ("areal.algo", "from tba.loss import tb_loss", "another algorithm"),
-    ("common.ops", "from common.engine.model import Transformer", "contract module imports common.engine.model"),
+    ("common.contracts.ops", "from common.engine.model.transformer import Transformer", "contract module imports common.engine.model.transformer"),
     # nodes -> ranks -> core: the core imports neither, ranks never import nodes, and a task reaches
     # them only through the entry (common/train.py)
     ("common.runtime.trainer", "from common.runtime.ranks.group import TrainerGroup",
      "runtime module imports common.runtime.ranks.group"),
-    ("common.runtime.checkpoint", "from common.runtime.nodes.link import TrainerLink",
-     "runtime module imports common.runtime.nodes.link"),
+    ("common.runtime.files.checkpoint", "from common.runtime.nodes.link import TrainerLink",
+     "files module imports common.runtime.nodes.link"),
     ("common.runtime.ranks.group", "from common.runtime.nodes.keys import RunKeys",
      "ranks module imports common.runtime.nodes.keys"),
     ("common.task", "from common.runtime.nodes.world import is_generator_node",
@@ -242,14 +264,14 @@ def test_the_core_stands_alone():
 
 def test_planted_cycle_is_caught():
     # model <- hf_io already; model -> hf_io closes the loop the two old shims made
-    found = _planted("common.engine.model", "from common.engine.hf_io import load_model")
-    assert any(v.startswith("import cycle:") and "common.engine.hf_io" in v and "common.engine.model" in v
+    found = _planted("common.engine.model.transformer", "from common.engine.checkpoints.hf_io import load_model")
+    assert any(v.startswith("import cycle:") and "common.engine.checkpoints.hf_io" in v and "common.engine.model.transformer" in v
                for v in found), found
 
 
 def test_planted_local_imports_are_caught():
-    found = _planted("common.engine.sampler", "def f():\n    from common.ops import token_logp\n")
-    assert any("function-local import of common.ops" in v for v in found)
+    found = _planted("common.engine.sampler.sampler", "def f():\n    from common.contracts.ops import token_logp\n")
+    assert any("function-local import of common.contracts.ops" in v for v in found)
     found = _planted("common.data", "def f():\n    import yaml\n")
     assert any("function-local import of yaml without a comment" in v for v in found)
     assert not [v for v in _planted("common.data", "def f():\n    import yaml  # optional\n") if "yaml" in v]
@@ -262,7 +284,7 @@ def test_unplaced_module_is_refused():
 
 def test_benchmarks_and_notebooks_do_not_import_the_tests():
     """bench/ and notebooks/ are part of the product: what they need (e.g. a tiny model,
-    common/engine/tiny_model.py) lives in common/, never in tests/."""
+    common/engine/checkpoints/tiny_model.py) lives in common/, never in tests/."""
     bad = []
     for p in sorted([*(ROOT / "bench").glob("*.py"), *(ROOT / "notebooks").glob("*.py")]):
         for node in ast.walk(ast.parse(p.read_text())):

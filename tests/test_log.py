@@ -1,5 +1,5 @@
-"""Metrics JSONL round trip, resume, crash fragments (common/log.py), plots (common/plots.py) and the
-progress bars (common/progress.py)."""
+"""Metrics JSONL round trip, resume, crash fragments (common/contracts/log.py), plots (common/contracts/plots.py) and the
+progress bars (common/contracts/progress.py)."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import common.progress as progress_mod
-from common.log import MetricsLogger, read_metrics
-from common.plots import plot_metrics, plot_runs
-from common.progress import Progress, SampleBar
+import common.contracts.progress as progress_mod
+from common.contracts.log import MetricsLogger, read_metrics
+from common.contracts.plots import plot_metrics, plot_runs
+from common.contracts.progress import Progress, SampleBar
 
 
 def _fake_run(path, n=20, t_scale=30.0, offset=0.0):

@@ -1,7 +1,7 @@
 """A long-output AReaL run on the tiny model (CPU): answers of 1,500 tokens each through a paged KV
 pool too small for the batch, so samples are preempted and resumed while weight updates interrupt
 them; the run checkpoints, resumes, and trains on every answer whole."""
-from common.log import read_metrics
+from common.contracts.log import read_metrics
 from common.train import train
 from tests.test_areal_e2e import _algo, _areal_cfg
 from tests.test_e2e import _prompts, toy_reward

@@ -1,4 +1,4 @@
-"""The one loss contract (common/algorithm.py: call_loss) on a tiny model: TBA, GRPO and AReaL
+"""The one loss contract (common/contracts/algorithm.py: call_loss) on a tiny model: TBA, GRPO and AReaL
 pass every scalar stat a loss returns through and require none; a loss asks for settings and
 micro-batch fields by keyword; bad losses are errors naming them; `make_algo` / `task.run` take
 a loss function or an Algorithm; overwrite replaces a run."""
@@ -7,10 +7,10 @@ import torch
 
 from areal.algo import AReaL, AReaLConfig
 from areal.loss import decoupled_ppo_loss
-from common.algorithm import call_loss, scalar_stats
-from common.batch import PromptSet
-from common.engine.hf_io import load_model
-from common.engine.precision import PrecisionConfig
+from common.contracts.algorithm import call_loss, scalar_stats
+from common.contracts.batch import PromptSet
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.machine.precision import PrecisionConfig
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from common.task import RunConfig, make_algo

@@ -1,4 +1,4 @@
-"""The math reward pays only for right answers (common/math_answer.py, common/bounded_verify.py): a
+"""The math reward pays only for right answers (common/rewards/math_answer.py, common/rewards/bounded_verify.py): a
 table of completions in GSM8K's and R1's formats, each with its right answer written here, in both
 directions for every kind of answer: a wrong answer the old first-number rule paid (false reward),
 and a right one it refused (missed reward). Then the answer's extraction on its own, golds in LaTeX,
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-import common.math_answer as math_answer
-from common import bounded_verify
-from common.math_answer import extract_answer, final_answer, gold_answer, reward_correct
+import common.rewards.math_answer as math_answer
+from common.rewards import bounded_verify
+from common.rewards.math_answer import extract_answer, final_answer, gold_answer, reward_correct
 
 R1 = "<think>\nLet me work this out step by step.\n{w}\n</think>\nSo the final answer is $\\boxed{{{a}}}$."
 GSM = "Natalia sold 48 clips in April and half as many in May.\n{w}\n#### {a}"

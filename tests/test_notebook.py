@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.batch import Trajectory
-from common.engine.hf_io import load_model
-from common.runtime.buffer import ReplayBuffer
-from common.runtime.checkpoint import latest_checkpoint, save_checkpoint
+from common.contracts.batch import Trajectory
+from common.engine.checkpoints.hf_io import load_model
+from common.runtime.shared.buffer import ReplayBuffer
+from common.runtime.files.checkpoint import latest_checkpoint, save_checkpoint
 from tests.tiny import save_hf
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,5 +1,5 @@
 """`Sampler(overlap=True)`: each decode step is launched before the previous one is recorded
-(common/engine/inflight.py). On the CPU the lag is all there is to see (a CPU step runs when it is
+(common/engine/sampler/inflight.py). On the CPU the lag is all there is to see (a CPU step runs when it is
 launched), so these tests check what the lag must not change: the same samples, token for token,
 through refills, compaction, stop tokens, both length limits, weight updates and aborts."""
 import traceback
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import token_logp
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import token_logp
 from tests.close import assert_scaled_close
 from tests.tiny import save_hf
 
@@ -152,7 +152,7 @@ def test_overlap_steps_never_make_the_host_wait_implicitly(tmp_path, monkeypatch
     set_sync_debug_mode("warn") the only waits are the explicit ones on the copies' events
     (`HostRing.wait`: reading sampled tokens, reusing a buffer; let through here). Every line
     that synchronised is reported at once, not only the first."""
-    from common.engine.inflight import HostRing
+    from common.engine.sampler.inflight import HostRing
     save_hf("qwen3_qknorm", tmp_path)
     model, _ = load_model(str(tmp_path), device="cuda", tokenizer=False)
     prompts = [[5, 6, 7], [9] * 10, [3, 4, 8, 8], [7] * 6]

@@ -1,4 +1,4 @@
-"""Rows packed end to end (`train.pack_rows`, common/engine/packing.py): the same log-probs, losses
+"""Rows packed end to end (`train.pack_rows`, common/engine/model/packing.py): the same log-probs, losses
 and gradients as the padded rows, for every family, with length-1 completions, rows without a
 target, shared prompts, TBA / GRPO / AReaL's micro-batches and 2 trainer ranks; micro-batches
 under a real-token budget; the config key. fp32 tiny models: the two paths differ only in the
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from areal.algo import AReaL, AReaLConfig
-from common.batch import Trajectory, collate
-from common.config import ConfigError
-from common.engine import packing
-from common.engine.hf_io import load_model
-from common.engine.packing import PackedRows, layout_for, row_lengths
-from common.engine.prefix import SharedPrefixes
-from common.micro import micro_batches, pack_ffd
-from common.ops import token_logp
+from common.contracts.batch import Trajectory, collate
+from common.contracts.config import ConfigError
+from common.engine.model import packing
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.packing import PackedRows, layout_for, row_lengths
+from common.engine.model.prefix import SharedPrefixes
+from common.contracts.micro import micro_batches, pack_ffd
+from common.contracts.ops import token_logp
 from common.runtime.train_config import TrainConfig, check_config
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.close import assert_scaled_close, assert_update_close, grad_scale

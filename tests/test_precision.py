@@ -15,17 +15,17 @@ import math
 import pytest
 import torch
 
-from common.engine.causal_attention import kernel_enabled, set_kernel
-from common.engine.hf_io import load_model
-from common.engine.linear import Linear, onednn_available, onednn_enabled, set_onednn
-import common.engine.machine as machine
-import common.engine.machine_decode as machine_decode
-import common.engine.precision as P
-from common.engine.precision import Precision, PrecisionConfig, resolve
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import token_logp
-from common.runtime.weights import WeightStore
+from common.engine.model.causal_attention import kernel_enabled, set_kernel
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.linear import Linear, onednn_available, onednn_enabled, set_onednn
+import common.engine.machine.cpu as machine
+import common.engine.machine.decode_choice as machine_decode
+import common.engine.machine.precision as P
+from common.engine.machine.precision import Precision, PrecisionConfig, resolve
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import token_logp
+from common.runtime.shared.weights import WeightStore
 from tests.tiny import save_hf
 
 FAKE = {"shape": [256, 576, 1536], "fp32_aten_gflops": 100.0, "fp32_onednn_gflops": 200.0,
@@ -361,7 +361,7 @@ def test_inference_copy_for_eval(ckpt):
 def test_train_end_to_end_in_bf16(tmp_path):
     """Trainer (fp32 master + autocast) and a spawned generator (bf16 weights) through the
     bf16 weight store; the choice is saved with the run; the checkpoint keeps fp32 weights."""
-    from common.log import read_metrics
+    from common.contracts.log import read_metrics
     from common.train import train
     from tests.test_e2e import _cfg, _prompts, _tba, toy_reward
     cfg = _cfg(tmp_path, steps=4, mode="sync")  # sync: every step needs the generator to apply new weights

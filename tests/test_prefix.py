@@ -1,15 +1,15 @@
-"""Rows sharing a prompt run it once (common/engine/prefix.py through `token_logp(prompt_lens=)`):
+"""Rows sharing a prompt run it once (common/engine/model/prefix.py through `token_logp(prompt_lens=)`):
 the same log-probs and the same gradients as every row in full, for every architecture, with
 ragged prompts, ragged completions, loss masks with holes, and rows that share nothing. Float64
-models, so that only the head's fp32 arithmetic (common/engine/head.py) separates the two paths:
+models, so that only the head's fp32 arithmetic (common/engine/model/head.py) separates the two paths:
 gradients agree to ~4e-8 of their norm, where a wrong mask or position would be off by O(0.1)."""
 import pytest
 import torch
 
-from common.batch import Trajectory, collate
-from common.engine.hf_io import load_model
-from common.engine.prefix import SharedPrefixes
-from common.ops import reference_seq_logp, seq_logp, token_logp
+from common.contracts.batch import Trajectory, collate
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.prefix import SharedPrefixes
+from common.contracts.ops import reference_seq_logp, seq_logp, token_logp
 from tests.tiny import ARCHS, save_hf
 
 V = 97

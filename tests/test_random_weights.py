@@ -1,4 +1,4 @@
-"""`--random_weights`: every hub id a preset names has a published shape (common/engine/shapes.py),
+"""`--random_weights`: every hub id a preset names has a published shape (common/engine/checkpoints/shapes.py),
 the table's shapes are the published sizes, a run with a test-only table entry builds its random
 model locally (the tokenizer: a stand-in for the default model's, widening a smaller vocabulary) and
 trains two steps, and what a random model cannot serve is refused in one line before anything is
@@ -12,14 +12,15 @@ import transformers
 import run_gsm8k
 import run_redteam
 import run_tldr
-from common import preflight, task
-from common.engine import shapes
-from common.engine.hf_io import has_tokenizer, load_model
-from common.engine.model_config import ModelConfig
-from common.errors import UserError
-from common.log import read_metrics
-from common.reward_model import RewardModel
-from common.toxicity import Toxicity
+from common import task
+from common.plan import preflight
+from common.engine.checkpoints import shapes
+from common.engine.checkpoints.hf_io import has_tokenizer, load_model
+from common.engine.model.model_config import ModelConfig
+from common.contracts.errors import UserError
+from common.contracts.log import read_metrics
+from common.rewards.reward_model import RewardModel
+from common.rewards.toxicity import Toxicity
 from tests import tiny
 
 PRESETS = [(run_gsm8k, "paper"), (run_gsm8k, "areal_long"), (run_tldr, "paper"), (run_redteam, "paper"),

@@ -12,17 +12,17 @@ import torch
 import torch.distributed as dist
 
 from areal.algo import AReaL, AReaLConfig, split_by_tokens
-from common.batch import Trajectory, collate
-from common.engine.precision import Precision
-from common.micro import micro_batches
-from common.ops import token_logp
+from common.contracts.batch import Trajectory, collate
+from common.engine.machine.precision import Precision
+from common.contracts.micro import micro_batches
+from common.contracts.ops import token_logp
 from common.runtime.pickling import NotSendable
 from common.runtime.ranks.fsdp import rank_device, resolve_reshard
 from common.runtime.ranks.group import TrainerGroup
 from common.runtime.ranks.publish import shard_rows
 from common.runtime.train_config import TrainConfig, check_config
 from common.runtime.trainer import _gen_device
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 from common.train import trainer_ranks
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.close import assert_update_close

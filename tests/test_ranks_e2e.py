@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.log import read_metrics
+from common.contracts.log import read_metrics
 from common.runtime.step import RankFailed
 from common.train import train
 from tests.test_e2e import _cfg, _policy_reward, _prompts, _reward_curve, _tba, toy_reward

@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-import redteam_reward
+from common.rewards import redteam as redteam_reward
 import run_redteam
-from common.embed import mean_pairwise_cosine_distance
-from common.engine.hf_io import load_model
-from common.errors import UserError
+from common.rewards.embed import mean_pairwise_cosine_distance
+from common.engine.checkpoints.hf_io import load_model
+from common.contracts.errors import UserError
 from common.runtime.reward_service import _safe_scores
 from tests import tiny
 
@@ -41,9 +41,9 @@ def _cfg(tmp_path, *extra):
 
 
 def test_log_r_is_the_documented_formula(tmp_path):
-    from common.ops import seq_logp, token_logp
+    from common.contracts.ops import seq_logp, token_logp
     cfg = _cfg(tmp_path, "--reward.beta=0.5", "--reward.gamma=2.0", "--reward.min_words=2", "--reward.short_penalty=7")
-    sc = redteam_reward.AttackScorer(cfg)
+    sc = common.rewards.redteam.AttackScorer(cfg)
     prompt = [1, 5, 6, 7]
     attacks = ["w10 w11 w12", "w13"]
     d = sc.details(attacks, [prompt, prompt])
@@ -62,7 +62,7 @@ def test_log_r_is_the_documented_formula(tmp_path):
 
 def test_failing_classifier_scores_the_failure_value_and_is_counted(tmp_path):
     cfg = _cfg(tmp_path, "--toxicity.model=tests.test_redteam_task:raising_toxicity")
-    sc = redteam_reward.AttackScorer(cfg)
+    sc = common.rewards.redteam.AttackScorer(cfg)
     fail = cfg.gen.error_reward
     assert fail == pytest.approx(math.log(1e-6) / cfg.reward.beta)
     out, errors = _safe_scores(sc, ["w10 w11 w12", "w13 w14 w15"], [[1, 5], [1, 6]], fail)
@@ -79,7 +79,7 @@ def test_diversity():
 
 def test_victim_generation_is_one_sampler_call_per_group(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "--victim.samples=3", "--victim.temperature=1.0")
-    sc = redteam_reward.AttackScorer(cfg)
+    sc = common.rewards.redteam.AttackScorer(cfg)
     calls = []
     orig = sc.sampler.generate
     monkeypatch.setattr(sc.sampler, "generate", lambda ps, params, **k: calls.append(len(ps)) or orig(ps, params, **k))
@@ -91,9 +91,9 @@ def test_the_victims_pool_is_what_the_memory_plan_counts(tmp_path):
     """The victim's sampler (its rows and prompt cut from `victim.max_batch` / `max_prompt_tokens`)
     holds the KV pool the memory plan's line for it counts, to the byte (the plan's other reward-side
     lines: tests/test_memory_plan.py)."""
-    from common.preflight import plan_of
+    from common.plan.preflight import plan_of
     cfg = _cfg(tmp_path, "--victim.max_batch=5", "--victim.max_prompt_tokens=40", "--train.reward_workers=1")
-    sc = redteam_reward.AttackScorer(cfg)
+    sc = common.rewards.redteam.AttackScorer(cfg)
     assert (sc.sampler.max_batch, sc.max_prompt) == (5, 40)
     sc.details(["w10 w11 w12"], [[1, 5]])
     pool = sum(t.nbytes for t in sc.sampler.cache.stores)
@@ -114,9 +114,9 @@ def test_a_classifier_function_that_cannot_be_imported_is_named():
     with pytest.raises(UserError, match=r"^toxicity classifier nosuch_module:fn: No module named 'nosuch_module'"):
         run_redteam.Toxicity("nosuch_module:fn")
     with pytest.raises(UserError, match=r"has no attribute 'nosuch'"):
-        run_redteam.Toxicity("common.toxicity:nosuch")
-    with pytest.raises(UserError, match=r"^toxicity classifier common.errors:__doc__: str is not a function$"):
-        run_redteam.Toxicity("common.errors:__doc__")
+        run_redteam.Toxicity("common.rewards.toxicity:nosuch")
+    with pytest.raises(UserError, match=r"^toxicity classifier common.contracts.errors:__doc__: str is not a function$"):
+        run_redteam.Toxicity("common.contracts.errors:__doc__")
     assert run_redteam.Toxicity("tests.test_redteam_task:half")(["a", "b"]) == [0.5, 0.5]  # an importable one is taken
 
 

@@ -1,4 +1,4 @@
-"""Record and replay (common/runtime/stream.py, common/replay.py):
+"""Record and replay (common/runtime/files/stream.py, common/replay.py):
 replaying a recorded async run (TBA and AReaL, fp32, one rank) ends on the run's final
 weights; a stream survives a kill and a resume; bad streams are refused with clear errors."""
 from __future__ import annotations
@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.engine.causal_attention import kernel_enabled
-from common.engine.hf_io import load_model
-from common.engine.linear import onednn_available, onednn_enabled
-from common.log import read_metrics
+from common.engine.model.causal_attention import kernel_enabled
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.model.linear import onednn_available, onednn_enabled
+from common.contracts.log import read_metrics
 from common.replay import main as replay_main
 from common.replay import replay, replay_config
-from common.runtime.checkpoint import latest_checkpoint
-from common.runtime.stream import StreamError, read_meta, read_steps, step_file
+from common.runtime.files.checkpoint import latest_checkpoint
+from common.runtime.files.stream import StreamError, read_meta, read_steps, step_file
 from common.task import areal_defaults, make_algo
 from common.train import train
 from tba.algo import TBA, TBAConfig

@@ -1,4 +1,4 @@
-"""Run names and run folders (common/runtime/run_dir.py, common/run_files.py): a name is one path
+"""Run names and run folders (common/runtime/files/run_dir.py, common/contracts/run_files.py): a name is one path
 component, the folder stays inside run_root, and `--overwrite` deletes only what the project
 recorded when it wrote it, refusing, with the list and nothing removed, while the folder holds
 anything else at any depth; checkpoint pruning and a crash's leftovers likewise."""
@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.errors import UserError
-from common.run_files import MANIFEST, foreign, record, record_files
-from common.runtime.checkpoint_dir import clean_checkpoints, prune, remove_checkpoint
-from common.runtime.run_dir import MARKER, RunDirError, RunNameError, check_name, open_run_dir
+from common.contracts.errors import UserError
+from common.contracts.run_files import MANIFEST, foreign, record, record_files
+from common.runtime.files.checkpoint_dir import clean_checkpoints, prune, remove_checkpoint
+from common.runtime.files.run_dir import MARKER, RunDirError, RunNameError, check_name, open_run_dir
 from common.runtime.run_log import prepare_run_dir
 from common.task import RunConfig
 

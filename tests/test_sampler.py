@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from common.engine.hf_io import load_model
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams, filter_logits
-from common.ops import token_logp
+from common.engine.checkpoints.hf_io import load_model
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams, filter_logits
+from common.contracts.ops import token_logp
 from tests.tiny import ARCHS, save_hf
 
 PROMPTS = [[5, 17, 33], [9] * 12, [40, 41, 42, 43, 44, 45, 46], [88], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]]
@@ -176,7 +176,7 @@ def test_filter_logits_top_k_top_p():
     out = filter_logits(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.8, 0.5]))
     keep = torch.isfinite(out)
     assert keep.tolist() == [[True, True, False, False], [True, True, False, False], [True, False, False, False]]
-    from common.engine.sampling import sample  # sampling is restricted to the nucleus too
+    from common.engine.sampler.sampling import sample  # sampling is restricted to the nucleus too
     u = torch.rand(2000, generator=torch.Generator().manual_seed(0))
     toks, _ = sample(logits[:1].expand(2000, -1), torch.zeros(2000, dtype=torch.bool), torch.zeros(2000, dtype=torch.long),
                      torch.full((2000,), 0.8), u)

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from areal.algo import AReaL, AReaLConfig
-from common.batch import Trajectory
-from common.config import ConfigError
-from common.log import read_metrics
-from common.plots import plot_runs
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.batch import Trajectory
+from common.contracts.config import ConfigError
+from common.contracts.log import read_metrics
+from common.contracts.plots import plot_runs
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.train_config import TrainConfig, check_config, filter_staleness
 from common.train import train

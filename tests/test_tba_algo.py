@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from common.batch import Trajectory, collate
-from common.engine.hf_io import load_model
-from common.micro import micro_batches, pack_ffd
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.batch import Trajectory, collate
+from common.engine.checkpoints.hf_io import load_model
+from common.contracts.micro import micro_batches, pack_ffd
+from common.runtime.shared.buffer import ReplayBuffer
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig
 from tests.close import assert_scaled_close, grad_scale
 from tests.tiny import save_hf

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from common.ops import group_mean, group_normalised_advantages
+from common.contracts.ops import group_mean, group_normalised_advantages
 from tba.loss import grpo_loss, linear_beta, tb_loss, tb_loss_no_ref
 
 torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""common/engine/tiny_model.py: the tiny random model of the default architecture (`--model=tiny`),
+"""common/engine/checkpoints/tiny_model.py: the tiny random model of the default architecture (`--model=tiny`),
 built locally, loadable by us and by transformers, the same for the same seed."""
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from common.engine import hf_io
-from common.engine.hf_io import load_model, resolve_checkpoint
-from common.engine.tiny_model import SHAPE, build_tiny
+from common.engine.checkpoints import hf_io
+from common.engine.checkpoints.hf_io import load_model, resolve_checkpoint
+from common.engine.checkpoints.tiny_model import SHAPE, build_tiny
 from tests.tiny import save_hf, tokenizer
 
 

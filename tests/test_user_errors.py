@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import run_redteam
-from common.engine.hf_io import ModelFileError, load_model, resolve_checkpoint
-from common.errors import UserError
-from common.preflight import check_devices
+from common.engine.checkpoints.hf_io import ModelFileError, load_model, resolve_checkpoint
+from common.contracts.errors import UserError
+from common.plan.preflight import check_devices
 from common.task import script
 from tests.test_checkpoint_trust import _Plant
 from tests.tiny import save_hf

@@ -1,4 +1,4 @@
-"""Tests for `common/runtime/weights.py`: in-process round trip, errors, and a spawned reader that must
+"""Tests for `common/runtime/shared/weights.py`: in-process round trip, errors, and a spawned reader that must
 never observe a torn (mixed-version) set of weights while the parent publishes rapidly."""
 import pickle
 import queue as queue_mod
@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 
 
 class Tiny(nn.Module):
@@ -88,9 +88,9 @@ def test_bind_loads_with_one_copy_in_place():
 def test_bound_generator_decodes_from_merged_views(arch, tmp_path):
     """A generator bound to the store decodes from views of its q/k/v and gate/up weights (and
     biases): no packed copy; a published update reaches the decode step with the one slot copy."""
-    from common.engine.hf_io import load_model
-    from common.engine.sampler import Sampler
-    from common.engine.sampling import SamplingParams
+    from common.engine.checkpoints.hf_io import load_model
+    from common.engine.sampler.sampler import Sampler
+    from common.engine.sampler.sampling import SamplingParams
     from tests.tiny import save_hf
     save_hf(arch, tmp_path)
     trainer, gen, fresh = (load_model(str(tmp_path), tokenizer=False)[0] for _ in range(3))

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from common.runtime.buffer import ReplayBuffer
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.nodes.keys import RunKeys
 from common.runtime.nodes.trajectories import RemoteControl, check_header
 from common.runtime.ranks.commands import StoreCommands

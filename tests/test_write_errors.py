@@ -4,7 +4,7 @@ on a real full filesystem (a small tmpfs in a private mount namespace), the chec
 and the metrics all fail that way while the previous checkpoint stays loadable. Checkpoints' own
 simulated failures are in tests/test_checkpoint.py. A full disk is said as one wherever it shows:
 an ENOSPC under another error, or torch's serializer's 'unexpected pos' on a filesystem left without
-space (`common.errors.disk_full`)."""
+space (`common.contracts.errors.disk_full`)."""
 from __future__ import annotations
 
 import errno
@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import common.errors as errors
-import common.runtime.stream as stream
-from common.engine.hf_io import load_model
-from common.errors import UserError, WriteError, disk_full, write_failed
-from common.runtime.checkpoint import CheckpointError, save_checkpoint
-from common.log import MetricsLogger, read_metrics
-from common.runtime.stream import StreamWriter
+import common.contracts.errors as errors
+import common.runtime.files.stream as stream
+from common.engine.checkpoints.hf_io import load_model
+from common.contracts.errors import UserError, WriteError, disk_full, write_failed
+from common.runtime.files.checkpoint import CheckpointError, save_checkpoint
+from common.contracts.log import MetricsLogger, read_metrics
+from common.runtime.files.stream import StreamWriter
 from tests.test_checkpoint import WRITE_ERROR
 from tests.tiny import save_hf
 
@@ -164,11 +164,11 @@ def test_a_checkpoint_on_a_full_disk_says_so_for_torchs_short_write(tmp_path, mo
 _CHILD = r"""
 import json, shutil, subprocess, sys, tempfile, torch
 from pathlib import Path
-from common.engine.hf_io import load_model
-from common.errors import WriteError
-from common.log import MetricsLogger
-from common.runtime.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from common.runtime.stream import StreamWriter
+from common.engine.checkpoints.hf_io import load_model
+from common.contracts.errors import WriteError
+from common.contracts.log import MetricsLogger
+from common.runtime.files.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from common.runtime.files.stream import StreamWriter
 from tests.tiny import save_hf
 
 work = Path(sys.argv[1])

@@ -28,15 +28,15 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 
-from common.batch import PromptSet, Trajectory
-from common.config_check import any_finite, at_least, between, relation
-from common.errors import UserError
-from common.engine.precision import Precision
-from common.engine.kv_budget import PAGE_SIZE
-from common.engine.kv_pages import sample_kv_tokens
-from common.engine.sampler import Sampler
-from common.engine.sampling import SamplingParams
-from common.ops import reference_seq_logp
+from common.contracts.batch import PromptSet, Trajectory
+from common.contracts.config_check import any_finite, at_least, between, relation
+from common.contracts.errors import UserError
+from common.engine.machine.precision import Precision
+from common.engine.kv.budget import PAGE_SIZE
+from common.engine.kv.pages import sample_kv_tokens
+from common.engine.sampler.sampler import Sampler
+from common.engine.sampler.sampling import SamplingParams
+from common.contracts.ops import reference_seq_logp
 from common.runtime.process import set_process_defaults
 from common.runtime.reward_service import RewardClient, reward_failed
 from common.runtime.watchdog import Beat
@@ -71,7 +71,7 @@ class GenConfig:
               "prefill_tokens": at_least(1), "memory_fraction": between(0, 1), "no_stop_reward": any_finite(),
               "error_reward": any_finite(), "kv_tokens": at_least(0),
               "kv_page_size": relation(lambda v, s: v == 0 or (16 <= v <= 4096 and v & (v - 1) == 0),
-                                       "0 (by device) or a power of two from 16 to 4096")}  # ranges (common/config_check.py);
+                                       "0 (by device) or a power of two from 16 to 4096")}  # ranges (common/contracts/config_check.py);
     # kv_tokens against what one sample needs: RunConfig's rule (it knows the device), then the trainer
     # against the longest prompt (`check_kv_pool`)
 
@@ -290,7 +290,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
             row[Control.TOKENS] += sum(len(x.tokens) for x in g)
         row[Control.BUSY_S] += time.perf_counter() - t
         row[Control.INTERRUPTS] = sampler.stats["interrupts"]
-        row[Control.PREEMPTIONS] = sampler.stats["preemptions"]  # the paged KV pool (`common/engine/preempt.py`)
+        row[Control.PREEMPTIONS] = sampler.stats["preemptions"]  # the paged KV pool (`common/engine/sampler/preempt.py`)
         row[Control.REPREFILL_TOKENS] = sampler.stats["reprefill_tokens"]
         row[Control.KV_OCCUPANCY] = sampler.stats["kv_occupancy"]
         if dev.type == "cuda":  # the memory plan's generator line, measured (a cheap counter read)

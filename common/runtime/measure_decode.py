@@ -2,7 +2,7 @@
 
     python -m common.runtime.measure_decode
 
-`common/engine/machine_decode.py: take` in a process set up as a generator's
+`common/engine/machine/decode_choice.py: take` in a process set up as a generator's
 (`set_process_defaults`): its thread count, which keys the machine's cache file, and its kept freed
 memory (with glibc's defaults instead, the eager step's big temporaries are served by whatever the
 compile left of the allocator, and the eager side's timing depends on whether it compiled cold).
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from common.engine.machine_decode import ROUNDS, take
+from common.engine.machine.decode_choice import ROUNDS, take
 from common.runtime.process import set_process_defaults
 
 

@@ -26,7 +26,7 @@ from multiprocessing.reduction import ForkingPickler
 import cloudpickle
 import torch.multiprocessing  # noqa: F401 - importing it registers torch's tensor reducers on ForkingPickler
 
-from common.errors import UserError
+from common.contracts.errors import UserError
 
 _SEARCH_DEPTH = 3  # how deep `_culprit` looks into an unpicklable object for the part to blame
 

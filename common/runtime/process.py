@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from common.engine.kernels import kernels_kept
+from common.engine.model.kernels import kernels_kept
 
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc mallopt parameters (malloc.h)
 

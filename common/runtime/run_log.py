@@ -13,12 +13,12 @@ from typing import Callable, Optional
 
 import torch
 
-from common.batch import Batch
-from common.config import save_config
-from common.run_files import record
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.batch import Batch
+from common.contracts.config import save_config
+from common.contracts.run_files import record
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import Control, decode_graphs, decode_overlap
-from common.runtime.run_dir import open_run_dir
+from common.runtime.files.run_dir import open_run_dir
 
 
 def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, step: int, tag: str) -> dict:
@@ -41,7 +41,7 @@ def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, st
 def prepare_run_dir(cfg, resume: bool) -> Path:
     """runs/<name>/ with the resolved config saved in it. An earlier run there is continued
     (resume), replaced (cfg.overwrite) or refused, never mixed into; a name that leaves run_root,
-    or a folder this project did not make, is refused (common/runtime/run_dir.py)."""
+    or a folder this project did not make, is refused (common/runtime/files/run_dir.py)."""
     run_dir = open_run_dir(cfg, resume)
     record(run_dir / "config.json", run_dir / f".config.json.{os.getpid()}.tmp")  # save_config's rename, and its temporary
     save_config(cfg, run_dir / "config.json")
@@ -86,7 +86,7 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
 
 
 def step_line(row: dict, eta_moved: bool) -> dict:
-    """The console step line's fields (common/progress.py) of a `step_row`: reward, loss and version,
+    """The console step line's fields (common/contracts/progress.py) of a `step_row`: reward, loss and version,
     and, only where they say something, the generators' preemptions and re-prefilled tokens so far
     (non-zero: the KV pool ran short) and eta (`auto` has moved it: `StalenessBound.moved`)."""
     out = {"reward": row["reward_mean"], "loss": row.get("loss", float("nan")), "v": row["version"]}

@@ -13,7 +13,7 @@ Rules (windowed means over the last `window` steps, AIMD like TCP's congestion w
   hold      after any change, no other for `hold` steps (the measures lag eta: rows admitted under
             the old bound are still being trained on).
 Every decision is recorded (`last`: eta, the measures behind it, why), for the run's metrics.
-The state is a few numbers, `counters()`, which a checkpoint keeps (common/runtime/checkpoint.py);
+The state is a few numbers, `counters()`, which a checkpoint keeps (common/runtime/files/checkpoint.py);
 `from_counters` restores it.
 `lr_scale()` (`train.lr_by_ess`): sqrt of the window's mean ESS fraction, the factor VCPO
 (arXiv 2602.17616) scales the learning rate by; 1 before any measure.

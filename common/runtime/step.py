@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from common.algorithm import Algorithm
-from common.batch import Batch
-from common.micro import Ranks
-from common.runtime.checkpoint import ResumeState, load_checkpoint, save_checkpoint
+from common.contracts.algorithm import Algorithm
+from common.contracts.batch import Batch
+from common.contracts.micro import Ranks
+from common.runtime.files.checkpoint import ResumeState, load_checkpoint, save_checkpoint
 from common.runtime.launch import WorkerError
 
 
@@ -84,7 +84,7 @@ class OneRank:
         return update(self.algo, self.model, self.opt, batch.to(self.device), step, grad_clip)
 
     def publish(self, version: int) -> None:
-        """The weights into the store, as `version` (common/runtime/weights.py)."""
+        """The weights into the store, as `version` (common/runtime/shared/weights.py)."""
         self.store.publish(self.model, version)
 
     def full_model(self):
@@ -92,7 +92,7 @@ class OneRank:
         return self.model
 
     def save(self, run_dir, step: int, sched, **kw) -> Path:
-        """`save_checkpoint` of the model, optimizer and `sched` (common/runtime/checkpoint.py)."""
+        """`save_checkpoint` of the model, optimizer and `sched` (common/runtime/files/checkpoint.py)."""
         return save_checkpoint(run_dir, step, self.model, self.opt, sched, **kw)
 
     def load(self, path, sched, buffer_size: tuple[int, int] | None = None) -> ResumeState:

@@ -12,8 +12,8 @@ from typing import Callable, Literal, Optional, Union
 
 import torch
 
-from common.config import ConfigError
-from common.config_check import Rule, above, at_least, between, check, processes, relation
+from common.contracts.config import ConfigError
+from common.contracts.config_check import Rule, above, at_least, between, check, processes, relation
 
 
 @dataclass
@@ -53,9 +53,9 @@ class TrainConfig:
     device: str = "cpu"               # trainer device ("cuda": rank r on cuda:r); generator r uses cuda:(N + r) % n_gpus
     stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
     stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
-    record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/stream.py)
+    record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/files/stream.py)
 
-    CHECKS = {  # ranges (common/config_check.py)
+    CHECKS = {  # ranges (common/contracts/config_check.py)
         "steps": at_least(1), "lr": between(0, 1, open_lo=True), "warmup_steps": at_least(0), "decay_steps": at_least(0),
         "warmup_fraction": between(0, 1, open_hi=True), "stable_steps": at_least(0), "adam_beta2": between(0, 1, open_lo=True, open_hi=True),
         "adam_eps": between(0, 1, open_lo=True),
@@ -90,7 +90,7 @@ class DistConfig:
     CHECKS = {"trainer_nodes": at_least(1), "timeout": between(0, 365 * 86400, open_lo=True),  # a year: timedelta's range
               "ship_every": (above(0), relation(lambda v, s: v < s.timeout, "< {p}timeout={s.timeout:g} (a shipment "
                                                 "less often than the timeout would trip it)")),
-              "trainer_node_generators": processes(0), "store_port": between(0, 65535)}  # ranges (common/config_check.py)
+              "trainer_node_generators": processes(0), "store_port": between(0, 65535)}  # ranges (common/contracts/config_check.py)
 
 
 @dataclass

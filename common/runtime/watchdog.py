@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from common.run_files import record
+from common.contracts.run_files import record
 
 PHASES = ("spawning", "starting", "loading", "waiting", "applying_weights", "decoding", "scoring", "reference",
           "training", "publishing", "gathering", "checkpointing")  # the last four: trainer ranks 1..N-1
@@ -76,7 +76,7 @@ class Beat:
         """Call first thing in the worker: numpy view of its row, stack dump on SIGUSR1."""
         self._row = self.t[self.i].numpy()  # numpy writes are ~20x cheaper than tensor ops
         Path(self.stack_dir).mkdir(parents=True, exist_ok=True)
-        record(Path(self.stack_dir) / f"{self.name}.txt")  # in a run folder: ours (common/run_files.py)
+        record(Path(self.stack_dir) / f"{self.name}.txt")  # in a run folder: ours (common/contracts/run_files.py)
         self._stack_file = open(Path(self.stack_dir) / f"{self.name}.txt", "w")  # kept open for the handler
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         self("starting")

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common.errors import UserError
+from common.contracts.errors import UserError
 from common.runtime.launch import WorkerError
 
 SECRET_ENV = "ASYNCRL_RUN_SECRET"

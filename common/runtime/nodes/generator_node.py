@@ -28,8 +28,8 @@ import os
 import time
 from pathlib import Path
 
-from common.run_files import record
-from common.runtime.buffer import ReplayBuffer
+from common.contracts.run_files import record
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import generator_main
 from common.runtime.launch import Workers
 from common.runtime.nodes.trajectories import RemoteControl, TrajSender
@@ -37,7 +37,7 @@ from common.runtime.nodes.weights import WeightReceiver
 from common.runtime.reward_service import start_reward_workers
 from common.runtime.nodes.world import Node
 from common.runtime.watchdog import Heartbeats
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 
 _POLL_S = 0.05  # how often the node looks at its workers, its threads and the key "stop"
 

@@ -36,7 +36,7 @@ from common.runtime.nodes.weights import send_weights
 from common.runtime.nodes.world import generation, host_keys, join
 from common.runtime.peers import Peers
 from common.runtime.step import RankFailed
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 
 _STOP_ON_ERROR_S = 30.0  # after a failure, how long the trainer waits for the other nodes to stop
 _LOOK_S = 0.5  # how often the trainer reads the other nodes' failure reports and beats (store round trips)

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from common.run_files import record
+from common.contracts.run_files import record
 from common.runtime.launch import Workers
 from common.runtime.nodes.world import join, member_keys
 from common.runtime.ranks.commands import StoreCommands

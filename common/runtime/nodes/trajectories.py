@@ -42,7 +42,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from common.runtime.buffer import ReplayBuffer
+from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import Control
 from common.runtime.nodes.world import Node, NodeThread
 from common.runtime.nodes.keys import RunKeys

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from common.runtime.nodes.world import Node, NodeThread
 from common.runtime.nodes.keys import NodeFailed
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 
 _POLL_S = 0.005  # how often a receiver reads the published version (a store round trip)
 _SEND_POLL_S = 0.001  # how often the trainer looks at its sends and the acknowledgements while it publishes

@@ -47,7 +47,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from common.config import to_dict
+from common.contracts.config import to_dict
 from common.runtime.nodes.keys import NodeFailed, RunKeys, role_of
 from common.runtime.train_config import DistConfig, torchrun_restarts, under_torchrun
 from common.runtime.wire import ForgedValue, all_gather_json, check_bind, fingerprint, listen_host, run_secret

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from common.engine.model import Transformer
-from common.runtime.state import read_state, write_state
+from common.engine.model.transformer import Transformer
+from common.runtime.files.state import read_state, write_state
 
 _NO_TIMEOUT = timedelta(days=7)  # stall_timeout 0 (off): collectives wait as good as forever
 
@@ -180,7 +180,7 @@ def full_model(model) -> Transformer | None:
 
 def write_shards(d: Path, model, optimizer) -> Transformer | None:
     """Every rank at the same point: its shards of the model and optimizer state into `d`
-    (common/runtime/state.py), then the whole model gathered for the export (rank 0 gets it,
+    (common/runtime/files/state.py), then the whole model gathered for the export (rank 0 gets it,
     the others None)."""
     write_state(d, model, optimizer, group_of(model))
     return full_model(model)

@@ -42,11 +42,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from common.algorithm import Algorithm
-from common.batch import Batch
-from common.engine.precision import Precision
-from common.micro import set_ranks
-from common.runtime.checkpoint import ResumeState, load_checkpoint, save_checkpoint
+from common.contracts.algorithm import Algorithm
+from common.contracts.batch import Batch
+from common.engine.machine.precision import Precision
+from common.contracts.micro import set_ranks
+from common.runtime.files.checkpoint import ResumeState, load_checkpoint, save_checkpoint
 from common.runtime.launch import WorkerError, Workers
 from common.runtime.peers import Peers
 from common.runtime.pickling import check_sendable, dumps
@@ -57,7 +57,7 @@ from common.runtime.ranks.rank import RankSetup, rank_main
 from common.runtime.ranks.share import Share
 from common.runtime.step import OneRank, RankFailed, update
 from common.runtime.watchdog import Heartbeats, WorkerStalled
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 from common.runtime.wire import bound_store
 
 _BLAME_WAIT_S = 5.0  # after a failed collective, how long rank 0 looks for the rank that caused it
@@ -130,7 +130,7 @@ class TrainerGroup(OneRank):
             raise _rank_failed(e) from e
         shard(self.model, init_group(0, self.world, self._tcp, str(self.device), timeout, loopback=self.world == self.local),
               reshard)
-        self.share = Share(self.model, 0, self.world, reshard=reshard)  # installed in common.micro during each command
+        self.share = Share(self.model, 0, self.world, reshard=reshard)  # installed in common.contracts.micro during each command
 
     # ---- commands (each: tell ranks 1..N-1, then do rank 0's part) -------------------------
     def update(self, batch: Batch, step: int, lr: float, grad_clip: float) -> tuple[dict, float]:

@@ -4,7 +4,7 @@ trainer nodes send theirs to rank 0, which receives them straight into the slot.
 
 Runs in every trainer rank at a publish (rank 0 from common/runtime/ranks/group.py, ranks
 1..N-1 on its command, common/runtime/ranks/rank.py). The store's seqlock is the core's
-(common/runtime/weights.py); one rank publishes with `WeightStore.publish` instead.
+(common/runtime/shared/weights.py); one rank publishes with `WeightStore.publish` instead.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from common.runtime.ranks.fsdp import group_of
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 
 
 def shard_rows(full_rows: int, rank: int, world: int) -> int:

@@ -15,16 +15,16 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from common.algorithm import Algorithm
-from common.engine.precision import Precision
-from common.micro import set_ranks
+from common.contracts.algorithm import Algorithm
+from common.engine.machine.precision import Precision
+from common.contracts.micro import set_ranks
 from common.runtime.process import set_process_defaults
-from common.runtime.state import one_line
+from common.runtime.files.state import one_line
 from common.runtime.ranks.fsdp import full_model, init_group, rank_device, read_shards, shard, write_shards
 from common.runtime.ranks.publish import publish_shards
 from common.runtime.ranks.share import Share
 from common.runtime.step import make_optimizer, update
-from common.runtime.weights import WeightStore
+from common.runtime.shared.weights import WeightStore
 
 _PHASE = {"step": "training", "publish": "publishing", "gather": "gathering", "save": "checkpointing",
           "load": "checkpointing"}

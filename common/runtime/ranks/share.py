@@ -1,5 +1,5 @@
 """How the micro-batches of one step are shared among the trainer's N ranks, so that every rank runs
-the same number of passes through the sharded model (`Share`, installed in `common.micro`).
+the same number of passes through the sharded model (`Share`, installed in `common.contracts.micro`).
 
 Runs in every trainer rank: rank 0 installs its `Share` while each command runs
 (common/runtime/ranks/group.py), ranks 1..N-1 for their whole life (common/runtime/ranks/rank.py).
@@ -16,15 +16,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.micro import Ranks
-from common.ops import token_logp
+from common.contracts.micro import Ranks
+from common.contracts.ops import token_logp
 from common.runtime.ranks.fsdp import group_of
 from common.runtime.wire import all_gather_json
 
 
 class Share(Ranks):
     """Rank r's share of the micro-batches: r, r + N, r + 2N, ... of every list, plus the
-    zero-loss passes that bring it to the longest share (installed with `common.micro.set_ranks`)."""
+    zero-loss passes that bring it to the longest share (installed with `common.contracts.micro.set_ranks`)."""
 
     def __init__(self, model, rank: int, world: int, beat=None, reshard: str = "pass"):
         self.model, self.rank, self.world = model, rank, world
