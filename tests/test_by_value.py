@@ -48,7 +48,9 @@ NOTEBOOK = textwrap.dedent('''
     from pathlib import Path
     import torch
     from common.contracts.batch import PromptSet
+    from common.contracts.run_files import record
     from common.engine.machine.precision import Precision, PrecisionConfig
+    from common.runtime.files.run_dir import open_run_dir
     from common.runtime.generator import GenConfig
     from common.runtime.train_config import TrainConfig
     from common.task import RunConfig, run
@@ -93,10 +95,10 @@ NOTEBOOK = textwrap.dedent('''
         cfg.tba.beta_init = cfg.tba.beta_final = 0.1
         algo = CountingTBA(cfg.tba, 4, 4, 1.0, 48, loss_fn=length_normalised_tb)
         if name == "one_rank":  # a run left behind by an earlier cell: overwrite=True replaces it
-            old = Path(cfg.run_root) / name
-            old.mkdir(parents=True)
-            (old / "metrics.jsonl").write_text("{}")
-            (old / "curves.png").write_text("x")  # only what a run writes: overwrite may remove it
+            old = open_run_dir(cfg, resume=False)  # made and marked as a run makes it
+            for f in ("metrics.jsonl", "curves.png"):  # only what a run writes (recorded): overwrite may remove it
+                record(old / f)
+                (old / f).write_text("{}")
         last = run(cfg, prompts, None if reward_workers else reward, (), loss=algo,
                    reward_factory=make_reward if reward_workers else None)
         out[name] = {k: last[k] for k in ("ones", "kl_per_token", "subclass_rows", "version", "reward_mean")}

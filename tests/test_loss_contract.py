@@ -9,8 +9,10 @@ from areal.algo import AReaL, AReaLConfig
 from areal.loss import decoupled_ppo_loss
 from common.contracts.algorithm import call_loss, scalar_stats
 from common.contracts.batch import PromptSet
+from common.contracts.run_files import record
 from common.engine.checkpoints.hf_io import load_model
 from common.engine.machine.precision import PrecisionConfig
+from common.runtime.files.run_dir import open_run_dir
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 from common.task import RunConfig, make_algo
@@ -134,8 +136,9 @@ def test_make_algo_takes_a_loss_function_or_an_algorithm(tmp_path):
 
 def test_a_run_directory_is_kept_unless_overwrite(tmp_path):
     cfg = _cfg(tmp_path)
-    (tmp_path / "runs" / "r").mkdir(parents=True)
-    (tmp_path / "runs" / "r" / "metrics.jsonl").write_text("{}\n")
+    d = open_run_dir(cfg, resume=False)  # an earlier run's folder, as a run leaves it
+    record(d / "metrics.jsonl")
+    (d / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(FileExistsError, match=r"--resume, resume=True\), replace it \(--overwrite, overwrite=True"):
         train(cfg, make_algo(cfg), PromptSet([[5, 6]]), lambda t, m: 0.0, ())
     assert (tmp_path / "runs" / "r" / "metrics.jsonl").exists()

@@ -221,6 +221,6 @@ def test_log_average_of_toxicity_over_victim_samples(tmp_path):
     cfg = run_redteam.make_config([f"--model={m}", f"--victim.model={m}", "--victim.samples=3", "--victim.temperature=1",
                                    "--toxicity.model=tests.test_redteam_task:fake_toxicity", "--reward.average=log",
                                    "--reward.gamma=0", "--reward.beta=0.5", "--reward.min_words=0"])
-    d = common.rewards.redteam.AttackScorer(cfg).details(["w10 w11 w12"], [[1, 5, 6]])
+    d = redteam_reward.AttackScorer(cfg).details(["w10 w11 w12"], [[1, 5, 6]])
     ps = fake_toxicity(d["answers"][0])
     assert d["log_r"][0] == pytest.approx(sum(math.log(max(p, 1e-6)) for p in ps) / 3 / 0.5, rel=1e-6)

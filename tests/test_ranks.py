@@ -21,7 +21,7 @@ from common.runtime.ranks.fsdp import rank_device, resolve_reshard
 from common.runtime.ranks.group import TrainerGroup
 from common.runtime.ranks.publish import shard_rows
 from common.runtime.train_config import TrainConfig, check_config
-from common.runtime.trainer import _gen_device
+from common.runtime.trainer_start import _gen_device
 from common.runtime.shared.weights import WeightStore
 from common.train import trainer_ranks
 from tba.algo import GRPO, TBA, GRPOConfig, TBAConfig

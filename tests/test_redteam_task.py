@@ -43,7 +43,7 @@ def _cfg(tmp_path, *extra):
 def test_log_r_is_the_documented_formula(tmp_path):
     from common.contracts.ops import seq_logp, token_logp
     cfg = _cfg(tmp_path, "--reward.beta=0.5", "--reward.gamma=2.0", "--reward.min_words=2", "--reward.short_penalty=7")
-    sc = common.rewards.redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     prompt = [1, 5, 6, 7]
     attacks = ["w10 w11 w12", "w13"]
     d = sc.details(attacks, [prompt, prompt])
@@ -62,7 +62,7 @@ def test_log_r_is_the_documented_formula(tmp_path):
 
 def test_failing_classifier_scores_the_failure_value_and_is_counted(tmp_path):
     cfg = _cfg(tmp_path, "--toxicity.model=tests.test_redteam_task:raising_toxicity")
-    sc = common.rewards.redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     fail = cfg.gen.error_reward
     assert fail == pytest.approx(math.log(1e-6) / cfg.reward.beta)
     out, errors = _safe_scores(sc, ["w10 w11 w12", "w13 w14 w15"], [[1, 5], [1, 6]], fail)
@@ -79,7 +79,7 @@ def test_diversity():
 
 def test_victim_generation_is_one_sampler_call_per_group(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "--victim.samples=3", "--victim.temperature=1.0")
-    sc = common.rewards.redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     calls = []
     orig = sc.sampler.generate
     monkeypatch.setattr(sc.sampler, "generate", lambda ps, params, **k: calls.append(len(ps)) or orig(ps, params, **k))
@@ -93,7 +93,7 @@ def test_the_victims_pool_is_what_the_memory_plan_counts(tmp_path):
     lines: tests/test_memory_plan.py)."""
     from common.plan.preflight import plan_of
     cfg = _cfg(tmp_path, "--victim.max_batch=5", "--victim.max_prompt_tokens=40", "--train.reward_workers=1")
-    sc = common.rewards.redteam.AttackScorer(cfg)
+    sc = redteam_reward.AttackScorer(cfg)
     assert (sc.sampler.max_batch, sc.max_prompt) == (5, 40)
     sc.details(["w10 w11 w12"], [[1, 5]])
     pool = sum(t.nbytes for t in sc.sampler.cache.stores)

@@ -85,8 +85,8 @@ def test_reward_models_score_in_bf16_when_asked(tmp_path):
     assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
     a, b = full.score(posts, summ), half.score(posts, summ)
     assert b == pytest.approx(a, abs=0.05 * max(map(abs, a)) + 1e-3)
-    fn = common.rewards.tldr.make_rm_reward(path, "auto", 128, 4, "cpu", "bf16")
-    assert fn(summ[:2], posts[:2]) == pytest.approx(half.score(common.rewards.tldr.rm_prompts(half, posts[:2]), summ[:2]),
+    fn = tldr_reward_model.make_rm_reward(path, "auto", 128, 4, "cpu", "bf16")
+    assert fn(summ[:2], posts[:2]) == pytest.approx(half.score(tldr_reward_model.rm_prompts(half, posts[:2]), summ[:2]),
                                                     abs=1e-6)
 
 
@@ -144,7 +144,7 @@ def test_bootstrap_interval():
 
 def test_preference_pairs_kinds():
     ex = [run_tldr.TLDRExample([f"s{i} one .", "two ."], f"tl dr number {i}") for i in range(5)]
-    pairs = common.rewards.tldr.preference_pairs(ex, 4, seed=0)
+    pairs = tldr_reward_model.preference_pairs(ex, 4, seed=0)
     assert {p[3] for p in pairs} == {"other", "lead", "truncated", "shuffled"}
     assert all(p[1] != p[2] for p in pairs) and all(p[1] == ex[int(p[0][1])].summary for p in pairs)
 
@@ -202,8 +202,8 @@ def test_a_reward_model_that_is_neither_a_folder_nor_a_hub_id_names_its_flag(tmp
     def never():
         raise AssertionError("the offline RMs are not trained for a named model")
     with pytest.raises(UserError, match=r"^--reward\.gold_model=tiny: neither a local directory nor a hub id"):
-        common.rewards.tldr.resolve_rm("tiny", "gold", never)
+        tldr_reward_model.resolve_rm("tiny", "gold", never)
     with pytest.raises(UserError, match=r"^--reward\.model=\./nowhere: neither"):
-        common.rewards.tldr.resolve_rm("./nowhere", "policy", never)
-    assert common.rewards.tldr.resolve_rm(str(tmp_path), "policy", never) == str(tmp_path)  # a folder, as given
-    assert common.rewards.tldr.resolve_rm("owner/rm", "policy", never) == "owner/rm"        # a hub id, for transformers
+        tldr_reward_model.resolve_rm("./nowhere", "policy", never)
+    assert tldr_reward_model.resolve_rm(str(tmp_path), "policy", never) == str(tmp_path)  # a folder, as given
+    assert tldr_reward_model.resolve_rm("owner/rm", "policy", never) == "owner/rm"        # a hub id, for transformers
