@@ -145,8 +145,8 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
                 presets: dict[str, Callable[[RunConfig], RunConfig]] | None = None,
                 description: str | None = None, finish: Callable[[RunConfig], RunConfig] | None = None) -> RunConfig:
     """The task's defaults (`cfg`), then `--preset` (the task's function for it; "cpu" = the
-    defaults; a preset the task has not is refused), then the algorithm's defaults (of `--algo`,
-    else of the algorithm the preset set: `areal_defaults` for AReaL), then every
+    defaults; a preset the task has not is refused), then the algorithm's defaults (of `--algo`:
+    `areal_defaults` for AReaL, never over a preset that is itself an AReaL run), then every
     other `--section.field=value`, then `finish` (values derived from others), then every value's
     range (`validate`: a ConfigError naming the key, the value and the range). `--print-config`
     prints the resolved config as JSON and exits (nothing is loaded: a dry check of a preset and
@@ -162,14 +162,16 @@ def make_config(cfg: RunConfig, argv: list[str] | None = None,
     preset = _flag(argv, "preset")
     if preset and preset != "cpu" and preset not in (presets or {}):
         raise ValueError(f"--preset={preset}: this task's presets are cpu, {', '.join(presets or {})}")
+    areal_preset = False  # a preset that is an AReaL run (sets algo="areal") has set AReaL's settings itself
     if preset and preset in (presets or {}):
         _planned_gpus = len(gpus) if gpus else 0  # a preset's GPU shares follow the GPUs planned for, while it applies
         try:
-            cfg.preset = preset
+            cfg.preset, before = preset, cfg.algo
             cfg = presets[preset](cfg)
+            areal_preset = cfg.algo == "areal" and before != "areal"
         finally:
             _planned_gpus = 0
-    if (_flag(argv, "algo") or cfg.algo) == "areal":
+    if (_flag(argv, "algo") or cfg.algo) == "areal" and not areal_preset:
         cfg = areal_defaults(cfg)
     cfg = cli(cfg, argv, description=description)
     if finish is not None:

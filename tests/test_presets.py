@@ -16,6 +16,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 
 from common.rewards import redteam as redteam_reward
+import run_code
 import run_gsm8k
 import run_redteam
 import run_tldr
@@ -169,6 +170,21 @@ def test_tldr_paper_preset_runs_with_tiny_pythia_stand_ins(tmp_path):
     assert _steps(tmp_path / "runs" / "tldr_paper") == [1, 2] and "eval_win_rate" in last
     cfg = json.loads((tmp_path / "runs" / "tldr_paper" / "config.json").read_text())
     assert cfg["preset"] == "paper" and cfg["tba"]["beta_cut_step"] == 32
+
+
+def test_code_paper_preset_runs_with_a_tiny_qwen3_stand_in(tmp_path):
+    policy = tmp_path / "qwen3"
+    tiny.save_hf("qwen3_qknorm", policy)
+    tiny.tokenizer().save_pretrained(policy)
+    rows = [{"task_id": f"T/{i}", "prompt": "def f():\n    return ", "entry_point": "f", "canonical_solution": "1\n",
+             "test": "def check(candidate):\n    assert candidate() == 1\n"} for i in range(4)]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    last = run_code.main(["--preset=paper", f"--model={policy}", f"--data.path={tmp_path / 'p.jsonl'}",
+                          "--gen.max_new_tokens=3", "--sandbox.workers=2", f"--run_root={tmp_path / 'runs'}", *CPU])
+    assert _steps(tmp_path / "runs" / "code_paper") == [1, 2] and "reward_crashes" in last
+    cfg = json.loads((tmp_path / "runs" / "code_paper" / "config.json").read_text())
+    assert (cfg["preset"], cfg["algo"], cfg["train"]["max_staleness"], cfg["areal"]["reward_scaling"]) == \
+        ("paper", "areal", 16, 10.0)
 
 
 @pytest.mark.parametrize("preset", ["paper", "paper_llama"])

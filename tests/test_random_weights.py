@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 
+import run_code
 import run_gsm8k
 import run_redteam
 import run_tldr
@@ -24,7 +25,7 @@ from common.rewards.toxicity import Toxicity
 from tests import tiny
 
 PRESETS = [(run_gsm8k, "paper"), (run_gsm8k, "areal_long"), (run_tldr, "paper"), (run_redteam, "paper"),
-           (run_redteam, "paper_llama")]
+           (run_redteam, "paper_llama"), (run_code, "paper")]
 SHAPE = ("llama", "causal", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  num_key_value_heads=2, vocab_size=90, max_position_embeddings=512,
                                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2))
@@ -41,7 +42,7 @@ def test_every_hub_id_a_preset_names_has_a_shape(module, preset):
                                               ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", 1.777),
                                               ("mnoukhov/pythia1b-sft-tldr", 1.012), ("EleutherAI/pythia-6.9b-deduped", 6.857),
                                               ("gpt2", 0.124), ("EleutherAI/pythia-160m", 0.162), ("meta-llama/Llama-3.2-1B", 1.236),
-                                              ("meta-llama/Llama-3.1-8B-Instruct", 8.030)])
+                                              ("meta-llama/Llama-3.1-8B-Instruct", 8.030), ("Qwen/Qwen3-8B", 8.191)])
 def test_shapes_are_the_published_sizes(hub_id, billions):
     cfg = shapes.hf_config(hub_id)
     ModelConfig.from_hf(cfg)  # our engine takes it

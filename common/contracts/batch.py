@@ -18,6 +18,25 @@ import torch
 FINISH_REASONS = ("stop", "length", "interrupted")
 
 
+class Scored(float):
+    """A reward with the reason it is what it is, for a reward that runs something that can fail
+    (a program's tests): "timeout", "crashed" or "refused" (it did what it may not), counted in the
+    run's metrics (`reward_timeouts`, `reward_crashes`, `reward_refused`); "" = no reason to count.
+    A float everywhere else."""
+
+    REASONS = ("timeout", "crashed", "refused")
+
+    def __new__(cls, value: float, reason: str = ""):
+        if reason and reason not in cls.REASONS:
+            raise ValueError(f"Scored reason {reason!r}: expected one of {cls.REASONS}")
+        x = super().__new__(cls, value)
+        x.reason = reason
+        return x
+
+    def __reduce__(self):  # across processes (a reward worker's answer) with its reason
+        return Scored, (float(self), self.reason)
+
+
 @dataclass
 class PromptSet:
     """Tokenised prompts plus whatever per-prompt data the reward needs (picklable): what a task

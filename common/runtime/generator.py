@@ -28,7 +28,7 @@ from typing import Callable, Literal, Optional
 import numpy as np
 import torch
 
-from common.contracts.batch import PromptSet, Trajectory
+from common.contracts.batch import PromptSet, Scored, Trajectory
 from common.contracts.config_check import any_finite, at_least, between, relation
 from common.contracts.errors import UserError
 from common.engine.machine.precision import Precision
@@ -114,9 +114,11 @@ class Control:
     """Shared admission gate and generator statistics (see module docstring)."""
     VERSION, STARTED, QUOTA, DONE_GROUPS = 0, 1, 2, 3
     STAT_FIELDS = ("tokens", "busy_s", "groups", "sync_s", "syncs", "reward_errors", "interrupts", "preemptions",
-                   "reprefill_tokens", "kv_occupancy", "cuda_peak_bytes")
+                   "reprefill_tokens", "kv_occupancy", "cuda_peak_bytes", "reward_timeouts", "reward_crashes",
+                   "reward_refused")
     (TOKENS, BUSY_S, GROUPS, SYNC_S, SYNCS, REWARD_ERRORS, INTERRUPTS, PREEMPTIONS, REPREFILL_TOKENS,
-     KV_OCCUPANCY, CUDA_PEAK_BYTES) = range(11)  # columns of `stats`
+     KV_OCCUPANCY, CUDA_PEAK_BYTES, REWARD_TIMEOUTS, REWARD_CRASHES, REWARD_REFUSED) = range(14)  # columns of `stats`
+    REASON_COLUMN = {"timeout": REWARD_TIMEOUTS, "crashed": REWARD_CRASHES, "refused": REWARD_REFUSED}  # Scored's
 
     def __init__(self, ctx, prompts_per_version: int, max_staleness: Optional[int], n_generators: int = 1):
         self.t = torch.zeros(4, dtype=torch.int64).share_memory_()
@@ -188,7 +190,8 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
     elif texts:
         for text in texts:
             try:
-                r = float(reward_fn(text, meta))
+                r = reward_fn(text, meta)
+                r = r if type(r) is Scored else float(r)
                 if not math.isfinite(r):
                     raise ValueError(f"reward_fn returned {r}")
             except Exception as e:  # noqa: BLE001 - a bad sample must not kill a long run
@@ -196,8 +199,11 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
                 stats_row[Control.REWARD_ERRORS] += 1
                 r = error_reward
             out.append(r)
+    for r in out:  # a reward's reason, where it gave one (a program that timed out, crashed, was refused)
+        if type(r) is Scored and r.reason:
+            stats_row[Control.REASON_COLUMN[r.reason]] += 1
     scored = iter(out)
-    return [no_stop_reward if k else next(scored) for k in cut]
+    return [no_stop_reward if k else float(next(scored)) for k in cut]
 
 
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,

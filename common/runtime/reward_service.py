@@ -22,6 +22,8 @@ import math
 import queue as queue_mod
 from typing import Callable
 
+from common.contracts.batch import Scored
+
 log = logging.getLogger("asyncrl.reward")
 _logged: set[str] = set()  # the kinds of failure this process has already logged in full
 
@@ -69,7 +71,7 @@ class RewardClient:
 
 def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0.0) -> tuple[list[float], int]:
     try:
-        out = [float(r) for r in fn(texts, metas)]
+        out = [r if type(r) is Scored else float(r) for r in fn(texts, metas)]  # a reason kept (a program's)
         if len(out) != len(texts):
             raise ValueError(f"reward fn returned {len(out)} rewards for {len(texts)} texts")
         if all(math.isfinite(r) for r in out):
@@ -81,7 +83,8 @@ def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0
     out, errors = [], 0
     for t, m in zip(texts, metas):
         try:
-            r = float(fn([t], [m])[0])
+            r = fn([t], [m])[0]
+            r = r if type(r) is Scored else float(r)
             if not math.isfinite(r):
                 raise ValueError(f"reward {r}")
         except Exception as e:  # noqa: BLE001 - one bad sample scores error_reward, the run goes on

@@ -74,6 +74,8 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
                prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
                gen_sync_s=stats_of[:, Control.SYNC_S].sum().item(), gen_syncs=stats_of[:, Control.SYNCS].sum().item(),
                reward_errors=stats_of[:, Control.REWARD_ERRORS].sum().item(),
+               **{f: stats_of[:, Control.STAT_FIELDS.index(f)].sum().item()  # a reward's reasons (Scored), so far
+                  for f in ("reward_timeouts", "reward_crashes", "reward_refused")},
                comp_len_mean=batch.comp_lens.float().mean().item(), comp_len_max=int(batch.comp_lens.max()),
                gen_interrupts=stats_of[:, Control.INTERRUPTS].sum().item(),
                gen_preemptions=stats_of[:, Control.PREEMPTIONS].sum().item(),

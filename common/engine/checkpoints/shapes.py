@@ -83,6 +83,11 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
         head_dim=64, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters={**_LLAMA3_ROPE, "factor": 32.0}, tie_word_embeddings=True, bos_token_id=128000,
         eos_token_id=128001)),
+    "Qwen/Qwen3-8B": ("qwen3", "causal", dict(  # AReaL's coding policy (boba-2)
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6, use_sliding_window=False,
+        attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)),
     "meta-llama/Llama-3.1-8B-Instruct": ("llama", "causal", _LLAMA3_8B),  # its victim
     "meta-llama/Llama-Guard-3-8B": ("llama", "causal", _LLAMA3_8B),  # its guard
 }
@@ -107,7 +112,7 @@ def hf_config(hub_id: str, vocab_size: int | None = None) -> dict:
 
 
 def _class_name(model_type: str, head: str) -> str:
-    fam = {"llama": "Llama", "qwen2": "Qwen2", "gpt_neox": "GPTNeoX", "gpt2": "GPT2", "roberta": "Roberta"}[model_type]
+    fam = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt_neox": "GPTNeoX", "gpt2": "GPT2", "roberta": "Roberta"}[model_type]
     if head == "classifier":
         return f"{fam}ForSequenceClassification"
     return "GPT2LMHeadModel" if model_type == "gpt2" else f"{fam}ForCausalLM"
