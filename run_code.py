@@ -202,7 +202,7 @@ def judge(argv: list[str]) -> dict:
         reasons[v.reason] = reasons.get(v.reason, 0) + 1
         print(json.dumps({"task_id": r["task_id"], "completion_id": r.get("completion_id"),
                           "reward": v.reward(cfg.reward.rule), "passed": v.passed, "tests": v.total,
-                          "reason": v.reason, "detail": v.detail}))
+                          "reason": v.reason, "detail": v.detail, "seconds": round(v.seconds, 3)}))
     summary = {"judge": path, "rows": len(rows), "reward_mean": sum(v.reward(cfg.reward.rule) for v in verdicts)
                / max(1, len(rows)), "pass1": sum(v.reward("all") for v in verdicts) / max(1, len(rows)), "reasons": reasons}
     print(json.dumps(summary))

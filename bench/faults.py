@@ -5,7 +5,8 @@ attacks and mistakes: on the run's store across nodes (bench/faults_store.py: a 
 replayed one, an earlier run's, a wildcard address through MASTER_ADDR, a weak secret) and on files
 and command lines (bench/faults_attacks.py: a planted checkpoint or buffer, a buffer of absurd size, a
 truncated weight file, a hostile run name, --overwrite over a user's file, a really full disk, a
-zero-size setting). Prints one JSON line per scenario and a summary line (stdout), and a table
+zero-size setting) and on the code sandbox (bench/faults_sandbox.py: each hostile program the policy
+could write, and all of them during a run). Prints one JSON line per scenario and a summary line (stdout), and a table
 (stderr).
 
     python bench/faults.py                                 # every scenario, ~6 min on 2 cores
@@ -45,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.distributed as dist  # noqa: E402
 from common.engine.checkpoints.tiny_model import build_tiny  # noqa: E402 - the toy task's model
 from bench.leaks import group_alive, leaked, shm_entries, wait_until  # noqa: E402 - the run's own /dev/shm entries only
-from bench import faults_attacks, faults_store  # noqa: E402
+from bench import faults_attacks, faults_sandbox, faults_store  # noqa: E402
 from tba.algo import TBA  # noqa: E402  (PacedTBA must be a module-level class: ranks 1..N-1 unpickle it)
 
 STEPS, INJECT_AT, STALL_S, PACE_S, LOW = 60, 3, 5.0, 0.1, 20  # 60 paced steps (~8 s) outlast a 5 s stall
@@ -287,12 +288,14 @@ def run_scenario(name: str, root: Path, model: str) -> dict:
     return res
 
 
-ATTACKS = {**faults_store.ATTACKS, **faults_attacks.ATTACKS}  # name -> (the attack, the message the user must see)
+ATTACKS = {**faults_store.ATTACKS, **faults_attacks.ATTACKS, **faults_sandbox.ATTACKS}  # name -> (the attack, the message)
 
 
 def run_attack(name: str, root: Path, model: str) -> dict:
     d = root / name
     d.mkdir(parents=True)
+    if name in faults_sandbox.ATTACKS:  # a program in the code sandbox: one function for every row
+        return {"scenario": name, "fault": ATTACKS[name][0], **faults_sandbox.run(name, d, model)}
     module = faults_store if name in faults_store.ATTACKS else faults_attacks
     return {"scenario": name, "fault": ATTACKS[name][0], **getattr(module, name)(d, model)}
 
@@ -300,7 +303,7 @@ def run_attack(name: str, root: Path, model: str) -> dict:
 def table(rows: list[dict]) -> str:
     cols = ("scenario", "detected", "detect_s", "exit_s", "exit_code", "processes_left", "shm_left", "checkpoints_loadable",
             "rows_lost", "rows_duplicated", "resume_same_counters", "resume_kept_rows", "payload_ran", "foreign_file_kept",
-            "tmp_dirs_left")
+            "tmp_dirs_left", "reason", "verdict_s", "connected")
     cell = lambda r, c: ("-" if r.get(c) is None else "/".join(map(str, r[c])) if c == "exit_code" and isinstance(r[c], list)  # noqa: E731
                          else str(len(r[c]) if isinstance(r[c], list) else r[c]))  # a list of codes: one per process
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]

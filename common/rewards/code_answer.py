@@ -41,7 +41,7 @@ REASONS = {"timeout": "timeout", "no_result": "crashed", "crashed": "crashed", "
 class CodeProblem:
     task_id: str
     prompt: str                 # what the model is asked (a header to continue, or a task in words)
-    kind: str                   # the tests' form: check, asserts, call or stdio (common/rewards/sandbox_child.py)
+    kind: str                   # the tests' form: check, asserts, call or stdio (common/rewards/sandbox_judge.py)
     tests: object               # the tests, in that form
     entry_point: str | None = None  # the function the tests call (check, call)
     canonical: str | None = None    # a reference solution, where the file has one

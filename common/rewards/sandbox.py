@@ -1,45 +1,48 @@
-"""The code sandbox's parent side: each program the policy wrote runs in a fresh interpreter of its
-own (common/rewards/sandbox_child.py: the launcher, the judge and the program's process, what each
-may do), in its own process group and an empty temporary folder, with none of this process's
-environment; its tests' verdicts come back on a pipe, and whatever is left of it is killed at the
-end. Used by the code task's reward (common/rewards/code_answer.py) in generators or reward workers,
-and by `run_code.py --judge`.
+"""The code sandbox's parent side: each program the policy wrote runs in a process of its own forked,
+per program, from a sandbox server (common/rewards/sandbox_server.py: the server, the launcher, the
+judge and the program's process, what each may do), in its own session and an empty temporary
+folder; its tests' verdicts come back as the judge's lines, and whatever is left of it is killed at
+the end. Used by the code task's reward (common/rewards/code_answer.py) in reward workers, and by
+`run_code.py --judge` and the evaluation.
 
-Safety (docs/tasks.md, "Code"): the interpreter is started by exec, never as a fork of this process
-(which may hold the run's weights): Python's subprocess forks with vfork, nothing of this process's
-memory is copied or runs in the child before the exec. Its environment is empty (the run's secret,
-tokens and paths stay here), its working directory is its own new folder under the system's
-temporary directory (never the run's), and every descriptor but stdin/stdout/stderr and the
-result pipe is closed. The wall-clock limit is this process's: at it the whole process group is
-killed, and again at the end whatever the program left (a process in a PID namespace of its own
-dies with the namespace's first process, the judge). Where the kernel does not allow new
-namespaces (no network, no PID namespace), the audit hook still refuses sockets and processes: said
-once, at the first run.
+Safety (docs/tasks.md, "Code"): a server is a fresh interpreter started by exec, never a fork of
+this process (which may hold the run's weights: Python's subprocess execs at once, nothing of this
+process's memory runs in the child), with an empty environment (the run's secret, tokens and paths
+stay here), `/` as its working directory and only its two pipes. It holds nothing of the run and
+never runs a program's code; the programs are forked from it (so none pays for an interpreter's
+start). The wall-clock limit is the server's: at it the job's session is killed, then whatever the
+job left (the server is a child subreaper); here a second limit, ten seconds later, kills a server
+that stopped answering. Where the kernel does not allow new namespaces (no network, no PID
+namespace), the audit hook still refuses sockets and processes: said once, at the first run.
 
-Concurrency: `Sandbox.run_many` runs up to `workers` programs at once (threads waiting on
-processes); each program is one interpreter, so `workers` bounds the CPUs the reward takes.
+Concurrency: `Sandbox.run_many` runs up to `workers` programs at once (threads, each with a server of
+its own, started at first use); each program is one process, so `workers` bounds the CPUs the
+reward takes.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import queue
 import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.contracts.config_check import at_least, between
 
 log = logging.getLogger("asyncrl.sandbox")
-CHILD = Path(__file__).with_name("sandbox_child.py")
+SERVER = Path(__file__).with_name("sandbox_server.py")
 KINDS = ("check", "asserts", "call", "stdio")
 
 
@@ -86,45 +89,89 @@ class Verdict:
 _warned = threading.Event()
 
 
+class _Server:
+    """One sandbox server (sandbox_server.py): a fresh interpreter started by exec with an empty
+    environment, judging one job at a time; `judge` returns the judge's lines and whether the
+    wall-clock limit cut them."""
+
+    def __init__(self, namespaces: bool):
+        self.p = subprocess.Popen([sys.executable, "-I", "-S", str(SERVER)] + ["--namespaces"] * namespaces,
+                                  stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={"LANG": "C.UTF-8"},
+                                  cwd="/", start_new_session=True, close_fds=True, bufsize=0)
+
+    def judge(self, job: dict, timeout: float) -> tuple[list[str], bool]:
+        data = json.dumps(job).encode()
+        self.p.stdin.write(struct.pack("<I", len(data)) + data)
+        done = self._frame(time.monotonic() + timeout + 10.0)  # the server ends the job at `timeout` itself
+        if done is None:  # the server is stuck or gone: killed, and with it its namespace (or the job's processes
+            _kill_group(self.p.pid)  # without one: they are in the server's session until the judge's setsid)
+            raise OSError("the sandbox server stopped answering")
+        return done["lines"], done["timeout"]
+
+    def _frame(self, deadline: float) -> dict | None:
+        fd, out = self.p.stdout.fileno(), b""
+        for n in (4, None):
+            want = struct.unpack("<I", out)[0] if n is None else n
+            buf = b""
+            while len(buf) < want:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                    return None
+                chunk = os.read(fd, want - len(buf))
+                if not chunk:
+                    return None
+                buf += chunk
+            out = buf
+        return json.loads(out)
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()  # the server exits at the end of its pipe
+            self.p.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
+            _kill_group(self.p.pid)
+        self.p.wait()
+
+
 class Sandbox:
-    """Runs programs against their tests (module docstring); safe to share between threads."""
+    """Runs programs against their tests (module docstring); safe to share between threads; `close()`
+    (or `with`) ends its servers, which also end when this process does."""
 
     def __init__(self, cfg: SandboxConfig | None = None, base_dir: str | None = None):
         self.cfg = cfg or SandboxConfig()
         self.base_dir = base_dir  # where each program's folder is made; None = the system's temporary directory
         self._pool = ThreadPoolExecutor(self.cfg.workers, thread_name_prefix="sandbox")
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock, self._servers = threading.Lock(), []  # every server started (started lazily, `workers` at most)
+        # a Sandbox dropped without close() ends its servers when collected (and they end with this process)
+        self._finalize = weakref.finalize(self, _close_all, self._pool, self._lock, self._servers)
 
     def run(self, program: str, kind: str, tests, entry_point: str | None = None) -> Verdict:
-        """One program and its tests (`kind`: check, asserts, call or stdio; sandbox_child.py)."""
+        """One program and its tests (`kind`: check, asserts, call or stdio; sandbox_judge.py)."""
         if kind not in KINDS:
             raise ValueError(f"test kind {kind!r}: expected one of {KINDS}")
         total = (len(tests) if kind != "check" else None)
         folder = tempfile.mkdtemp(prefix="asyncrl_sandbox_", dir=self.base_dir)
         c = self.cfg
-        r, w = os.pipe()
         job = {"program": program, "kind": kind, "tests": tests, "entry_point": entry_point, "folder": folder,
-               "nonce": os.urandom(16).hex(), "namespaces": c.namespaces, "result_fd": w,
+               "nonce": os.urandom(16).hex(), "namespaces": c.namespaces, "timeout_s": c.timeout_s,
                "limits": {k: getattr(c, k) for k in ("cpu_s", "memory_mb", "file_mb", "open_files", "processes",
                                                      "output_kb", "test_timeout_s")}}
         t0 = time.monotonic()
         try:
-            p = subprocess.Popen([sys.executable, "-I", "-S", str(CHILD)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={"LANG": "C.UTF-8"},
-                                 cwd=folder, pass_fds=(w,), start_new_session=True, close_fds=True)
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        os.close(w)
-        try:
-            lines = self._collect(p, r, json.dumps(job).encode(), t0)
+            server = self._take()
+            try:
+                lines, cut = server.judge(job, c.timeout_s)
+                self._idle.put(server)
+            except (OSError, ValueError):  # a broken server is dropped (a new one replaces it): this job gets no result
+                self._drop(server)
+                lines, cut = [], False
+            v = _verdict(lines + (["__timeout__"] if cut else []), job["nonce"], total, time.monotonic() - t0,
+                         c.timeout_s)
+            v.stdout = _head(Path(folder) / "stdout.txt")
         finally:
-            _kill_group(p)
-            os.close(r)
-        v = _verdict(lines, job["nonce"], total, time.monotonic() - t0, c.timeout_s)
-        v.stdout = _head(Path(folder) / "stdout.txt")
-        shutil.rmtree(folder, ignore_errors=True)  # the folder made above: nothing in it is anyone else's
+            shutil.rmtree(folder, ignore_errors=True)  # the folder made above: nothing in it is anyone else's
         if v.namespaced is False and c.namespaces and not _warned.is_set():
             _warned.set()
             log.warning("sandbox: this kernel does not allow new PID and network namespaces here: programs run "
@@ -135,38 +182,46 @@ class Sandbox:
         """`run(**job)` for each job, `workers` at a time, in order."""
         return list(self._pool.map(lambda j: self.run(**j), jobs))
 
-    def _collect(self, p: subprocess.Popen, r: int, payload: bytes, t0: float) -> list[str]:
-        """The result pipe's lines until it closes or the wall-clock limit."""
+    def _take(self) -> _Server:
         try:
-            p.stdin.write(payload)
-            p.stdin.close()
-        except (BrokenPipeError, OSError):
+            return self._idle.get_nowait()
+        except queue.Empty:
             pass
-        buf, deadline = b"", t0 + self.cfg.timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([r], [], [], left)[0]:
-                return buf.decode(errors="replace").splitlines() + ["__timeout__"]
-            chunk = os.read(r, 65536)
-            if not chunk:
-                return buf.decode(errors="replace").splitlines()
-            buf += chunk
-            if len(buf) > 16 << 20:  # a judge never writes this much: something is wrong, stop reading
-                return buf[:1 << 20].decode(errors="replace").splitlines()
+        with self._lock:
+            if len(self._servers) < self.cfg.workers:
+                server = _Server(self.cfg.namespaces)
+                self._servers.append(server)
+                return server
+        return self._idle.get()
+
+    def _drop(self, server: _Server) -> None:
+        with self._lock:
+            self._servers.remove(server)
+        server.close()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._finalize()
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
-def _kill_group(p: subprocess.Popen) -> None:
-    """Kill the program's process group (whatever it left behind there), then reap the launcher."""
+def _close_all(pool: ThreadPoolExecutor, lock: threading.Lock, servers: list) -> None:
+    pool.shutdown(wait=True)
+    with lock:
+        ended = servers[:]
+        servers.clear()
+    for server in ended:
+        server.close()
+
+
+def _kill_group(pid: int) -> None:
     try:
-        os.killpg(p.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        p.wait(timeout=5)
-    except subprocess.TimeoutExpired:
         pass
 
 

@@ -1,7 +1,7 @@
 """The program's side of the code sandbox: the messages between the judge and the program, the
 program's process (limits, the audit hook, running the program and answering the judge's calls).
-Imported by sandbox_child.py before any of the program's code runs, in a fresh interpreter
-(`python -I -S`); the standard library only. What each process does: sandbox_child.py's docstring.
+Imported by the sandbox server (sandbox_server.py) before any program runs, in a fresh interpreter
+(`python -I -S`); the standard library only. What each process does: sandbox_server.py's docstring.
 """
 import ast
 import builtins
@@ -31,10 +31,10 @@ _DENIED_EVENTS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork
 _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.link", "os.symlink",
                 "os.truncate", "os.utime", "os.chdir", "shutil.rmtree", "shutil.move", "shutil.copyfile",
                 "shutil.copytree", "os.listdir", "os.scandir", "glob.glob", "os.setxattr", "os.removexattr"}
-# modules a program commonly uses that call sys._getframe when imported: imported before the hook
+# modules most programs import, loaded once by the server (a program forked from it finds them loaded);
+# not more: every module loaded there makes each fork slower (hashlib's OpenSSL doubles it)
 _PRELOAD = ("typing", "collections", "dataclasses", "enum", "functools", "itertools", "heapq", "bisect", "math",
-            "string", "re", "random", "statistics", "fractions", "decimal", "datetime", "copy", "operator", "hashlib",
-            "array", "queue", "threading", "warnings", "json", "io")
+            "string", "re", "random", "copy", "operator", "io")
 
 
 # ------------------------------------------------------------------ messages between judge and program
@@ -161,8 +161,6 @@ def _program(job: dict, calls: int, answers: int, alarm: int) -> None:
         out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, fd)
         os.close(out)
-    for name in _PRELOAD:
-        __import__(name)
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the size limit fails (EFBIG) instead of killing
     _limit(job["limits"])
     write = os.write

@@ -1,27 +1,17 @@
-"""The harness inside the code sandbox: one program the policy wrote, its tests, a verdict. Runs as a
-fresh interpreter (`python -I -S sandbox_child.py`, started by common/rewards/sandbox.py), never
-imported by the project; the standard library and its sibling sandbox_program.py only.
+"""The judge of one program in the code sandbox: a fork of the sandbox's server (sandbox_server.py:
+the processes and what each may do), in a session of its own; never imported by the project, the
+standard library and its siblings only.
 
-Three processes, so that the program can neither leave nor lie about its tests:
-  launcher  reads the job from stdin, makes new PID and network namespaces where the kernel allows
-            (a user namespace too when not root), forks the judge and waits for it;
-  judge     the namespace's first process: holds the result pipe, forks the program,
-            runs the dataset's tests, each call of the program's functions a message to it, and
-            writes each test's verdict. It never runs a line of the program, so nothing the program
-            does can change a verdict; when it exits, the kernel ends every process left in the
-            namespace (a background process, a fork's children);
-  program   closes the result pipe, runs in an empty folder of its own with stdout and stderr
-            to files there, under resource limits (CPU seconds, address space, file size, open files,
-            processes, no core) and an audit hook (`sys.addaudithook`: the program cannot remove it)
-            that refuses, and reports, anything beyond computing: a file opened or changed outside
-            its folder (reads of the Python standard library aside), a process started or signalled,
-            a socket, ctypes, the interpreter's frames and objects, a module made for these. It runs
-            the program once, then answers the judge's calls; what it answers is a Python literal the
-            judge reads with `ast.literal_eval` (an object whose __eq__ always says yes cannot cross).
-Tests: HumanEval's `check(candidate)` (each `assert` of its body counted on its own), MBPP's assert
-statements, calls with expected values (DeepCoder's fn_name cases) or stdin/stdout cases (DeepCoder,
-LiveCodeBench: the program runs once per case). A test that takes longer than its limit fails, and
-with it those after it.
+It holds the result pipe, forks the program's process (sandbox_program.py), runs the dataset's
+tests, each call of the program's functions a message to it, and writes each test's verdict with the
+job's nonce. It never runs a line of the program, so nothing the program does can change a verdict;
+at the end it kills the program's process.
+Tests: HumanEval's `check(candidate)` (each `assert` of its body counted on its own; check()
+finishing counts as the one test where every assert is in a loop), MBPP's assert statements, calls
+with expected values (DeepCoder's fn_name cases) or stdin/stdout cases (DeepCoder, LiveCodeBench:
+the program runs once per case). The tests see the program's functions by name (HumanEval's call
+helpers of its prompt), never one named as a builtin (a program's own abs() would judge itself). A
+test that takes longer than its limit fails, and with it those after it.
 """
 import ast
 import builtins
@@ -29,33 +19,14 @@ import ctypes
 import json
 import os
 import select
-import sys
+import signal
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves the script's folder out: its sibling
-from sandbox_program import _encode, _now, _program, _receive, _send  # noqa: E402 - after the path
+from sandbox_program import _encode, _now, _program, _receive, _send
 
-_NEWPID, _NEWNET, _NEWUSER = 0x20000000, 0x40000000, 0x10000000
 _JUDGE_NAMES = {"check", "candidate", "__verdict__"}  # the judge's own names in the tests' namespace
 
 
-# ------------------------------------------------------------------ the launcher
-def _isolate(root: bool) -> bool:
-    """New PID and network namespaces (a user one when not root); False where the kernel refuses."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    uid, gid = os.getuid(), os.getgid()
-    if libc.unshare(_NEWPID | _NEWNET | (0 if root else _NEWUSER)) != 0:
-        return False
-    if not root:  # the same ids inside, so what the program writes in its folder is the user's
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            try:
-                with open(f"/proc/self/{name}", "w") as f:
-                    f.write(text)
-            except OSError:
-                pass
-    return True
-
-
-# ------------------------------------------------------------------ the judge's process
+# ------------------------------------------------------------------ the judge
 class _Program:
     """The judge's side of the program's process: calls in, answers out, each within the time limit."""
 
@@ -149,35 +120,31 @@ def _same_output(got: str, want: str) -> bool:
     return lines(got) == lines(want)
 
 
-def main() -> None:
-    job = json.loads(sys.stdin.buffer.read())
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    namespaced = job["namespaces"] and _isolate(os.geteuid() == 0)
-    judge = os.fork()  # in a new PID namespace: its first process
-    if judge:
-        _, status = os.waitpid(judge, 0)
-        os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+def judge_main(job: dict, result: int) -> None:
+    """The judge (the module docstring), in a session of its own; never returns. `result`: the result
+    pipe's write end."""
+    libc = ctypes.CDLL(None)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the server gone, the judge goes
     nonce = job["nonce"]
-
-    result = job["result_fd"]
 
     def say(obj):
         os.write(result, (json.dumps({**obj, "nonce": nonce}) + "\n").encode())
     calls_r, calls_w = os.pipe()
     answers_r, answers_w = os.pipe()
     alarm_r, alarm_w = os.pipe()
-    if os.fork() == 0:  # the program's process: its code can walk up to this frame, so it keeps neither the
+    pid = os.fork()
+    if pid == 0:  # the program's process: its code can walk up to this frame, so it keeps neither the
         job.pop("tests")  # tests (their expected values) nor the nonce; the result pipe it closes (_program)
         job.pop("nonce")
         nonce = None
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # the judge gone, the program goes (before its code runs)
         os.close(calls_w)
         os.close(answers_r)
         os.close(alarm_r)
         _program(job, calls_r, answers_w, alarm_w)
     for fd in (calls_r, answers_w, alarm_w):
         os.close(fd)
-    say({"start": True, "namespaced": namespaced})
+    say({"start": True, "namespaced": job["namespaced"]})
     prog = _Program(calls_w, answers_r, job["limits"]["test_timeout_s"])
     first = _receive(answers_r, _now() + job["limits"]["test_timeout_s"])
     if first is None or first[0] != "ready":
@@ -188,14 +155,10 @@ def main() -> None:
         verdicts = _judge(job, prog, say)
         total = len(verdicts)
     violation = os.read(alarm_r, 400).decode(errors="replace") if select.select([alarm_r], [], [], 0)[0] else ""
-    say({"done": True, "passed": verdicts, "total": total, "error": error, "violation": violation,
-         "timed_out": prog.dead})
-    try:
-        _send(calls_w, ("stop",))
+    try:  # the program is done with, whatever it does now (a new session of its own included)
+        os.kill(pid, 9)
     except OSError:
         pass
+    say({"done": True, "passed": verdicts, "total": total, "error": error, "violation": violation,
+         "timed_out": prog.dead})
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
