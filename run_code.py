@@ -46,7 +46,7 @@ from common.engine.checkpoints.hf_save import tokenizer_stop_ids
 from common.engine.sampler.sampling import SamplingParams
 from common.evaluate import greedy_completions, sample_completions
 from common.rewards.code_answer import CodeProblem, code_reward, humaneval_path, load_problems, pass_at_k, split
-from common.rewards.sandbox import Sandbox, SandboxConfig
+from common.rewards.sandbox import Sandbox, SandboxConfig, Verdict
 from common.runtime.generator import GenConfig
 from common.runtime.train_config import TrainConfig
 
@@ -76,6 +76,10 @@ class DataConfig:
 @dataclass
 class CodeRewardConfig:
     rule: Literal["all", "fraction"] = "all"  # 1 when every test passes (AReaL, DeepCoder), or the share that passed
+    require_block: bool = False         # a completion without a fenced code block earns 0 (AReaL); False: its text is the program
+    min_block_chars: int = 0            # fenced blocks shorter than this are not code (AReaL: 20)
+
+    CHECKS = {"min_block_chars": at_least(0)}  # ranges (common/contracts/config_check.py)
 
 
 @dataclass
@@ -113,8 +117,8 @@ def paper_preset(cfg: CodeConfig) -> CodeConfig:
         checkpoint_every=20, eval_every=0)
     cfg.areal = AReaLConfig(eps_clip=0.2, behav_imp_weight_cap=5.0, n_minibatches=1, adv_norm="batch_tokens",
                             early_stop_imp_ratio=5.0, mask_too_long=False, reward_bias=0.5, reward_scaling=10.0,
-                            max_reward_clip=20.0)
-    cfg.reward.rule = "all"
+                            max_reward_clip=20.0, success_rate_lb=0.05, success_rate_ub=0.95)
+    cfg.reward.rule, cfg.reward.require_block, cfg.reward.min_block_chars = "all", True, 20
     cfg.sandbox = SandboxConfig(timeout_s=200.0, test_timeout_s=6.0, cpu_s=200, memory_mb=4096, workers=8)
     return task.gpu_defaults(cfg)
 
@@ -143,8 +147,12 @@ class Evaluator:
         self.sandbox = Sandbox(cfg.sandbox)
         self.solved: list[list[float]] = []
 
-    def _judge(self, texts, problems) -> list:
-        return self.sandbox.run_many([p.job(p.program(t)) for t, p in zip(texts, problems)])
+    def _judge(self, texts, problems) -> list[Verdict]:
+        """The verdicts of the completions' programs (`reward`'s rule for what is one); none: `no_program`."""
+        r = self.cfg.reward
+        progs = [p.program(t, r.require_block, r.min_block_chars) for t, p in zip(texts, problems)]
+        ran = iter(self.sandbox.run_many([p.job(g) for g, p in zip(progs, problems) if g is not None]))
+        return [next(ran) if g is not None else Verdict(0, 0, "no_program", "no fenced code block") for g in progs]
 
     def __call__(self, model, tokenizer) -> dict:
         c = self.cfg
@@ -155,7 +163,7 @@ class Evaluator:
         out = {"eval_pass1": sum(solved) / len(solved), "eval_n": len(solved),
                "eval_len": sum(len(o.tokens) for o in outs) / len(outs),
                **{f"eval_{r}": sum(v.reason == r for v in verdicts) / len(verdicts)
-                  for r in ("timeout", "crashed", "syntax", "blocked")}}
+                  for r in ("timeout", "crashed", "syntax", "blocked", "no_program")}}
         n = c.data.eval_samples
         if n:
             params = SamplingParams(max_new_tokens=c.data.eval_max_new_tokens, temperature=c.gen.temperature,
@@ -241,7 +249,8 @@ def main(argv: list[str] | None = None, reward=None, loss=None) -> dict:
 
 def _reward_factory(cfg: CodeConfig):
     """The sandbox reward's factory (built once in each reward worker)."""
-    return functools.partial(code_reward, cfg.sandbox, cfg.reward.rule)
+    return functools.partial(code_reward, cfg.sandbox, cfg.reward.rule, cfg.reward.require_block,
+                             cfg.reward.min_block_chars)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@
 Per trainer step (the AReaL paper's algorithm):
   batch       the oldest B = prompts_per_step x n unconsumed trajectories whose oldest token is
               at most eta = max_staleness versions behind the current weights, each used once
-              (`ReplayBuffer.pop_oldest`; rows past the bound are dropped and counted). Sync mode
+              (`ReplayBuffer.pop_oldest`; rows past the bound are dropped and counted, and with
+              success_rate_lb / _ub so are the groups whose mean reward is outside them: AReaL's
+              coding run drops prompts all of whose answers failed or passed). Sync mode
               (eta = 0, settled by the run's config check) takes exactly the batch the current
               weights generated.
   prox pass   one no-grad pass of the current weights over the batch, at the sampling
@@ -35,6 +37,8 @@ exact whatever order groups finish in.
 """
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Optional
 
@@ -49,6 +53,7 @@ from common.contracts.micro import micro_batches, packs_rows, rank_sum, rank_sum
 from common.contracts.ops import group_normalised_advantages, token_logp
 
 
+log = logging.getLogger("asyncrl.areal")
 _SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # config fields a loss may take by keyword
 
 
@@ -64,11 +69,14 @@ class AReaLConfig:
     reward_bias: float = 0.0          # reward shaping: (r - bias) x scaling (the paper's code on 0/1 success: bias 0.5, scaling 10: +-5)
     reward_scaling: float = 1.0       # see reward_bias
     max_reward_clip: Optional[float] = None  # the shaped reward clipped to [-clip, clip] (the paper's code: 20); None = off
+    success_rate_lb: Optional[float] = None  # groups whose mean reward is below this are dropped, not trained (the coding run: 0.05); None = off
+    success_rate_ub: Optional[float] = None  # and those above this (the coding run: 0.95); None = off
 
     CHECKS = {"eps_clip": between(0, 1, open_lo=True, open_hi=True), "eps_clip_high": above(0),
               "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1), "early_stop_imp_ratio": above(1),
               "reward_bias": any_finite(), "reward_scaling": above(0),
-              "max_reward_clip": above(0)}  # ranges (common/contracts/config_check.py)
+              "max_reward_clip": above(0), "success_rate_lb": any_finite(),
+              "success_rate_ub": any_finite()}  # ranges (common/contracts/config_check.py)
 
 
 def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:
@@ -93,16 +101,33 @@ class AReaL(Algorithm):
         if cfg.adv_norm not in ("group", "batch", "batch_tokens"):
             raise ValueError(f"areal.adv_norm={cfg.adv_norm!r}: expected 'group', 'batch' or 'batch_tokens'")
         self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 5, _SETTINGS)
-        self.B, self.temperature, self.max_staleness = prompts_per_step * n, temperature, max_staleness
+        self.B, self.n, self.temperature, self.max_staleness = prompts_per_step * n, n, temperature, max_staleness
         self.micro_batch_tokens = micro_batch_tokens
         self._batch_stats: dict = {}
+        self._filtered_at_batch, self._warned_filter = 0, False  # the success-rate filter's warning (next_batch)
 
     def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
         eta = self.max_staleness
         if buffer.capacity < (eta + 2) * self.B:  # rows in flight must never lap unconsumed ones
             raise ValueError(f"train.buffer_capacity={buffer.capacity} is too small for AReaL: need at least "
                              f"(max_staleness + 2) x batch = {(eta + 2) * self.B} rows")
-        return buffer.pop_oldest(self.B, max_staleness=eta, current_version=version)
+        c = self.cfg
+        success = None if c.success_rate_lb is None and c.success_rate_ub is None else (
+            -math.inf if c.success_rate_lb is None else c.success_rate_lb,
+            math.inf if c.success_rate_ub is None else c.success_rate_ub)
+        batch = buffer.pop_oldest(self.B, max_staleness=eta, current_version=version, success=success,
+                                  group_size=self.n)
+        filtered = getattr(buffer, "n_filtered", 0)
+        if batch is not None:
+            self._filtered_at_batch = filtered
+        elif filtered - self._filtered_at_batch >= 4 * self.B and not self._warned_filter:
+            self._warned_filter = True  # the run is not stuck: it waits for a group the filter keeps
+            log.warning("areal.success_rate_lb/ub: the last %d answers were dropped by their group's success rate "
+                        "(every answer of the prompt failed, or every one passed) and no batch was made since: the "
+                        "run waits for groups whose mean reward is in [%s, %s]; widen the bounds or set them to "
+                        "none if the task is too hard or too easy for the model", filtered - self._filtered_at_batch,
+                        c.success_rate_lb, c.success_rate_ub)
+        return batch
 
     @torch.no_grad()
     def proximal_logp(self, model, batch: Batch) -> torch.Tensor:

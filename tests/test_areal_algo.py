@@ -123,6 +123,33 @@ def test_next_batch_oldest_first_with_staleness_bound():
     assert algo.next_batch(buf, 4, 4, sync=False) is None    # each row used once
     with pytest.raises(ValueError, match="buffer_capacity"):
         algo.next_batch(ReplayBuffer(5, 16), 0, 0, sync=False)
+
+
+def test_the_success_rate_filter_drops_groups_that_all_failed_or_all_passed():
+    """AReaL's coding run: success_rate_lb 0.05, ub 0.95 over a group's mean reward; the dropped groups
+    are counted (`n_filtered`: their places go back to the generators) and never trained."""
+    algo = AReaL(AReaLConfig(success_rate_lb=0.05, success_rate_ub=0.95), prompts_per_step=2, n=2, temperature=1.0,
+                 micro_batch_tokens=64, max_staleness=4)
+    buf = ReplayBuffer(32, 16)
+    for gid, rewards in [(0, (0.0, 0.0)), (1, (1.0, 0.0)), (2, (1.0, 1.0)), (3, (0.0, 1.0)), (0, (0.0, 1.0))]:
+        buf.add([Trajectory(torch.tensor([5, 6]), torch.arange(7, 10), -torch.ones(3), torch.zeros(3, dtype=torch.long),
+                            r, gid) for r in rewards], trainer_version=0)
+    b = algo.next_batch(buf, step=0, version=0, sync=False)
+    assert b.group_id.tolist() == [1, 1, 3, 3] and buf.n_filtered == 4 and buf.n_dropped_stale == 0
+    b = algo.next_batch(buf, step=1, version=0, sync=False)  # prompt 0 again, this time half right: kept
+    assert b is None and buf.stats()["n_unconsumed"] == 2   # one group short of a batch, and waiting
+    off = AReaL(AReaLConfig(), 1, 2, 1.0, 64, max_staleness=4)
+    assert off.next_batch(buf, 1, 0, sync=False).reward.tolist() == [0.0, 1.0]
+
+
+def test_a_filter_that_drops_every_group_says_why_the_run_waits(caplog):
+    algo = AReaL(AReaLConfig(success_rate_lb=0.05, success_rate_ub=0.95), 1, 2, 1.0, 64, max_staleness=8)
+    buf = ReplayBuffer(64, 16)
+    for gid in range(5):  # every answer wrong: nothing to train on, ever
+        buf.add([Trajectory(torch.tensor([5]), torch.arange(7, 9), -torch.ones(2), torch.zeros(2, dtype=torch.long),
+                            0.0, gid) for _ in range(2)], trainer_version=0)
+        assert algo.next_batch(buf, 0, 0, sync=False) is None
+    assert buf.n_filtered == 10 and caplog.text.count("the run waits for groups whose mean reward is in") == 1
     with pytest.raises(ValueError, match="max_staleness"):
         AReaL(AReaLConfig(), 1, 2, 1.0, 64, max_staleness=None)
 

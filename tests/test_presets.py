@@ -180,11 +180,12 @@ def test_code_paper_preset_runs_with_a_tiny_qwen3_stand_in(tmp_path):
              "test": "def check(candidate):\n    assert candidate() == 1\n"} for i in range(4)]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     last = run_code.main(["--preset=paper", f"--model={policy}", f"--data.path={tmp_path / 'p.jsonl'}",
-                          "--gen.max_new_tokens=3", "--sandbox.workers=2", f"--run_root={tmp_path / 'runs'}", *CPU])
+                          "--gen.max_new_tokens=3", "--sandbox.workers=2", f"--run_root={tmp_path / 'runs'}",
+                          "--areal.success_rate_lb=none", *CPU])  # a random model passes nothing: no group would pass the filter
     assert _steps(tmp_path / "runs" / "code_paper") == [1, 2] and "reward_crashes" in last
     cfg = json.loads((tmp_path / "runs" / "code_paper" / "config.json").read_text())
     assert (cfg["preset"], cfg["algo"], cfg["train"]["max_staleness"], cfg["areal"]["reward_scaling"]) == \
-        ("paper", "areal", 16, 10.0)
+        ("paper", "areal", 16, 10.0) and cfg["reward"]["min_block_chars"] == 20
 
 
 @pytest.mark.parametrize("preset", ["paper", "paper_llama"])

@@ -116,7 +116,8 @@ class BufferView(Protocol):
                          mode: Literal["uniform", "reward"] = "uniform", inv_temp: float = 1.0,
                          generator: torch.Generator | None = None, max_per_group: int = 100) -> Batch: ...
 
-    def pop_oldest(self, n: int, max_staleness: int | None, current_version: int) -> Batch | None: ...
+    def pop_oldest(self, n: int, max_staleness: int | None, current_version: int,
+                   success: tuple[float, float] | None = None, group_size: int = 1) -> Batch | None: ...
 
 
 class Algorithm:

@@ -47,11 +47,14 @@ class CodeProblem:
     canonical: str | None = None    # a reference solution, where the file has one
     header: bool = False        # the prompt is code the program continues (HumanEval)
 
-    def program(self, completion: str) -> str:
-        """The program a completion stands for (module docstring)."""
-        blocks = _FENCE.findall(completion)
+    def program(self, completion: str, require_block: bool = False, min_block_chars: int = 0) -> str | None:
+        """The program a completion stands for (module docstring); None without one: no fenced block
+        of at least `min_block_chars` characters where `require_block` (AReaL's rule: 20)."""
+        blocks = [b for b in _FENCE.findall(completion) if len(b) >= min_block_chars]
         if blocks:
             return (self.prompt + "\n" if self.header else "") + blocks[-1]
+        if require_block:
+            return None
         return self.prompt + completion if self.header else completion
 
     def reference(self) -> str | None:
@@ -134,14 +137,16 @@ def scored(v: Verdict, rule: str) -> Scored:
     return Scored(v.reward(rule), REASONS.get(v.reason, ""))
 
 
-def code_reward(cfg: SandboxConfig, rule: str):
+def code_reward(cfg: SandboxConfig, rule: str, require_block: bool = False, min_block_chars: int = 0):
     """A reward worker's batched reward (`task.split_reward`'s factory form): one Sandbox per process,
-    fn(completions, problems) -> rewards, the programs judged `cfg.workers` at a time."""
+    fn(completions, problems) -> rewards, the programs judged `cfg.workers` at a time; a completion
+    without a program (`CodeProblem.program`) earns 0 and runs nothing."""
     sandbox = Sandbox(cfg)
 
     def fn(texts: list[str], problems: list[CodeProblem]) -> list[Scored]:
-        verdicts = sandbox.run_many([p.job(p.program(t)) for t, p in zip(texts, problems)])
-        return [scored(v, rule) for v in verdicts]
+        progs = [p.program(t, require_block, min_block_chars) for t, p in zip(texts, problems)]
+        verdicts = iter(sandbox.run_many([p.job(g) for g, p in zip(progs, problems) if g is not None]))
+        return [scored(next(verdicts), rule) if g is not None else Scored(0.0) for g in progs]
     return fn
 
 

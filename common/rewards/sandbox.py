@@ -69,7 +69,7 @@ class Verdict:
     """What one program earned: tests passed of those run, and why it earned nothing where it did not."""
     passed: int
     total: int
-    reason: str = "ok"                # ok, failed, syntax, crashed, timeout, blocked, no_result, forged
+    reason: str = "ok"                # ok, failed, syntax, crashed, timeout, blocked, no_result, forged (no_program: none ran)
     detail: str = ""                  # the first error, the operation refused, or the limit reached
     seconds: float = 0.0
     namespaced: bool | None = None

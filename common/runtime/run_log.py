@@ -72,6 +72,7 @@ def step_row(batch: Batch, stats: dict, gnorm: float, lr: float, times: tuple, p
                staleness_hist={str(s): stale.count(s) for s in sorted(set(stale))},
                staleness_mean=sum(stale) / len(stale), multi_version_frac=multi_version,
                prompts_started=int(control.t[Control.STARTED]), dropped_stale=buffer.n_dropped_stale,
+               dropped_filtered=buffer.n_filtered,
                gen_sync_s=stats_of[:, Control.SYNC_S].sum().item(), gen_syncs=stats_of[:, Control.SYNCS].sum().item(),
                reward_errors=stats_of[:, Control.REWARD_ERRORS].sum().item(),
                **{f: stats_of[:, Control.STAT_FIELDS.index(f)].sum().item()  # a reward's reasons (Scored), so far

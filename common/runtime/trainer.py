@@ -129,6 +129,16 @@ class Loop:
                                            stop_token_ids, p.prec)
         self.bar = Progress(tc.steps, initial=self.step, desc=f"{cfg.name} ({tc.mode})")
 
+    def places_back(self, force: bool = False) -> None:
+        """The quota at the current version, the groups dropped so far (too stale, or by AReaL's
+        success-rate filter) giving their places back: at each publish, and while the loop waits for
+        a batch (a filter may drop every group the quota admitted: without their places no batch
+        could ever fill)."""
+        dropped = (self.buffer.n_dropped_stale + self.buffer.n_filtered) // self.cfg.gen.n
+        if force or dropped != getattr(self, "_dropped", 0):
+            self._dropped = dropped
+            self.control.set_version(self.version, dropped=dropped)
+
     def train(self) -> None:
         """The loop: take a batch, update, publish every k steps, log, evaluate and checkpoint."""
         tc, group, buffer, control = self.tc, self.group, self.buffer, self.control
@@ -139,7 +149,8 @@ class Loop:
         gen_prev = (control.stats[:, Control.TOKENS].sum().item(), time.perf_counter())
         while self.step < tc.steps:
             t0 = time.perf_counter()
-            batch = _next_batch(self.algo, buffer, self.step, self.version, tc.mode == "sync", self.bar, self.check)
+            batch = _next_batch(self.algo, buffer, self.step, self.version, tc.mode == "sync", self.bar,
+                                lambda: self.places_back() or self.check())
             t1 = time.perf_counter()
             stale, multi_version = staleness(batch, self.version)  # versions behind the weights that train on it
             rec = self.stream.capture(batch) if self.stream is not None else None  # before the update: as drawn
@@ -157,7 +168,7 @@ class Loop:
                     self.version += 1
                     group.publish(self.version)
                     self.link.publish(self.version)  # other nodes have it before the quota moves
-                    control.set_version(self.version, dropped=buffer.n_dropped_stale // self.cfg.gen.n)  # places back
+                    self.places_back(force=True)  # the new version's quota
                     publish_s = time.perf_counter() - t2
                 self.check()
             finally:

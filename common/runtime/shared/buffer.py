@@ -36,7 +36,7 @@ import torch.multiprocessing as mp  # importing it registers the shared-tensor p
 
 from common.contracts.batch import FINISH_REASONS, Batch, Trajectory
 from common.runtime.shared.buffer_file import read_buffer_file
-from common.runtime.shared.buffer_sampling import BufferMeta, sample_tba, stale_rows, take_oldest
+from common.runtime.shared.buffer_sampling import BufferMeta, off_success, sample_tba, stale_rows, take_oldest
 
 # the saved format's name, from before common/runtime/: kept so that old buffers load
 _FORMAT = "common.buffer.ReplayBuffer/v1"
@@ -86,6 +86,7 @@ class ReplayBuffer:
         self._n_added = torch.zeros(1, dtype=torch.int64).share_memory_()  # (1,) total ever added
         self._lock = mp.get_context("spawn").Lock()
         self.n_dropped_stale = 0  # reader-side count of rows `pop_oldest` dropped as too stale (this process)
+        self.n_filtered = 0  # and of rows it dropped by their group's success rate (AReaL's filter)
 
     # ---------------------------------------------------------------- writers
     def _stage(self, trajs: list[Trajectory], trainer_version: int) -> dict[str, torch.Tensor]:
@@ -265,16 +266,24 @@ class ReplayBuffer:
                                           generator, max_per_group), [])
         return self._read(choose, consume=False)
 
-    def pop_oldest(self, n: int, max_staleness: int | None, current_version: int) -> Batch | None:
+    def pop_oldest(self, n: int, max_staleness: int | None, current_version: int,
+                   success: tuple[float, float] | None = None, group_size: int = 1) -> Batch | None:
         """AReaL: the n oldest unconsumed, fresh-enough rows in insertion order, marked consumed;
-        None when fewer than n are available. Rows too stale are marked consumed (dropped)."""
+        None when fewer than n are available. Rows too stale are marked consumed (dropped), and with
+        `success` = (lb, ub) so are the groups (of `group_size` rows) whose mean reward is outside
+        [lb, ub] (`off_success`, counted in `n_filtered`)."""
         dropped: list[int] = []
-        def choose(meta):
-            take = take_oldest(meta, n, max_staleness, current_version)
-            dropped[:] = stale_rows(meta, max_staleness, current_version)  # the last decision is the one applied
-            return (take if len(take) == n else []), dropped
+        filtered: list[int] = []
+        def choose(meta):  # the last decision is the one applied
+            off = off_success(meta, group_size, *success) if success else None
+            take = take_oldest(meta, n, max_staleness, current_version, skip=off)
+            dropped[:] = stale_rows(meta, max_staleness, current_version)
+            filtered[:] = [] if off is None else meta.rows[~meta.consumed & off].tolist()
+            filtered[:] = sorted(set(filtered) - set(dropped))  # a stale row is counted once, as stale
+            return (take if len(take) == n else []), dropped + filtered
         batch = self._read(choose, consume=True)
         self.n_dropped_stale += len(dropped)
+        self.n_filtered += len(filtered)
         return batch
 
     # ---------------------------------------------------------------- persistence / monitoring

@@ -117,10 +117,21 @@ def _stale(meta: BufferMeta, max_staleness: int | None, current_version: int) ->
     return meta.min_version < current_version - max_staleness
 
 
-def take_oldest(meta: BufferMeta, n: int, max_staleness: int | None, current_version: int) -> list[int]:
-    """AReaL: up to n ring rows, oldest insertion first, that are not consumed and not stale.
-    May return fewer than n; the caller decides whether that is enough."""
-    ok = np.flatnonzero(~meta.consumed & ~_stale(meta, max_staleness, current_version))
+def off_success(meta: BufferMeta, group_size: int, lb: float, ub: float) -> np.ndarray:
+    """(N,) bool: rows of groups whose mean reward is below lb or above ub (AReaL's success-rate
+    filter: a prompt all of whose answers failed, or all passed, teaches nothing). A group is the
+    `group_size` rows a generator added at once: consecutive insertion indices, insert_idx // n."""
+    _, inv = np.unique(meta.insert_idx // group_size, return_inverse=True)
+    mean = np.bincount(inv, weights=meta.reward.astype(np.float64)) / np.bincount(inv)
+    return ((mean < lb) | (mean > ub))[inv]
+
+
+def take_oldest(meta: BufferMeta, n: int, max_staleness: int | None, current_version: int,
+                skip: np.ndarray | None = None) -> list[int]:
+    """AReaL: up to n ring rows, oldest insertion first, that are not consumed, not stale and not
+    in `skip` ((N,) bool). May return fewer than n; the caller decides whether that is enough."""
+    ok = ~meta.consumed & ~_stale(meta, max_staleness, current_version)
+    ok = np.flatnonzero(ok & ~skip if skip is not None else ok)
     ok = ok[np.argsort(meta.insert_idx[ok], kind="stable")][:n]
     return meta.rows[ok].tolist()
 
