@@ -37,10 +37,12 @@ declare -A CMD=(
   [main_job_fp32]="$TASK --label main_job_fp32 --run-dir runs/gsm8k_fp32 -- python run_gsm8k.py --name=gsm8k_fp32 --precision.dtype=fp32 --overwrite"
   [tldr_run]="$TASK --label tldr_default --run-dir runs/tldr_tba -- python run_tldr.py --overwrite"
   [redteam_run]="$TASK --label redteam_default --run-dir runs/redteam_tba -- python run_redteam.py --overwrite"
+  [code_run]="$TASK --label code_default --run-dir runs/code_tba -- python run_code.py --overwrite"
+  [sandbox]="python bench/sandbox.py --repeat 3"
 )
 ORDER="weights measure_decode trainer_floor trainer_floor_group4 trainer_floor_rows8 trainer_step_auto trainer_ranks
 sampler_auto sampler_fp32 sampler_fp32_pythia nodes record_replay async_tba async_areal staleness_ablation faults
-tiny_run main_job main_job_fp32 tldr_run redteam_run"
+sandbox tiny_run main_job main_job_fp32 tldr_run redteam_run code_run"
 for row in ${ROWS:-$ORDER}; do
   f="$OUT/$row-$DATE-$CPU.json"
   [[ -n "${CMD[$row]:-}" ]] || { echo "no row '$row' (rows: $ORDER)" >&2; exit 2; }

@@ -201,6 +201,21 @@ def test_keep_last_prunes_and_resave_same_step(tiny_dirs, tmp_path):
     assert len([p for p in root.iterdir() if p.name.startswith("step_")]) == 3
 
 
+def test_keep_last_prunes_in_a_run_folder_named_relatively(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """The default run_root is relative ("runs"): pruning removes the old checkpoint whole, keeping
+    nothing of it as someone else's."""
+    from types import SimpleNamespace
+    from common.runtime.files.run_dir import open_run_dir
+    model, opt, _ = _setup(tiny_dirs)
+    monkeypatch.chdir(tmp_path)
+    run = open_run_dir(SimpleNamespace(run_root="runs", name="r", overwrite=False), resume=False)
+    assert not run.is_absolute()
+    for s in (1, 2, 3):
+        save_checkpoint(run, s, model, opt, keep_last=1)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003"]
+    assert "not written by the project" not in capsys.readouterr().err
+
+
 def test_corrupt_meta_and_truncated_file(tiny_dirs, tmp_path):
     model, opt, _ = _setup(tiny_dirs)
     a = save_checkpoint(tmp_path, 1, model, opt)

@@ -108,7 +108,7 @@ def remove_checkpoint(d: Path, as_of: Path | None = None) -> list[Path]:
     """Delete checkpoint folder `d`'s files the project wrote (module docstring): those its meta.json
     lists, meta.json last, then the folders left empty; without one, what the run folder's manifest
     recorded (`as_of`: the path `d` had when recorded). Returns what is left (someone else's)."""
-    d = Path(d)
+    d = Path(os.path.abspath(d))  # the listed files are compared as absolute paths (a relative run_root too)
     if not d.exists() or d.is_symlink():
         return [d] if d.is_symlink() else []
     try:
