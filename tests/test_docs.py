@@ -72,7 +72,7 @@ def test_a_moved_file_is_reported():
 def _task_commands(text: str) -> list[tuple[str, list[str]]]:
     """(script, flags) of every task command in a markdown's code blocks: `python run_x.py ...`,
     `torchrun ... run_x.py ...` and `run_x.main([...])`; `--help` / `--print-config` / `--print-memory` dropped (they
-    exit), so is what follows a `#` comment."""
+    exit), and `--judge=` (run_code.py's scoring entry, not a config key), so is what follows a `#` comment."""
     blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
     scripts = "|".join(p.stem for p in ROOT.glob("run_*.py"))
     out = []
@@ -82,7 +82,7 @@ def _task_commands(text: str) -> list[tuple[str, list[str]]]:
             out.append((m.group(1), m.group(2).split()))
         elif (m := re.search(rf"\b({scripts})\.main\(\[([^\]]*)\]", line)):
             out.append((m.group(1), re.findall(r"\"(--[^\"]+)\"", m.group(2))))
-    return [(s, [f for f in flags if f not in ("--help", "--print-config") and not f.startswith("--print-memory")])
+    return [(s, [f for f in flags if f not in ("--help", "--print-config") and not f.startswith(("--print-memory", "--judge="))])
             for s, flags in out]
 
 
