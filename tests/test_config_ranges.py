@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import run_code
 import run_gsm8k
 import run_redteam
 import run_tldr
@@ -21,7 +22,7 @@ from common.contracts.config_check import _numeric, check, unchecked
 from common.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = (run_gsm8k, run_tldr, run_redteam)
+TASKS = (run_gsm8k, run_tldr, run_redteam, run_code)
 BIG = 10**12
 LABELS = {0: "0", -1: "-1", BIG: "big"}  # 0.0, -1.0 and 1e12 hash as 0, -1 and 10**12
 # one line: --<dotted key>=<value>: must be <range> (<the field's comment>)
@@ -67,6 +68,12 @@ ALLOWED = {  # (key, value) accepted, and why; every other 0, -1, big, nan, inf 
     ("areal.reward_bias", "0"): "0 = no shift", ("areal.reward_bias", "-1"): "any shift",
     ("areal.reward_bias", "big"): "any shift", ("areal.reward_scaling", "big"): "any scale (batch normalisation removes it)",
     ("areal.max_reward_clip", "big"): "a bound never reached: off",
+    ("data.eval_every", "big"): "problem 0 alone held out", ("data.eval_k", "big"): CAPPED,
+    ("data.eval_samples", "0"): "0 = greedy pass@1 only", ("data.eval_samples", "big"): LONG,
+    ("reward.min_block_chars", "0"): "0 = any fenced block",
+    ("reward.min_block_chars", "big"): "no block that long: every answer scores 0 (as the rule says)",
+    ("areal.success_rate_lb", "0"): "0 = no group dropped for failing", ("areal.success_rate_ub", "0"):
+        "0 = every group that passed at all dropped (a bound, if a strange one)",
     ("train.stable_steps", "0"): "0 = decay right after the warm-up", ("train.stable_steps", "big"): LONG,
     ("train.warmup_fraction", "0"): "0 = train.warmup_steps decides", ("data.max_prompt_tokens", "big"): "all prompts kept",
     ("dist.trainer_nodes", "big"): "checked against torchrun's world at join",
@@ -154,7 +161,7 @@ def test_one_sample_a_prompt_only_where_the_batch_normalises():
 @pytest.mark.parametrize("algo", ["tba", "areal", "grpo"])
 def test_every_preset_and_algorithm_is_in_range(task, algo):
     presets = {run_gsm8k: ["cpu", "gpu"], run_tldr: ["cpu", "gpu", "paper"],
-               run_redteam: ["cpu", "gpu", "paper", "paper_llama"]}[task]
+               run_redteam: ["cpu", "gpu", "paper", "paper_llama"], run_code: ["cpu", "paper"]}[task]
     for preset in presets:
         task.make_config([f"--preset={preset}", f"--algo={algo}", "--train.mode=sync"])
         task.make_config([f"--preset={preset}", f"--algo={algo}"])

