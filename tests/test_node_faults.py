@@ -124,6 +124,7 @@ def test_a_trainer_node_failing_stops_the_run_naming_it(model, tmp_path, victim,
         assert [r["step"] for r in rows] == list(range(1, 15)) and rows[-1]["version"] == 7
 
 
+@pytest.mark.slow  # the suite's time: a hung worker (test_watchdog.py) and a silent trainer node are in it
 def test_a_hung_generator_node_stops_the_run_within_the_stall_timeout(model, tmp_path):
     """SIGSTOP: the node's process neither beats nor answers (its generators still run). The trainer
     names it after stall_timeout, checkpoints and leaves; once the node runs again it finds the

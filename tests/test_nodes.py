@@ -80,6 +80,7 @@ def test_two_node_sync_run_equals_one_node(model, one_tba, tmp_path):
     assert rows[-1]["gen_syncs"] > 0 and rows[-1]["prompts_started"] >= 12  # the generator node's stats arrive
 
 
+@pytest.mark.slow  # the suite's time: N trainer ranks (test_ranks_e2e.py) and a trainer on two nodes (below) are in it
 def test_two_trainer_ranks_on_the_trainer_node_areal_sync_equals_one_node(model, one_areal, tmp_path):
     """AReaL, sync: 2 nodes whose trainer runs 2 ranks (their own group; the node-link process is
     in the world) give the 1-node, 1-rank run's final weights up to rounding."""
@@ -115,6 +116,7 @@ def test_trainer_on_two_nodes_sync_equals_one_node(model, one_areal, tmp_path):
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=LOSS_ABS)
 
 
+@pytest.mark.slow  # the suite's time: reward workers on one node are in it (test_e2e.py, test_by_value.py)
 def test_reward_workers_on_the_generator_node(model, tmp_path):
     """--train.reward_workers=1: the generator node scores in its own reward worker; the sync run
     gives the same losses and weights as on one node, where the trainer's node hosts it (not the
@@ -129,11 +131,15 @@ def test_reward_workers_on_the_generator_node(model, tmp_path):
     assert one.keys() == two.keys() and not [k for k in one if not torch.equal(one[k], two[k])]
 
 
-def test_two_node_async_tba(model, tmp_path):
-    """An async TBA run to the end on two nodes (k = 2, unbounded staleness)."""
-    two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--train.steps=8")
+def test_two_node_async_tba_with_lora(model, tmp_path):
+    """An async TBA run to the end on two nodes (k = 2, unbounded staleness), training LoRA adapters:
+    the generator node's store holds the adapters alone and its generator folds each version in."""
+    out = two_nodes(tmp_path, f"--run_root={tmp_path}", f"--model={model}", "--train.steps=8", "--train.lora.rank=2")
+    got = [int(m[1]) for o in out for m in re.finditer(r"(\d+) weight versions in", o)]
+    assert got and got[0] >= 2, out  # version 0 and updates reached the generator node, as adapters
     rows = steps(tmp_path)
     assert len(rows) == 8 and rows[-1]["version"] == 4 and all(r["buffer_fill"] >= 16 for r in rows)
+    assert (tmp_path / "toy" / "checkpoints" / "step_000008" / "adapter" / "adapter_model.safetensors").is_file()
     # the generator node's statistics reach the trainer's metrics (they ride with each batch, so not every step)
     assert any(r["gen_tok_s"] > 0 for r in rows) and rows[-1]["prompts_started"] >= 8
 
@@ -157,6 +163,7 @@ def test_two_node_async_areal_keeps_eta(model, tmp_path):
     assert cfg["dist"]["trainer_nodes"] == 1 and cfg["algo"] == "areal" and cfg["gen"]["update_mode"] == "interrupt"
 
 
+@pytest.mark.slow  # the suite's time: a killed generator node and its resume are in it (test_node_faults.py)
 def test_a_failing_generator_node_stops_the_trainer_naming_it_and_the_run_resumes(model, tmp_path):
     """A generator process dies on the generator node: that node reports it and leaves, the trainer
     stops with NodeFailed naming the node, after a checkpoint of its last step; nothing is left

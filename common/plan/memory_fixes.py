@@ -12,7 +12,8 @@ from common.contracts.config import parse_overrides
 from common.engine.kv.budget import KV_FRACTION
 from common.engine.kv.pages import sample_kv_tokens
 from common.plan.memory_ledger import Plan, gb, share
-from common.plan.memory_plan import PROMPT_TOKENS, activation_bytes, half_precision, head_bytes
+from common.engine.model.lora import LoRAConfig
+from common.plan.memory_plan import PROMPT_TOKENS, activation_bytes, half_precision, head_bytes, lora_params
 
 
 def fixes(p: Plan, cfg) -> None:
@@ -76,6 +77,12 @@ def fixes(p: Plan, cfg) -> None:
         if getattr(getattr(cfg, key, None), "device", "cpu").startswith("cuda"):
             moved = sum(x.nbytes for x in p.lines if x.device == "cuda:0" and x.follows == key)
             p.fixes.append((f"--{key}.device=cpu", f"saves {gb(moved)} on cuda:0"))
+    # adapters instead of every weight: the trainer's largest saving, named last (it changes what is trained)
+    if t.lora.rank == 0 and not t.lora.init:
+        Pa = lora_params(m, LoRAConfig(rank=16))[0]
+        full = 16 * P + 2 * P * (2 if half else 4) + (2 * P if half else 0)
+        p.fixes.append(("--train.lora.rank=16", f"LoRA adapters on q and v: saves {gb(full - P * (2 if half else 4) - 24 * Pa)} "
+                                                f"on {d0} (a frozen base, {Pa / 1e6:.1f}M trained parameters)"))
 
 
 def together(cfg, p: Plan, replan, rounds: int = 4) -> str:

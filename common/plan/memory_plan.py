@@ -6,14 +6,16 @@ config.json alone, against the device's memory (CUDA: its total; CPU: the machin
 Runs in the launching process (common/plan/preflight.py). The arithmetic, per parameter P and token:
   trainer rank   fp32 weights 4P/N + fp32 grads 4P/N + AdamW moments 8P/N (N = train.trainer_devices,
                  FSDP2 shards), the weight store's two copies 2 x P x (2 bf16 | 4 fp32) on rank 0,
-                 autocast's bf16 weight copies 2P in bf16; activations of one micro-batch of
+                 autocast's bf16 weight copies 2P in bf16; with LoRA (train.lora.rank r) the frozen base
+                 P x (2 | 4) and 16 B per adapter parameter (r x (in + out) per targeted projection
+                 and layer), the store's two fp32 copies of the adapters; activations of one micro-batch of
                  T = train.micro_batch_tokens tokens (measured on the CPU, tests/test_memory_plan.py):
                  saved per token and layer (5 - parallel_residual) x D + 2 x I + (H + 2 Hkv) x hd
                  values (fp32; in bf16 the norms' inputs stay fp32, the rest halves), plus 2 x D per
                  token outside the layers; with checkpointing, D per layer (the block input) plus one
                  layer recomputed; the head's logits, 2 x min(T x V x 4, 512 MiB) (head.py's chunks)
   generator      policy (and reference, with gen.ref_logp) weights in bf16 on CUDA, fp32 or bf16 on
-                 CPU; the paged KV pool, 2 x L x Hkv x hd x (2 | 4) bytes a token, gen.kv_tokens or
+                 CPU (LoRA: no reference copy, the base's targeted weights kept instead); the paged KV pool, 2 x L x Hkv x hd x (2 | 4) bytes a token, gen.kv_tokens or
                  kv/budget.py's default (CPU: what static slots hold; CUDA: half the free memory when it
                  starts); prefill activations of gen.prefill_tokens; decode logits (and on CUDA the
                  graphs' pool: 3 x max_batch x V x 4 + 256 MiB, an allowance)
@@ -31,6 +33,7 @@ import os
 from common.engine.kv.budget import KV_FRACTION, PAGE_SIZE, kv_bytes_per_token, static_kv_tokens
 from common.engine.kv.pages import sample_kv_tokens
 from common.plan.memory_ledger import Plan, Sizes, gb, share
+from common.engine.model.lora import target_names
 from common.engine.model.model_config import ModelConfig
 from common.engine.sampler.sampler import PREFILL_TOKENS
 
@@ -69,6 +72,18 @@ def head_bytes(m: ModelConfig, tokens: int) -> int:
     return 2 * min(tokens * m.vocab_size * 4, LOGIT_BUDGET)
 
 
+def lora_params(m: ModelConfig, lora) -> tuple[int, int]:
+    """(the adapters' parameters, the targeted projections' weights) of LoRA config `lora` on a model
+    of config `m`: per layer and targeted projection (in, out), r x (in + out) and in x out."""
+    D, I, hd = m.hidden_size, m.intermediate_size, m.head_dim
+    shapes = {"q_proj": (D, m.num_attention_heads * hd), "k_proj": (D, m.num_key_value_heads * hd),
+              "v_proj": (D, m.num_key_value_heads * hd), "o_proj": (m.num_attention_heads * hd, D),
+              "gate_proj": (D, I) if m.gated_mlp else (0, 0), "up_proj": (D, I), "down_proj": (I, D)}
+    chosen = [shapes[n] for n in target_names(lora.targets)]
+    L = m.num_hidden_layers
+    return (L * sum(lora.rank * (a + b) for a, b in chosen if a), L * sum(a * b for a, b in chosen))
+
+
 def half_precision(cfg) -> bool:
     """bf16 compute: asked for, or `auto` on CUDA (on a CPU `auto` is measured at start: planned as fp32)."""
     return cfg.precision.dtype == "bf16" or (cfg.precision.dtype == "auto" and cfg.train.device.startswith("cuda"))
@@ -95,15 +110,23 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     N = t.trainer_devices
     half = half_precision(cfg)
     T = t.micro_batch_tokens
+    lora = t.lora.rank > 0  # an adapter read from a folder (train.lora.init): planned as fresh ones of that rank
+    Pa, Pt = lora_params(mp, t.lora) if lora else (0, 0)
     for r in range(N):
         d = f"cuda:{r % n_gpu}" if cuda else "cpu"
         who = f"trainer rank {r}" if N > 1 else "trainer"
-        p.add(d, who, f"fp32 weights, grads, AdamW moments: 16 B x {P / 1e9:.3f}B params" + (f" / {N}" if N > 1 else ""),
-              16 * P / N)
-        if r == 0:
-            p.add(d, who, f"weight store: 2 copies in {'bf16' if half else 'fp32'}", 2 * P * (2 if half else 4))
-        if half:
-            p.add(d, who, "autocast's bf16 copies of the weights", 2 * P / N)
+        if lora:  # the base frozen in the compute dtype, the adapters trained in fp32
+            p.add(d, who, f"frozen base in {'bf16' if half else 'fp32'}: {P / 1e9:.3f}B params", P * (2 if half else 4))
+            p.add(d, who, f"LoRA adapters (rank {t.lora.rank}), grads, AdamW moments: 16 B x {Pa / 1e6:.2f}M params",
+                  16 * Pa)
+            p.add(d, who, "weight store: 2 copies of the adapters in fp32", 2 * 4 * Pa)
+        else:
+            p.add(d, who, f"fp32 weights, grads, AdamW moments: 16 B x {P / 1e9:.3f}B params" + (f" / {N}" if N > 1 else ""),
+                  16 * P / N)
+            if r == 0:
+                p.add(d, who, f"weight store: 2 copies in {'bf16' if half else 'fp32'}", 2 * P * (2 if half else 4))
+            if half:
+                p.add(d, who, "autocast's bf16 copies of the weights", 2 * P / N)
         ck = "checkpointed" if t.activation_checkpointing else "no checkpointing"
         p.add(d, who, f"activations, {T:,} tokens a micro-batch, {ck}", activation_bytes(mp, T, t.activation_checkpointing, half))
         if r == 0:  # the other setting beside it
@@ -121,13 +144,15 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     seq = PROMPT_TOKENS + g.max_new_tokens
     page = g.kv_page_size or PAGE_SIZE["cuda" if cuda else "cpu"]
     per = kv_bytes_per_token(mp, kvb)  # a KV pool token's bytes
-    ref_held = g.ref_logp and cfg.algo != "areal"
+    ref_held = g.ref_logp and cfg.algo != "areal" and not (lora and cfg.ref_model in (None, cfg.model))
     for r in range(n_gen):
         d = f"cuda:{(N + r) % n_gpu}" if cuda else "cpu"
         who = f"generator {r}"
         p.add(d, who, f"policy weights in {'bf16' if wb == 2 else 'fp32'}", wb * P)
         if ref_held:
             p.add(d, who, "reference weights (gen.ref_logp)", wb * Pr)
+        if lora:  # the base's targeted weights kept to fold each publish into (and the reference, swapped in)
+            p.add(d, who, "LoRA: the base's targeted weights, kept", wb * Pt)
         p.add(d, who, f"prefill activations, {g.prefill_tokens:,} tokens", g.prefill_tokens * (layer_values(mp)[0]) * wb)
         logits = g.max_batch * mp.vocab_size * 4
         p.add(d, who, "decode logits" + (" and CUDA graphs' pool (allowance)" if cuda else ""),

@@ -19,6 +19,7 @@ Concurrency: `Control.t` is a shared int64 tensor; claims and quota changes happ
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -32,6 +33,8 @@ from common.contracts.batch import PromptSet, Scored, Trajectory
 from common.contracts.config_check import any_finite, at_least, between, relation
 from common.contracts.errors import UserError
 from common.engine.machine.precision import Precision
+from common.engine.checkpoints.peft_io import attach_lora
+from common.engine.model.lora import LoRAConfig, Merger
 from common.engine.kv.budget import PAGE_SIZE
 from common.engine.kv.pages import sample_kv_tokens
 from common.engine.sampler.sampler import Sampler
@@ -206,12 +209,24 @@ def score(completions, prompt_idx: int, prompts: PromptSet, reward_fn, tokenizer
     return [no_stop_reward if k else float(next(scored)) for k in cut]
 
 
+def _load(store, model, merger) -> int:
+    """The published weights into `model`: all of them, or (LoRA) the adapters, folded into the base."""
+    if merger is None:
+        return store.load_into(model)
+    v = store.load_into(model, subset=True)
+    merger.merge()
+    return v
+
+
 def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optional[str], store, buffer,
                    control: Control, prompts: PromptSet, reward_fn: Callable, seed: int, max_seq_len: int,
-                   stop_token_ids: tuple, device: str, precision: Precision, *, stop_event, beat: Beat) -> None:
+                   stop_token_ids: tuple, device: str, precision: Precision, *, stop_event, beat: Beat,
+                   lora: LoRAConfig | None = None) -> None:
     """Process entry point (started by `common.runtime.launch.Workers.start`). `precision`: the
     trainer's resolved choice. `beat`: this worker's heartbeat (common/runtime/watchdog.py), called at
-    least once per loop."""
+    least once per loop. `lora`: the trainer trains adapters (train.lora): the store holds them and each
+    load folds them into this process's copy of the base (`Merger`); the reference, when it is the
+    base, is this model with the base's weights swapped back (no second copy)."""
     beat.start()
     set_process_defaults(device)
     prec = precision.apply()
@@ -222,15 +237,19 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
             torch.cuda.set_per_process_memory_fraction(cfg.memory_fraction, dev)
     beat("loading")
     model, tok = prec.load(model_path, device=dev, role="generator")
-    ref = prec.load(ref_path, device=dev, tokenizer=False)[0] if (cfg.ref_logp and ref_path) else None
+    merger = Merger(model) if lora is not None and attach_lora(model, lora, freeze=False) else None
+    own_ref = merger is not None and ref_path in (None, model_path)  # the base is this model without its adapters
+    ref = (prec.load(ref_path, device=dev, tokenizer=False)[0] if (cfg.ref_logp and ref_path and not own_ref)
+           else model if cfg.ref_logp and own_ref else None)
     while store.version < 0 and not stop_event.is_set():  # trainer publishes version 0 first
         beat("waiting")
         time.sleep(0.01)
     beat("applying_weights")
-    store.bind(model)  # loads become one copy of the whole slot (same dtype), before graphs see the weights
+    if merger is None:
+        store.bind(model)  # loads become one copy of the whole slot (same dtype), before graphs see the weights
     sampler = Sampler(model, max_batch=cfg.max_batch, max_seq_len=max_seq_len,
                       max_prompt_len=max(len(p) for p in prompts.tokens),
-                      version=store.load_into(model), seed=seed * 1000 + rank, prefill_tokens=cfg.prefill_tokens,
+                      version=_load(store, model, merger), seed=seed * 1000 + rank, prefill_tokens=cfg.prefill_tokens,
                       cuda_graphs=decode_graphs(cfg, dev), overlap=decode_overlap(cfg, dev), kv_layout=cfg.kv_layout,
                       kv_tokens=cfg.kv_tokens or None, page_size=cfg.kv_page_size or None)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
@@ -242,7 +261,7 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
     def load(m):  # copies the active weight buffer into m; returns the version it held
         beat("applying_weights", store.version)  # both modes come here ("finish": inside sampler.step())
         t = time.perf_counter()
-        v = store.load_into(m)
+        v = _load(store, m, merger)
         row[Control.SYNC_S] += time.perf_counter() - t
         row[Control.SYNCS] += 1
         return v
@@ -289,7 +308,9 @@ def generator_main(rank: int, cfg: GenConfig, model_path: str, ref_path: Optiona
                                 torch.tensor(x.versions), r, p, x.finish_reason) for x, r in zip(g, rewards)]
             if ref is not None:
                 beat("reference", c.request_id)
-                for t_, rf in zip(trajs, reference_seq_logp(ref, trajs, cfg.temperature).tolist()):
+                with merger.pristine() if ref is model else contextlib.nullcontext():  # LoRA: the base
+                    ref_lp = reference_seq_logp(ref, trajs, cfg.temperature).tolist()
+                for t_, rf in zip(trajs, ref_lp):
                     t_.ref_seq_logp = rf
             buffer.add(trajs, trainer_version=min(min(x.versions) for x in g))
             row[Control.GROUPS] += 1

@@ -16,6 +16,7 @@ import torch
 from common.contracts.batch import Batch
 from common.contracts.config import save_config
 from common.contracts.run_files import record
+from common.engine.model.lora import merged
 from common.runtime.shared.buffer import ReplayBuffer
 from common.runtime.generator import Control, decode_graphs, decode_overlap
 from common.runtime.files.run_dir import open_run_dir
@@ -28,9 +29,10 @@ def evaluate_now(evaluate: Optional[Callable], group, prec, tok, logger, cfg, st
         return {}
     t = time.perf_counter()
     group.model.eval()
-    m = prec.inference_copy(group.full_model())
-    m.decode_graphs, m.decode_overlap = decode_graphs(cfg.gen, m.device), decode_overlap(cfg.gen, m.device)
-    out = evaluate(m, tok)
+    with merged(group.full_model()) as full:  # LoRA: the adapters folded in (the sampler reads the weights), undone after
+        m = prec.inference_copy(full)
+        m.decode_graphs, m.decode_overlap = decode_graphs(cfg.gen, m.device), decode_overlap(cfg.gen, m.device)
+        out = evaluate(m, tok)
     group.model.train()
     out = {**out, "eval_s": time.perf_counter() - t}
     logger.log(step, **out)

@@ -15,6 +15,8 @@ import torch
 from common.contracts.algorithm import Algorithm
 from common.contracts.batch import Batch
 from common.contracts.micro import Ranks
+from common.engine.checkpoints.peft_io import attach_lora
+from common.engine.model.lora import adapter_state
 from common.runtime.files.checkpoint import ResumeState, load_checkpoint, save_checkpoint
 from common.runtime.launch import WorkerError
 
@@ -33,15 +35,31 @@ def trainer_model(prec, path: str, tc, device: str):
     model.train()
     model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
     model.share_prompts, model.pack_rows = tc.share_prompts, bool(tc.pack_rows)
+    if tc.lora.on:
+        with_lora(model, tc.lora)
     return model, tok
+
+
+def with_lora(model, cfg) -> list[str]:
+    """`model` training LoRA adapters (`cfg`: train.lora) instead of its weights: the base frozen in the
+    dtype the trainer computes in (bf16 under bf16 autocast: half the fp32 master weights' memory, and
+    no fp32 copy to cast each pass), the adapters in fp32, fresh or read from a PEFT folder."""
+    if model.compute_dtype is not None:
+        for p in model.parameters():
+            p.data = p.data.to(model.compute_dtype)  # tied weights are one Parameter: cast once
+    names = attach_lora(model, cfg)
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"[asyncrl] LoRA: {len(names)} projections, {n:,} trainable parameters "
+          f"({n / sum(p.numel() for p in model.parameters()):.2%} of the model)")
+    return names
 
 
 def make_optimizer(model, lr: float, weight_decay: float, beta2: float = 0.95, eps: float = 1e-8) -> torch.optim.Optimizer:
     """AdamW over this rank's parameters (its shards when sharded), betas (0.9, `beta2`)."""
     # fused: one pass over each parameter's weights, gradient and moments, on CUDA and on CPU
     # (where torch's default loops over parameters with several passes each: BENCHMARKS, AdamW)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, beta2), eps=eps,
-                             fused=True)
+    params = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone hold state
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, beta2), eps=eps, fused=True)
 
 
 def update(algo: Algorithm, model, opt, batch: Batch, step: int, grad_clip: float,
@@ -84,8 +102,10 @@ class OneRank:
         return update(self.algo, self.model, self.opt, batch.to(self.device), step, grad_clip)
 
     def publish(self, version: int) -> None:
-        """The weights into the store, as `version` (common/runtime/shared/weights.py)."""
-        self.store.publish(self.model, version)
+        """The weights into the store, as `version` (common/runtime/shared/weights.py): with LoRA, the
+        adapters alone (the generators fold them into their copy of the base)."""
+        ads = adapter_state(self.model)
+        self.store.publish(ads if ads else self.model, version)
 
     def full_model(self):
         """The whole model on this device (an evaluation's)."""

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, Union
 
 import torch
 
 from common.contracts.config import ConfigError
 from common.contracts.config_check import Rule, above, at_least, between, check, processes, relation
+from common.engine.model.lora import LoRAConfig
 
 
 @dataclass
@@ -54,6 +55,7 @@ class TrainConfig:
     stall_timeout: float = 120.0      # s without progress before a worker counts as hung (first model load ~20-40 s here); 0 = off
     stall_action: Literal["stop", "warn"] = "stop"  # hung worker: checkpoint and stop (exit != 0), or warn every stall_timeout s
     record: bool = False              # write every consumed batch to runs/<name>/stream/ for replay (common/runtime/files/stream.py)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters instead of every weight (common/engine/model/lora.py)
 
     CHECKS = {  # ranges (common/contracts/config_check.py)
         "steps": at_least(1), "lr": between(0, 1, open_lo=True), "warmup_steps": at_least(0), "decay_steps": at_least(0),
@@ -66,7 +68,7 @@ class TrainConfig:
         "max_staleness": Rule(lambda v, s: v == "auto" or v >= 0, ">= 0, or auto"), "max_staleness_max": between(1, 64),
         "lr_by_ess": relation(lambda v, s: not v or s.max_staleness == "auto",
                               "false unless {p}max_staleness=auto (the ESS window is its controller's)"),
-        "n_generators": processes(0), "trainer_devices": processes(1), "reward_workers": processes(0),
+        "n_generators": processes(0), "reward_workers": processes(0),
         "buffer_capacity": at_least(1),
         "min_buffer": (at_least(0), relation(lambda v, s: s.mode == "sync" or v <= s.buffer_capacity,
                                              "<= {p}buffer_capacity={s.buffer_capacity} (the ring holds no more: "
@@ -74,7 +76,10 @@ class TrainConfig:
         "checkpoint_every": at_least(0), "keep_checkpoints": at_least(0), "eval_every": at_least(0),
         "stall_timeout": at_least(0),
         "pack_rows": relation(lambda v, s: not (v and s.compile_blocks), "false or none with {p}compile_blocks=true "
-                              "(compiled blocks run padded rows only)")}
+                              "(compiled blocks run padded rows only)"),
+        "trainer_devices": (processes(1), relation(lambda v, s: v == 1 or not s.lora.on,
+                                                   "1 with {p}lora (sharded ranks hold no adapters yet)")),
+        "record": relation(lambda v, s: not (v and s.lora.on), "false with {p}lora (a replay rebuilds whole weights)")}
 
 
 @dataclass

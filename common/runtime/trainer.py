@@ -240,7 +240,8 @@ class Loop:
             torch.cuda.ipc_collect()  # the generators have released the store: free what they held
         self.last.update(self.run_eval("after"))
         ck = self.checkpoint()
-        print(f"[asyncrl] final checkpoint (Hugging Face format in {ck / 'model'}), metrics in "
+        where = ck / "model" if (ck / "model").is_dir() else ck / "adapter"  # LoRA: a PEFT adapter by default
+        print(f"[asyncrl] final checkpoint (Hugging Face format in {where}), metrics in "
               f"{self.p.run_dir / 'metrics.jsonl'}")
         if self.stream is not None and self.stream.steps:
             print(f"[asyncrl] stream: {self.stream.steps} steps in {self.stream.dir}, "

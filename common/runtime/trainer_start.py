@@ -18,6 +18,7 @@ import torch
 from common.contracts.batch import PromptSet
 from common.contracts.run_files import record
 from common.engine.machine.precision import resolve
+from common.engine.model.lora import adapter_state
 from common.runtime.files.checkpoint import latest_checkpoint
 from common.runtime.files.checkpoint_dir import clean_checkpoints
 from common.runtime.files.stream import StreamWriter
@@ -70,8 +71,11 @@ def prepare(cfg, prompts: PromptSet, stop_token_ids: tuple, resume: bool, ranks:
     # a hard position limit (GPT-2's, Gemma 3's windows): refused here, before any generator starts
     model.check_positions(max_seq_len, f"{cfg.model}: the longest prompt ({max_seq_len - cfg.gen.max_new_tokens} tokens) "
                                        f"+ gen.max_new_tokens ({cfg.gen.max_new_tokens})")
-    # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC
-    store = WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype)
+    # in the generators' dtype; CUDA: shared with generators (and trainer ranks) via IPC. With LoRA the
+    # adapters alone, in fp32 (a few MB: each generator folds them into its own copy of the base)
+    ads = adapter_state(model)
+    store = (WeightStore({n: (p.shape, torch.float32) for n, p in ads.items()}, device=model.device) if ads else
+             WeightStore.from_module(model, device=model.device, dtype=prec.torch_dtype))
     clean_checkpoints(run_dir, tc.keep_checkpoints)  # a crash's leftovers (a write or a prune cut off), only ours
     ck = latest_checkpoint(run_dir) if resume else None
     if resume and ck is None:
@@ -114,7 +118,8 @@ def start_generators(cfg, workers: Workers, link: Peers, group: OneRank, run_dir
         dev = _gen_device(tc.device, r - gens[0], tc.trainer_devices)
         workers.start(f"generator{r}", generator_main, r, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store, buffer,
                       gen_control, prompts, reward_fn, cfg.seed, max_seq_len, tuple(stop_token_ids), dev, prec,
-                      beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None)
+                      beat=hb.beat_for(f"generator{r}"), cuda_device=dev if dev.startswith("cuda") else None,
+                      lora=tc.lora if tc.lora.on else None)
     record(run_dir / "workers.json")
     (run_dir / "workers.json").write_text(json.dumps({"trainer": os.getpid(), **group.pids(), **link.pids(),
                                                       **workers.pids()}) + "\n")

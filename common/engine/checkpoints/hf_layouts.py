@@ -152,6 +152,21 @@ def to_hf(cfg, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_module(cfg, name: str) -> tuple[str, str, str | None]:
+    """The transformers module holding our projection `name` (e.g. model.layers.0.self_attn.q_proj),
+    how its weight is stored there (COPY, TRANSPOSED, QKV_HEADS, QKV_COLUMNS) and, in a fused one,
+    which of q, k, v ours is (else None). LoRA adapters are named by it (peft_io.py)."""
+    mt = cfg.model_type
+    if mt not in _RULES:
+        return name, COPY, None
+    for _, our_re, hf, _, kind in _COMPILED[mt]:
+        m = our_re.fullmatch(name + ".weight")
+        if m is not None:
+            f = {k: v for k, v in m.groupdict().items() if k not in ("x", "p")}
+            return hf.format(**f, p="weight")[:-len(".weight")], kind, m.groupdict().get("x")
+    raise ValueError(f"{mt}: no checkpoint module for {name!r}")
+
+
 def hf_config(cfg) -> dict:
     """A config.json dict for a GPT-NeoX or GPT-2 model built from a `ModelConfig` alone (tests,
     benchmarks): the keys transformers' config class of that type reads."""

@@ -107,7 +107,9 @@ def save_pretrained(model, path, max_shard_bytes: int = 5 * 2**30, tokenizer=Non
     ones plus, with a tokenizer, its EOS and end-of-turn tokens."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    # LoRA adapters are no weights of the base: a model with adapters saves its base (inside
+    # `lora.merged(model)`, the merged weights); the adapters go to peft_io.save_adapter
+    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items() if ".lora." not in k}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")  # safetensors refuses aliased tensors; HF re-ties on load
     state = to_hf(model.cfg, state)  # the family's own names and fused layouts (hf_layouts.py)

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from common.contracts.errors import UserError
-from common.engine.checkpoints.hf_layouts import QKV_COLUMNS, QKV_HEADS, hf_module
-from common.engine.model.lora import Adapter, adapters
+from common.engine.checkpoints.hf_layouts import QKV_HEADS, hf_module
+from common.engine.model.lora import Adapter, LoRAConfig, adapters, add_lora, attached
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -89,9 +89,9 @@ def _pattern(patterns: dict, module: str, default):
 
 
 @torch.no_grad()
-def load_adapter(model, path, dropout: float | None = None) -> list[str]:
+def load_adapter(model, path, dropout: float | None = None, freeze: bool = True) -> list[str]:
     """Adapters read from a PEFT LoRA folder onto `model` (module docstring), each with the file's
-    rank and scale; the model's other parameters frozen. Returns our adapted modules' names."""
+    rank and scale; with `freeze` the model's other parameters frozen. Returns our adapted modules."""
     path = Path(path)
     if not (path / CONFIG).is_file() or not (path / WEIGHTS).is_file():
         raise UserError(f"train.lora.init={path}: not a PEFT adapter folder ({CONFIG} and {WEIGHTS} needed)")
@@ -127,9 +127,13 @@ def load_adapter(model, path, dropout: float | None = None) -> list[str]:
             out.append(n)
     if not out:
         raise UserError(f"train.lora.init={path}: the adapter holds no LoRA weights")
-    for mlp in (m for m in model.modules() if hasattr(m, "up_proj")):
-        mlp.unfused = any(getattr(mlp, k, None) is not None and getattr(mlp, k)._modules.get("lora") is not None
-                          for k in ("gate_proj", "up_proj", "down_proj"))
-    for pn, p in model.named_parameters():
-        p.requires_grad_(".lora." in pn)
+    attached(model, freeze)
     return out
+
+
+def attach_lora(model, cfg: LoRAConfig, freeze: bool = True) -> list[str]:
+    """`cfg`'s adapters on `model`: read from the PEFT folder `cfg.init` (its ranks and scales), else
+    fresh ones of `cfg.rank` on `cfg.targets` (B = 0: the base). Returns the adapted modules."""
+    if cfg.init:
+        return load_adapter(model, cfg.init, cfg.dropout, freeze=freeze)
+    return add_lora(model, cfg, freeze=freeze)

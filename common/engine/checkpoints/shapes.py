@@ -60,6 +60,11 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
         vocab_size=151936, max_position_embeddings=131072, rms_norm_eps=1e-6, use_sliding_window=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
         bos_token_id=151646, eos_token_id=151643)),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": ("qwen2", "causal", dict(  # AReaL's 7B policy
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, max_position_embeddings=131072, rms_norm_eps=1e-6, use_sliding_window=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, tie_word_embeddings=False,
+        bos_token_id=151646, eos_token_id=151643)),
     **{f"mnoukhov/pythia{s}-sft-tldr": ("gpt_neox", "causal", _pythia(*d))  # TBA's TL;DR policies
        for s, d in (("410m", (1024, 24, 16)), ("1b", (2048, 16, 8)), ("2.8b", (2560, 32, 32)))},
     **{f"mnoukhov/pythia{s}-rm-tldr6.9b": ("gpt_neox", "classifier", _pythia(*d))  # their reward models

@@ -104,9 +104,11 @@ class _MLP(torch.autograd.Function):
             torch.mul(g, s, out=db[r0:r1])
             torch.ops.aten.silu_backward.grad_input(g * br, ar, grad_input=da[r0:r1])
         del dh
-        dw_down = linear_dw(dy, h)
+        need = ctx.needs_input_grad  # a frozen base (LoRA elsewhere in the model) takes no weight gradient
+        dw_down = linear_dw(dy, h) if need[3] else None
         del h
-        dw_gate, dw_up = linear_dw(da, x), linear_dw(db, x)
+        dw_gate = linear_dw(da, x) if need[1] else None
+        dw_up = linear_dw(db, x) if need[2] else None
         dx = linear_dx(da, w_gate).add_(linear_dx(db, w_up))
         return dx.view(ctx.shape), dw_gate, dw_up, dw_down
 

@@ -185,6 +185,9 @@ def linear_dw(gy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state-dict names) that calls `linear`."""
+    """nn.Linear (same parameters, same state-dict names) that calls `linear`, plus its LoRA adapter's
+    update where one hangs on it (`lora`, common/engine/model/lora.py)."""
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
+        lora = self._modules.get("lora")  # a dict lookup: no adapter costs nothing
+        return y + lora(x) if lora is not None and lora.enabled else y

@@ -18,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from common.contracts.config_check import Rule, above, at_least, between
 from common.engine.model.linear import Linear, linear
 
 ROLES = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
@@ -37,7 +39,16 @@ class LoRAConfig:
     dropout: float = 0.0              # dropout on the adapters' input (training only)
     targets: tuple[str, ...] = ("q_proj", "v_proj")  # projections by name, or roles: attn, mlp, all (PEFT's default: q, v)
     init: str = ""                    # a PEFT adapter folder to start from (its rank, alpha and targets); "" = fresh
-    export: str = "adapter"           # what checkpoints' model/ holds: adapter (PEFT's files), merged (a whole model) or both
+    export: Literal["adapter", "merged", "both"] = "adapter"  # checkpoints' model/: the adapter (PEFT's files), the merged model, or both
+
+    CHECKS = {"rank": at_least(0), "alpha": above(0), "dropout": between(0, 1, open_hi=True),
+              "targets": Rule(lambda v, s: bool(v) and all(t in ROLES or t in ROLES["all"] for t in v),
+                              f"projections ({', '.join(ROLES['all'])}) or roles ({', '.join(ROLES)})")}
+
+    @property
+    def on(self) -> bool:
+        """Whether the run trains adapters (a rank, or an adapter to start from)."""
+        return self.rank > 0 or bool(self.init)
 
 
 def target_names(targets) -> tuple[str, ...]:
@@ -98,13 +109,19 @@ def add_lora(model: nn.Module, cfg: LoRAConfig, freeze: bool = True) -> list[str
             names.append(n)
     if not names:
         raise ValueError(f"train.lora.targets={list(cfg.targets)}: no projection of this model has those names")
-    for mlp in (m for m in model.modules() if hasattr(m, "up_proj")):  # the fused MLP reads weights directly
+    attached(model, freeze)
+    return names
+
+
+def attached(model: nn.Module, freeze: bool) -> None:
+    """After adapters were hung on `model`: MLPs with one run unfused (the fused path reads the
+    weights alone), and with `freeze` only the adapters take gradients."""
+    for mlp in (m for m in model.modules() if hasattr(m, "up_proj")):
         mlp.unfused = any(getattr(mlp, k, None) is not None and getattr(mlp, k)._modules.get("lora") is not None
                           for k in ("gate_proj", "up_proj", "down_proj"))
     if freeze:
         for pn, p in model.named_parameters():
             p.requires_grad_(PREFIX in pn)
-    return names
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -147,14 +164,13 @@ def merged(model: nn.Module):
 
 @dataclass
 class Merger:
-    """A generator's adapters: the base's targeted weights kept as loaded (W0), the published A and B
-    read into holder adapters (disabled: the weights carry them) and folded into the weights."""
+    """A generator's adapters (attached to `model` already, as the trainer's are: peft_io.attach_lora):
+    the base's targeted weights kept as loaded (W0), the published A and B read into the adapters,
+    which stay disabled (the weights carry them), and folded into the weights."""
     model: nn.Module
-    cfg: LoRAConfig
     base: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
-        add_lora(self.model, self.cfg, freeze=False)
         for n, (m, a) in adapters(self.model).items():
             a.enabled = False
             self.base[n] = m.weight.detach().clone()

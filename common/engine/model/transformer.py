@@ -48,7 +48,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from common.engine.model.causal_attention import causal_attention
-from common.engine.model.fused import mlp, plain_mlp
+from common.engine.model.fused import activation, mlp, plain_mlp
 from common.engine.model.head import head_logp
 from common.engine.model.layers import RMSNorm, apply_rope, make_norm, rope_inv_freq
 from common.engine.model.linear import Linear
@@ -90,7 +90,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated: down(act(gate(x)) * up(x)) (Llama); plain: down(act(up(x))) (GPT-NeoX, GPT-2: no gate_proj)."""
+    """Gated: down(act(gate(x)) * up(x)) (Llama); plain: down(act(up(x))) (GPT-NeoX, GPT-2: no gate_proj).
+    With LoRA adapters on its projections (`unfused`, set by lora.py) each goes through its module."""
+    unfused = False
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         D, I, b = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
@@ -101,6 +104,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         u, d = self.up_proj, self.down_proj
+        if self.unfused:  # the fused paths read the weights alone; an adapter's update comes with its module
+            if hasattr(self, "gate_proj"):
+                return d(activation(self.act)(self.gate_proj(x)) * u(x))
+            return d(activation(self.act)(u(x)))
         if not hasattr(self, "gate_proj"):
             return plain_mlp(x, u.weight, u.bias, d.weight, d.bias, self.act)
         g = self.gate_proj

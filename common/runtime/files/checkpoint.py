@@ -9,7 +9,9 @@ Layout (one directory per checkpoint, named by the trainer step):
     <run_dir>/checkpoints/step_000120/
         model/             a complete Hugging Face model directory (common/engine/checkpoints/hf_save.py): config,
                            generation config, weights, tokenizer + chat template when given
-        state/             fp32 model and AdamW state, one file per trainer rank
+        adapter/           LoRA (train.lora): PEFT's adapter files (common/engine/checkpoints/peft_io.py) and
+                           the base's config; model/ then only with train.lora.export=merged|both
+        state/             fp32 model and AdamW state (LoRA: the adapters'), one file per trainer rank
                            (torch.distributed.checkpoint); loads into any number of ranks, 1 included
         trainer_state.pt   scheduler state, RNG states (rank 0's), counters
         buffer.pt          ReplayBuffer.save (optional)
@@ -55,7 +57,9 @@ import torch
 
 from common.contracts.config import save_config
 from common.contracts.errors import disk_full, free_bytes, human_bytes, write_failed
-from common.engine.checkpoints.hf_save import save_pretrained
+from common.engine.checkpoints.hf_save import model_config_dict, save_pretrained
+from common.engine.checkpoints.peft_io import save_adapter
+from common.engine.model.lora import adapters, merged
 from common.engine.model.model_config import ModelConfig
 from common.contracts.run_files import record
 from common.runtime.shared.buffer import ReplayBuffer
@@ -86,6 +90,38 @@ def _write_meta(d: Path, meta: dict) -> None:
     (d / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
+BASE_CONFIG = "base_config.json"  # in adapter/: the base model's config (module docstring)
+
+
+def _export(model, tmp: Path, tokenizer, generation, config) -> None:
+    """The checkpoint's model for users: model/, a complete Hugging Face directory; with LoRA
+    (train.lora.export) adapter/, PEFT's files that `peft` loads onto the base, model/ the base with
+    the adapters merged, or both."""
+    if not adapters(model):
+        save_pretrained(model, tmp / "model", tokenizer=tokenizer, **(generation or {}))
+        return
+    export = _setting(config, "train", "lora", "export") or "adapter"
+    if export in ("adapter", "both"):
+        save_adapter(model, tmp / "adapter", base_model=str(_setting(config, "model") or ""),
+                     dropout=_setting(config, "train", "lora", "dropout") or 0.0)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "adapter"))
+        # the base's config, which a resume checks (not config.json: transformers would take the folder for a model)
+        (tmp / "adapter" / BASE_CONFIG).write_text(json.dumps(model_config_dict(model), indent=2) + "\n")
+    if export in ("merged", "both"):
+        with merged(model):
+            save_pretrained(model, tmp / "model", tokenizer=tokenizer, **(generation or {}))
+
+
+def _setting(config, *keys):
+    """config.a.b (a dataclass) or config["a"]["b"] (a dict), else None."""
+    for k in keys:
+        config = config.get(k) if isinstance(config, dict) else getattr(config, k, None)
+        if config is None:
+            return None
+    return config
+
+
 def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer, tokenizer, generation,
                 step: int, write) -> None:
     """Every file of one checkpoint into `tmp` (meta.json last), fsynced."""
@@ -96,7 +132,7 @@ def _write_into(tmp: Path, model, optimizer, scheduler, counters, config, buffer
         export = model
     else:  # the trainer's ranks: every rank writes its shards, the whole model is gathered for the export
         export = write(tmp / "state")
-    save_pretrained(export, tmp / "model", tokenizer=tokenizer, **(generation or {}))
+    _export(export, tmp, tokenizer, generation, config)
     torch.save({"scheduler": scheduler.state_dict() if scheduler is not None else None,
                 "rng": rng_state(), "counters": counters, "optimizer_stepped": stepped}, tmp / "trainer_state.pt")
     if buffer is not None:
@@ -207,11 +243,13 @@ def load_checkpoint(path, model, optimizer, scheduler=None, buffer_cls=ReplayBuf
         if f.stat().st_size != size:
             raise CheckpointError(f"{path}: file {rel} has {f.stat().st_size} bytes, meta.json recorded "
                                   f"{size} (truncated or overwritten)")
-    model_dir = path / "model"
+    conf = path / "model" / "config.json"
+    if not conf.is_file() and (path / "adapter" / BASE_CONFIG).is_file():  # LoRA: the adapters alone
+        conf = path / "adapter" / BASE_CONFIG
     try:
-        ck_cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text())).to_dict()
+        ck_cfg = ModelConfig.from_hf(json.loads(conf.read_text())).to_dict()
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{model_dir}/config.json unreadable ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{conf} unreadable ({type(e).__name__}: {e})") from None
     mine = model.cfg.to_dict()
     diff = [f"{k}: checkpoint {ck_cfg.get(k)!r} vs model {mine.get(k)!r}"
             for k in sorted(set(ck_cfg) | set(mine)) if ck_cfg.get(k) != mine.get(k)]

@@ -31,7 +31,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from common.contracts.errors import UserError
 
@@ -160,6 +161,13 @@ def _dcp_ranks(group: dist.ProcessGroup | None) -> dict:
     return {"no_dist": False, "process_group": group} if group is not None else {"no_dist": True}
 
 
+def _options(model) -> StateDictOptions:
+    """What a checkpoint holds of `model`: every parameter, or (LoRA: a frozen base) the trainable
+    ones only; the base is the run's `--model`, read again at a resume."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)  # the base is not in the state
+
+
 def check_state(d: Path, model, stepped: bool) -> None:
     """The saved tensor names and shapes against the model's, before anything is loaded."""
     try:
@@ -168,14 +176,14 @@ def check_state(d: Path, model, stepped: bool) -> None:
         raise
     except Exception as e:  # missing .metadata
         raise CheckpointError(f"{d}: unreadable model/optimizer state ({type(e).__name__}: {e})") from None
-    want = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model).items()}  # global shapes
+    want = {f"model.{k}": tuple(v.shape) for k, v in get_model_state_dict(model, options=_options(model)).items()}
     have = {k: tuple(v.size) for k, v in saved.items() if k.startswith("model.") and hasattr(v, "size")}
     bad = ([f"missing {k[6:]}" for k in want if k not in have] + [f"unexpected {k[6:]}" for k in have if k not in want]
            + [f"{k[6:]}: saved {have[k]}, model {s}" for k, s in want.items() if k in have and have[k] != s])
     if stepped:
         # keyed by parameter, not state-dict entry: a tied head has no state of its own
-        bad += [f"no optimizer state for {n}" for n, _ in model.named_parameters()
-                if f"optimizer.state.{n}.exp_avg" not in saved]
+        bad += [f"no optimizer state for {n}" for n, p in model.named_parameters()
+                if p.requires_grad and f"optimizer.state.{n}.exp_avg" not in saved]
     if bad:
         raise CheckpointError(f"incompatible checkpoint {d.parent}: " + "; ".join(bad[:5]))
 
@@ -184,7 +192,7 @@ def write_state(d: Path, model, optimizer, group: dist.ProcessGroup | None = Non
     """Model and optimizer state into directory `d` (DCP, one file per rank). `group`: the
     process group of a sharded model's ranks, every one of which calls this at the same point."""
     fresh = not optimizer.state  # get_state_dict gives a fresh AdamW zero moments and step 1 ...
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_options(model))
     with _one_process_ok():
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=d, **_dcp_ranks(group))
     if fresh:
@@ -196,7 +204,8 @@ def read_state(d: Path, model, optimizer, stepped: bool, group: dist.ProcessGrou
     ranks wrote them (DCP reshards), through `SafeReader` and `_SafePlanner`. `group` as for
     `write_state`."""
     SafeReader(str(d)).read_metadata()  # a refused .metadata says so here, not inside DCP's fallbacks
-    msd, osd = get_state_dict(model, optimizer)
+    opts = _options(model)
+    msd, osd = get_state_dict(model, optimizer, options=opts)
     state = {"model": msd, "optimizer": osd}
     try:
         with _one_process_ok():
@@ -205,7 +214,8 @@ def read_state(d: Path, model, optimizer, stepped: bool, group: dist.ProcessGrou
         if isinstance(dcp_cause(e), CheckpointError):
             raise dcp_cause(e) from None
         raise CheckpointError(f"{d}: unreadable model/optimizer state ({one_line(e)})") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=opts)
     if not stepped:  # saved before the first update: keep the optimizer fresh (see write_state)
         optimizer.state.clear()
 

@@ -67,7 +67,8 @@ def generator_node(node: Node, cfg, prompts, reward_fn, stop_token_ids: tuple, r
             for g, name in zip(ranks, names):
                 workers.start(name, generator_main, g, cfg.gen, cfg.model, cfg.ref_model or cfg.model, store,
                               outbox, control, prompts, reward_fn, cfg.seed, setup["max_seq_len"],
-                              tuple(stop_token_ids), "cpu", setup["precision"], beat=hb.beat_for(name))
+                              tuple(stop_token_ids), "cpu", setup["precision"], beat=hb.beat_for(name),
+                              lora=tc.lora if tc.lora.on else None)  # adapters move between nodes too
             # who is who on this node, as the trainer's workers.json on its own
             here.mkdir(parents=True, exist_ok=True)
             record(here / "workers.json")

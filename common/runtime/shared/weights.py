@@ -230,11 +230,12 @@ class WeightStore:
         return b[1]
 
     @torch.no_grad()
-    def load_into(self, module: nn.Module, max_retries: int = 100) -> int:
+    def load_into(self, module: nn.Module, max_retries: int = 100, subset: bool = False) -> int:
         """Always copy the active slot into `module` (one copy if `bind` laid it out, else one per
-        parameter); returns the version it held."""
+        parameter); returns the version it held. `subset`: the store holds some of the module's
+        parameters (LoRA's adapters), the others stay as they are."""
         params = dict(module.named_parameters())
-        self.check(params, "load_into", exact=True)
+        self.check(params, "load_into", exact=not subset)
         flat = self._flat_of(module)
         c = self._c
         if int(c[VERSION]) < 0:
