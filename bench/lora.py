@@ -4,12 +4,13 @@
   default model (SmolLM2-135M): the full weights (the store in the generators' dtype, one copy
   into the generator's bound model) vs the adapters (fp32 A and B into the store, copied into the
   generator's adapters and folded into its base, `Merger.merge`). Median of `--reps`.
-- memory: the trainer process's peak RSS for one micro-batch (`--rows` x `--tokens`, forward +
+- memory: the trainer process's peak RSS for one micro-batch (`--rows` x `--tokens`: 1,024 and 4,096 tokens; forward +
   backward + AdamW) with its reference pass (no_grad logp of the same rows): full fine-tuning holds
   fp32 master weights, grads, AdamW moments and a reference copy of the model (the runtime keeps it
   in the generators; here it is counted with the trainer's); LoRA holds the frozen base in the
   trainer's compute dtype and the adapters, the reference being the base with the adapters off.
-  `full_no_ref` is full fine-tuning without the reference copy. A fresh process each.
+  `full_no_ref` is full fine-tuning without the reference copy. A fresh process each, with and
+  without activation checkpointing (the same on both sides of each ratio).
 - plan: `--print-memory`'s totals for AReaL's long run (`--preset=areal_long`) on
   R1-Distill-Qwen-7B at 8,192 new tokens on one 80 GB GPU, with and without `--train.lora.rank=16`.
 - learn: the staleness bench's toy task (bench/staleness.py: a 3.6M Llama learning to emit ids
@@ -51,6 +52,7 @@ PARTS = ("sync", "memory", "plan", "learn")
 
 
 def _median_s(fn, reps: int) -> float:
+    fn()  # warm: first-call kernel setup is not a sync's
     times = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -66,8 +68,8 @@ def sync(a) -> dict:
     gen = prec.load(a.model, role="generator", tokenizer=False)[0]
     full = WeightStore.from_module(trainer, device=trainer.device, dtype=prec.torch_dtype)
     full.bind(gen)
-    full.publish(trainer, 0)
-    full_s = _median_s(lambda: (full.publish(trainer, 1), full.load_into(gen)), a.reps)
+    version = iter(range(1, 10**6))  # each publish a newer version, as the trainer's
+    full_s = _median_s(lambda: (full.publish(trainer, next(version)), full.load_into(gen)), a.reps)
     full_bytes = full.nbytes
     full = gen = None  # freed before the LoRA half
     cfg = LoRAConfig(rank=a.rank)
@@ -83,7 +85,7 @@ def sync(a) -> dict:
     merger = Merger(gen)
 
     def lora_sync():
-        store.publish(adapter_state(trainer), 1)
+        store.publish(adapter_state(trainer), next(version))
         store.load_into(gen, subset=True)
         merger.merge()
 
@@ -94,18 +96,35 @@ def sync(a) -> dict:
             "what": "publish + the generator's load (LoRA: + merge into its base), median of reps"}
 
 
+def _reset_peak() -> None:
+    """Linux: the peak resident set restarts from the current one (clear_refs 5)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _peak() -> int:
+    """Bytes: the peak resident set since `_reset_peak` (VmHWM), else since the process started."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def memory_child(a) -> dict:
     """One variant of the memory part in this process (a fresh one per variant)."""
     set_process_defaults("cpu")
     prec = resolve(PrecisionConfig(dtype=a.dtype), "cpu").apply()
-    model = prec.load(a.model, role="trainer", tokenizer=False)[0]
+    model = prec.load(a.model, role="trainer", tokenizer=False, frozen=a.variant == "lora")[0]  # as trainer_model
     model.train()
     if a.variant == "lora":
         with_lora(model, LoRAConfig(rank=a.rank))
+    model.checkpoint_layers = a.checkpointing
     ref = prec.load(a.model, role="generator", tokenizer=False)[0] if a.variant == "full" else None
     opt = make_optimizer(model, 1e-5, 0.0)
+    _reset_peak()  # what loading took on the way (a file read, a cast) is not the step's
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(3, model.cfg.vocab_size, (a.rows, a.tokens), generator=g)
+    tokens = torch.randint(3, model.cfg.vocab_size, (a.rows[0], a.tokens), generator=g)
     mask = torch.zeros_like(tokens, dtype=torch.bool)
     mask[:, a.prompt:] = True
     t = time.perf_counter()
@@ -120,23 +139,32 @@ def memory_child(a) -> dict:
     lp = token_logp(model, tokens, 1.0, mask)
     (-((lp - ref_lp) * mask).sum() / mask.sum()).backward()
     opt.step()
-    return {"variant": a.variant, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+    return {"variant": a.variant, "peak_gib": _peak() / 2**30,
             "step_s": time.perf_counter() - t, "dtype": prec.dtype,
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
 def memory(a) -> dict:
-    out = {"model": a.model, "rank": a.rank, "rows": a.rows, "tokens": a.tokens, "what": "peak RSS of the process"}
-    for v in ("full", "full_no_ref", "lora"):
-        cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, "--model", a.model, "--rank", str(a.rank),
-               "--rows", str(a.rows), "--tokens", str(a.tokens), "--prompt", str(a.prompt), "--dtype", a.dtype]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            raise SystemExit(f"memory variant {v} failed:\n{r.stderr[-3000:]}")
-        out[v] = json.loads(r.stdout.strip().splitlines()[-1])
-        print(f"[lora] memory {v}: {out[v]['peak_gib']:.2f} GiB", file=sys.stderr)
-    out["peak_ratio"] = out["lora"]["peak_gib"] / out["full"]["peak_gib"]
-    out["peak_ratio_vs_no_ref"] = out["lora"]["peak_gib"] / out["full_no_ref"]["peak_gib"]
+    """Each variant at each micro-batch (`--rows` sizes x `--tokens`), with and without activation
+    checkpointing (the same on both sides of each ratio)."""
+    out = {"model": a.model, "rank": a.rank, "tokens": a.tokens, "prompt": a.prompt,
+           "what": "peak RSS of the process from the model's load on (VmHWM reset after loading)", "runs": []}
+    for rows in a.rows:
+        for ck in (False, True):
+            res = {"rows": rows, "micro_batch_tokens": rows * a.tokens, "checkpointing": ck}
+            for v in ("full", "full_no_ref", "lora"):
+                cmd = [sys.executable, os.path.abspath(__file__), "--variant", v, "--model", a.model, "--rank",
+                       str(a.rank), "--rows", str(rows), "--tokens", str(a.tokens), "--prompt", str(a.prompt),
+                       "--dtype", a.dtype, *(["--checkpointing"] if ck else [])]
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise SystemExit(f"memory variant {v} failed:\n{r.stderr[-3000:]}")
+                res[v] = json.loads(r.stdout.strip().splitlines()[-1])
+            res["peak_ratio"] = res["lora"]["peak_gib"] / res["full"]["peak_gib"]
+            res["peak_ratio_vs_no_ref"] = res["lora"]["peak_gib"] / res["full_no_ref"]["peak_gib"]
+            print(f"[lora] memory {rows} x {a.tokens} checkpointing={ck}: full {res['full']['peak_gib']:.2f}, "
+                  f"lora {res['lora']['peak_gib']:.2f} GiB ({res['peak_ratio']:.2f}x)", file=sys.stderr)
+            out["runs"].append(res)
     return out
 
 
@@ -216,8 +244,8 @@ def main():
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--dtype", choices=["auto", "fp32", "bf16"], default="auto")
-    ap.add_argument("--reps", type=int, default=5, help="sync: repetitions (median)")
-    ap.add_argument("--rows", type=int, default=8, help="memory: rows of the micro-batch")
+    ap.add_argument("--reps", type=int, default=20, help="sync: repetitions (median)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 8], help="memory: rows of the micro-batches")
     ap.add_argument("--tokens", type=int, default=512, help="memory: tokens per row")
     ap.add_argument("--prompt", type=int, default=128, help="memory: tokens before the loss positions")
     ap.add_argument("--steps", type=int, default=30, help="learn: trainer steps per run")
@@ -225,6 +253,7 @@ def main():
     ap.add_argument("--lora_lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2])
     ap.add_argument("--sweep_seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--seeds", type=int, nargs="+", default=[2, 3, 4, 5])
+    ap.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)  # memory's child
     ap.add_argument("--variant", choices=["full", "full_no_ref", "lora"], help=argparse.SUPPRESS)  # memory's child
     a = ap.parse_args()
     if a.variant:
@@ -235,7 +264,8 @@ def main():
     for part, fn in (("sync", sync), ("memory", memory), ("plan", paper_plan), ("learn", learn)):
         if part in a.parts:
             t = time.perf_counter()
-            out[part] = fn(a)
+            with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the JSON line
+                out[part] = fn(a)
             out[part]["wall_s"] = round(time.perf_counter() - t, 1)
             print(f"[lora] {part}: {json.dumps(out[part])[:400]}", file=sys.stderr)
     print(json.dumps(out))

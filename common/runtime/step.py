@@ -31,7 +31,7 @@ def trainer_model(prec, path: str, tc, device: str):
     """(model, tokenizer): the policy at `path` on `device` (`prec` loads it: fp32 master weights),
     in training mode with `train`'s activation checkpointing, block compilation, prompt sharing and
     row packing (`tc` settled by `check_config`)."""
-    model, tok = prec.load(path, device=device, role="trainer")
+    model, tok = prec.load(path, device=device, role="trainer", frozen=tc.lora.on)  # LoRA: the base in its compute dtype
     model.train()
     model.checkpoint_layers, model.compile_blocks = tc.activation_checkpointing, tc.compile_blocks
     model.share_prompts, model.pack_rows = tc.share_prompts, bool(tc.pack_rows)

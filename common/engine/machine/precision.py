@@ -100,14 +100,16 @@ class Precision:
         set_kernel(self.attention == "kernel")
         return self
 
-    def load(self, name_or_path: str, device="cpu", role: str = "generator", tokenizer: bool = True):
+    def load(self, name_or_path: str, device="cpu", role: str = "generator", tokenizer: bool = True,
+             frozen: bool = False):
         """(model, tokenizer) set up for `role`: "trainer" keeps fp32 master weights and runs
         forward passes under autocast to `dtype`; "generator" (sampler, reference) holds
-        weights in `dtype`. Both sample with a KV cache in `kv`."""
+        weights in `dtype`. Both sample with a KV cache in `kv`. `frozen` (a trainer whose weights
+        do not train: LoRA's base): the weights read in `dtype` at once, no fp32 copy on the way."""
         if role not in ("trainer", "generator"):
             raise ValueError(f"Precision.load: role={role!r}, expected 'trainer' or 'generator'")
         model, tok = load_model(name_or_path, device=device, tokenizer=tokenizer,
-                                dtype=torch.float32 if role == "trainer" else self.torch_dtype)
+                                dtype=torch.float32 if role == "trainer" and not frozen else self.torch_dtype)
         return self.configure(model, role), tok
 
     def configure(self, model, role: str):

@@ -171,22 +171,27 @@ class Merger:
     base: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self):
+        self._jobs = []
         for n, (m, a) in adapters(self.model).items():
             a.enabled = False
+            # A and B in the weights' dtype (a load casts into them): the merge is one addmm, whose
+            # accumulation is fp32 inside, rounded once into the weight
+            a.A.data, a.B.data = a.A.data.to(m.weight.dtype), a.B.data.to(m.weight.dtype)
             self.base[n] = m.weight.detach().clone()
+            self._jobs.append((self.base[n], a.B, a.A, a.scale, m.weight.data))
 
     @torch.no_grad()
     def merge(self) -> None:
         """W = W0 + (alpha / r) B A for every adapted projection (after the adapters were loaded)."""
-        for n, (m, a) in adapters(self.model).items():
-            m.weight.data.copy_((self.base[n].float() + a.delta()).to(m.weight.dtype))
+        for w0, B, A, scale, w in self._jobs:
+            torch.addmm(w0, B, A, alpha=scale, out=w)
 
     @contextlib.contextmanager
     @torch.no_grad()
     def pristine(self):
         """The base's weights inside the block (a reference pass), the merged ones back after."""
-        for n, (m, _) in adapters(self.model).items():
-            m.weight.data.copy_(self.base[n])
+        for w0, _, _, _, w in self._jobs:
+            w.copy_(w0)
         try:
             yield self.model
         finally:
