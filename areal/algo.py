@@ -44,17 +44,18 @@ from typing import Callable, Literal, Optional
 
 import torch
 
-from areal.loss import (batch_normalised_advantages, behaviour_stats, decoupled_ppo_loss, shaped_reward,
+from areal.loss import (LOSSES, batch_normalised_advantages, behaviour_stats, shaped_reward,
                         token_normalised_advantages)
 from common.contracts.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.contracts.batch import FINISH_REASONS, Batch
 from common.contracts.config_check import above, any_finite, at_least, between
 from common.contracts.micro import micro_batches, packs_rows, rank_sum, rank_sum_stats
+from common.contracts.mismatch import mismatch_stats
 from common.contracts.ops import group_normalised_advantages, token_logp
 
 
 log = logging.getLogger("asyncrl.areal")
-_SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap")  # config fields a loss may take by keyword
+_SETTINGS = ("eps_clip", "eps_clip_high", "behav_imp_weight_cap", "mask_bound")  # config fields a loss may take by keyword
 
 
 @dataclass
@@ -71,12 +72,14 @@ class AReaLConfig:
     max_reward_clip: Optional[float] = None  # the shaped reward clipped to [-clip, clip] (the paper's code: 20); None = off
     success_rate_lb: Optional[float] = None  # groups whose mean reward is below this are dropped, not trained (the coding run: 0.05); None = off
     success_rate_ub: Optional[float] = None  # and those above this (the coding run: 0.95); None = off
+    loss: Literal["decoupled", "truncated_is", "ppo", "icepop", "geo_seq_mask"] = "decoupled"  # areal/loss.py's LOSSES (a loss passed to main() wins)
+    mask_bound: float = 2.0           # icepop, geo_seq_mask: tokens / responses whose behaviour ratio leaves [1/b, b] leave the loss
 
     CHECKS = {"eps_clip": between(0, 1, open_lo=True, open_hi=True), "eps_clip_high": above(0),
               "behav_imp_weight_cap": at_least(1), "n_minibatches": at_least(1), "early_stop_imp_ratio": above(1),
               "reward_bias": any_finite(), "reward_scaling": above(0),
               "max_reward_clip": above(0), "success_rate_lb": between(0, 1),
-              "success_rate_ub": between(0, 1)}  # ranges (common/contracts/config_check.py)
+              "success_rate_ub": between(0, 1), "mask_bound": at_least(1)}  # ranges (common/contracts/config_check.py)
 
 
 def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:
@@ -93,14 +96,16 @@ def split_by_tokens(lengths: list[int], n: int) -> list[list[int]]:
 
 class AReaL(Algorithm):
     def __init__(self, cfg: AReaLConfig, prompts_per_step: int, n: int, temperature: float,
-                 micro_batch_tokens: int, max_staleness: Optional[int], loss_fn: Callable = decoupled_ppo_loss):
+                 micro_batch_tokens: int, max_staleness: Optional[int], loss_fn: Optional[Callable] = None):
         if max_staleness is None:
             raise ValueError("AReaL needs a staleness bound: set --train.max_staleness=ETA (paper: 4; 0 = sync)")
         if cfg.n_minibatches < 1:
             raise ValueError(f"areal.n_minibatches={cfg.n_minibatches}: need >= 1")
         if cfg.adv_norm not in ("group", "batch", "batch_tokens"):
             raise ValueError(f"areal.adv_norm={cfg.adv_norm!r}: expected 'group', 'batch' or 'batch_tokens'")
-        self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 5, _SETTINGS)
+        if loss_fn is None and cfg.loss not in LOSSES:
+            raise ValueError(f"areal.loss={cfg.loss!r}: expected one of {', '.join(LOSSES)}")
+        self.cfg, self.loss_fn = cfg, check_loss(loss_fn or LOSSES[cfg.loss], 5, _SETTINGS)
         self.B, self.n, self.temperature, self.max_staleness = prompts_per_step * n, n, temperature, max_staleness
         self.micro_batch_tokens = micro_batch_tokens
         self._batch_stats: dict = {}
@@ -162,6 +167,9 @@ class AReaL(Algorithm):
         self._batch_stats = {**behaviour_stats(batch.extra["prox_logp"], batch.behav_logp, batch.loss_mask,
                                                self.cfg.behav_imp_weight_cap),
                              "adv_abs": adv.abs().mean().item()}
+        if "same_weights" in batch.extra:  # the proximal pass runs the weights that sampled those tokens
+            self._batch_stats.update(mismatch_stats(batch.extra["prox_logp"], batch.behav_logp,
+                                                    batch.extra["same_weights"] & batch.loss_mask))
         if self.cfg.mask_too_long:
             self._batch_stats["masked_too_long"] = getattr(self, "_cut", 0)
         lengths = (batch.prompt_lens + batch.comp_lens).tolist()

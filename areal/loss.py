@@ -21,11 +21,16 @@ Every loss here shares one signature, so an ablation swaps a function, never a s
     and the cap): what AReaL shows collapsing as staleness grows.
   - truncated_is_ppo_loss: decoupled, but w_t clamped at the cap instead of masked (the
     truncated importance sampling other systems use).
+  - icepop_ppo_loss, geo_seq_mask_ppo_loss: decoupled, tokens (IcePop) or whole responses (the
+    geometric mean of their ratios) whose w leaves [1/b, b] masked: the corrections for the
+    sampler-trainer mismatch (common/contracts/mismatch.py measures it); b = `mask_bound`.
 advantages: (B,) per sequence (broadcast over its tokens) or (B, T) per token. The token mean
 is over the given rows: the caller weights micro-batches by their share of a minibatch's
 tokens (areal/algo.py), so micro-batching never changes the gradient.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -125,6 +130,61 @@ def ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Te
     mask = mask.bool()
     surr, clip_won = _clipped_surrogate(_masked_log_ratio(logp, behav_logp, mask), adv, eps_clip, eps_clip_high)
     return _reduce(surr, clip_won, mask, behaviour_stats(prox_logp, behav_logp, mask, None))
+
+
+def _band(log_w: Tensor, mask: Tensor, bound: float) -> Tensor:
+    """Where exp(log_w) lies in [1 / bound, bound] (log-space: no overflow), on the mask."""
+    if not bound >= 1:
+        raise ValueError(f"mask_bound={bound}: need >= 1 (the band is [1/b, b])")
+    return mask & (log_w.abs() <= math.log(bound))
+
+
+def icepop_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
+                    eps_clip: float = 0.2, eps_clip_high: float | None = None,
+                    behav_imp_weight_cap: float | None = None, mask_bound: float = 2.0) -> tuple[Tensor, dict]:
+    """Decoupled PPO with IcePop's two-sided token mask (inclusionAI's Ring-1T report, 2025: masked
+    importance sampling against the training-inference mismatch): a token whose behaviour ratio
+    w_t = pi_prox / pi_behav leaves [1/b, b] (b = `mask_bound`) leaves the loss (0, still counted in
+    the mean); inside the band w_t weights it as in decoupled_ppo_loss. The band replaces the
+    one-sided cap (behav_imp_weight_cap is not used). Stats add masked_frac."""
+    adv = _check(logp, prox_logp, behav_logp, advantages, mask)
+    mask = mask.bool()
+    surr, clip_won = _clipped_surrogate(_masked_log_ratio(logp, prox_logp.detach(), mask), adv, eps_clip, eps_clip_high)
+    log_w = _masked_log_ratio(prox_logp.detach(), behav_logp, mask)
+    keep = _band(log_w, mask, mask_bound)
+    w = torch.where(keep, log_w.exp(), torch.zeros_like(log_w))
+    stats = {**behaviour_stats(prox_logp, behav_logp, mask, None),
+             "masked_frac": ((mask & ~keep).sum() / mask.sum().clamp(min=1)).item()}
+    return _reduce(w * surr, clip_won, mask, stats)
+
+
+def geo_seq_mask_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
+                          eps_clip: float = 0.2, eps_clip_high: float | None = None,
+                          behav_imp_weight_cap: float | None = None, mask_bound: float = 2.0) -> tuple[Tensor, dict]:
+    """Decoupled PPO with a sequence-level geometric mask (the sequence masks of verl's and slime's
+    rollout corrections): a response whose geometric-mean behaviour ratio exp(mean_t log w_t) leaves
+    [1/b, b] leaves the loss whole (its tokens 0, still counted); the kept ones' tokens are weighted
+    by w_t, capped as in decoupled_ppo_loss. Stats add masked_frac (of tokens) and masked_seq_frac."""
+    adv = _check(logp, prox_logp, behav_logp, advantages, mask)
+    mask = mask.bool()
+    surr, clip_won = _clipped_surrogate(_masked_log_ratio(logp, prox_logp.detach(), mask), adv, eps_clip, eps_clip_high)
+    log_w = _masked_log_ratio(prox_logp.detach(), behav_logp, mask)
+    rows = mask.any(1)
+    geo = log_w.sum(1) / mask.sum(1).clamp(min=1)  # (B,) mean log-ratio: log of the geometric mean
+    keep_row = rows & _band(geo, rows, mask_bound)
+    keep = mask & keep_row[:, None]
+    w = torch.where(keep, log_w.exp(), torch.zeros_like(log_w))
+    if behav_imp_weight_cap is not None:
+        w = torch.where(w > behav_imp_weight_cap, torch.zeros_like(w), w)
+    stats = {**behaviour_stats(prox_logp, behav_logp, mask, behav_imp_weight_cap),
+             "masked_frac": ((mask & ~keep).sum() / mask.sum().clamp(min=1)).item(),
+             "masked_seq_frac": ((rows & ~keep_row).sum() / rows.sum().clamp(min=1)).item()}
+    return _reduce(w * surr, clip_won, mask, stats)
+
+
+# --areal.loss: each name is one of the functions above
+LOSSES = {"decoupled": decoupled_ppo_loss, "truncated_is": truncated_is_ppo_loss, "ppo": ppo_loss,
+          "icepop": icepop_ppo_loss, "geo_seq_mask": geo_seq_mask_ppo_loss}
 
 
 def shaped_reward(reward: Tensor, bias: float = 0.0, scaling: float = 1.0, clip: float | None = None) -> Tensor:

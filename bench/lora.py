@@ -84,8 +84,8 @@ def sync(a) -> dict:
     attach_lora(gen, cfg, freeze=False)
     merger = Merger(gen)
 
-    def lora_sync():
-        store.publish(adapter_state(trainer), next(version))
+    def lora_sync():  # as the trainer's OneRank.publish, the adapters' parameters found once
+        store.publish(ads, next(version))
         store.load_into(gen, subset=True)
         merger.merge()
 

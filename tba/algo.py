@@ -29,9 +29,10 @@ import torch
 from common.contracts.algorithm import Algorithm, accumulate, call_loss, check_loss
 from common.contracts.batch import Batch
 from common.contracts.config_check import above, at_least, between
-from common.contracts.micro import micro_batches, packs_rows, rank_sum_stats
+from common.contracts.micro import micro_batches, packs_rows, rank_sum, rank_sum_stats
+from common.contracts.mismatch import mismatch_stats, scatter_rows
 from common.contracts.ops import group_mean, group_normalised_advantages, seq_logp, token_logp
-from tba.loss import grpo_loss, linear_beta, tb_loss
+from tba.loss import GRPO_LOSSES, linear_beta, tb_loss
 
 
 @dataclass
@@ -54,8 +55,10 @@ class TBAConfig:
 class GRPOConfig:
     kl_coef: float = 0.004            # weight of the centred sequence KL to the reference in the advantage
     eps_clip: float = 0.2             # PPO clip range
+    loss: Literal["grpo", "icepop", "geo_seq_mask"] = "grpo"  # tba/loss.py's GRPO_LOSSES (a loss passed to main() wins)
+    mask_bound: float = 2.0           # icepop, geo_seq_mask: tokens / responses whose pi_trainer / pi_sampler leaves [1/b, b] leave the loss
 
-    CHECKS = {"kl_coef": at_least(0), "eps_clip": between(0, 1, open_lo=True, open_hi=True)}  # ranges (common/contracts/config_check.py)
+    CHECKS = {"kl_coef": at_least(0), "eps_clip": between(0, 1, open_lo=True, open_hi=True), "mask_bound": at_least(1)}  # ranges (common/contracts/config_check.py)
 
 
 class _Base(Algorithm):
@@ -67,6 +70,20 @@ class _Base(Algorithm):
     def on_policy(self, buffer, version: int) -> Batch | None:
         """Exactly the P x K responses sampled by the current weights (sync mode)."""
         return buffer.pop_oldest(self.P * self.K, max_staleness=0, current_version=version)
+
+    @staticmethod
+    def _seen(batch: Batch) -> torch.Tensor | None:
+        """A (B, T) holder for the loss pass's log-probs where the runtime marked tokens sampled by
+        the weights held now (their first update is after this pass): the mismatch is measured on them."""
+        same = batch.extra.get("same_weights")
+        return torch.zeros(batch.tokens.shape, device=batch.tokens.device) if same is not None and same.any() else None
+
+    @staticmethod
+    def _mismatch(seen: torch.Tensor | None, batch: Batch) -> dict:
+        """common/contracts/mismatch.py's stats of the loss pass's log-probs (each rank held its rows)."""
+        if seen is None:
+            return {}
+        return mismatch_stats(rank_sum(seen), batch.behav_logp, batch.extra["same_weights"] & batch.loss_mask)
 
     def _check_ref(self, batch: Batch):
         if torch.isnan(batch.ref_seq_logp).any():
@@ -98,15 +115,18 @@ class TBA(_Base):
         if self.loss_fn is tb_loss:
             self._check_ref(batch)
         totals: dict[str, float] = {}
+        seen = self._seen(batch)
         for rows in micro_batches(batch, self.micro_batch_tokens, group_aligned=True, packed=packs_rows(model)):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
+            if seen is not None:
+                scatter_rows(seen, rows, lp)
             slp = seq_logp(lp, mb.loss_mask)  # (b,)
             loss, st = call_loss(self.loss_fn, mb, slp, mb.ref_seq_logp, mb.reward, mb.group_id, beta)
             w = len(rows) / N  # this micro-batch's share of the batch mean
             (loss * w).backward()
             accumulate(totals, w, loss, st)
-        return {**rank_sum_stats(totals), "beta": beta}
+        return {**rank_sum_stats(totals), "beta": beta, **self._mismatch(seen, batch)}
 
 
 class GRPO(_Base):
@@ -117,9 +137,12 @@ class GRPO(_Base):
     purpose: normalising a shaped reward would blow float noise in KL up to O(1) advantages in
     groups whose rewards all tie (measured: |A| = 0.15 at step 1 with r = 0 and pi = pi_ref)."""
     def __init__(self, cfg: GRPOConfig, prompts_per_step: int, k: int, temperature: float,
-                 micro_batch_tokens: int, seed: int = 0, loss_fn: Callable = grpo_loss):
+                 micro_batch_tokens: int, seed: int = 0, loss_fn: Callable | None = None):
         super().__init__(prompts_per_step, k, temperature, micro_batch_tokens, seed)
-        self.cfg, self.loss_fn = cfg, check_loss(loss_fn, 4, ("eps_clip",))
+        if loss_fn is None and cfg.loss not in GRPO_LOSSES:
+            raise ValueError(f"grpo.loss={cfg.loss!r}: expected one of {', '.join(GRPO_LOSSES)}")
+        self.cfg, self.loss_fn = cfg, check_loss(loss_fn or GRPO_LOSSES[cfg.loss], 4, ("eps_clip", "mask_bound"))
+        self._settings = {"mask_bound": cfg.mask_bound}
 
     def next_batch(self, buffer, step: int, version: int, sync: bool) -> Batch | None:
         return self.on_policy(buffer, version)  # on-policy by construction, whatever the mode
@@ -131,12 +154,16 @@ class GRPO(_Base):
                - self.cfg.kl_coef * (kl - group_mean(kl, batch.group_id)))
         n_tok = batch.loss_mask.sum().clamp(min=1)
         totals: dict[str, float] = {}
+        seen = self._seen(batch)
         for rows in micro_batches(batch, self.micro_batch_tokens, packed=packs_rows(model)):
             mb = batch.select(rows)
             lp = token_logp(model, mb.tokens, self.temperature, mb.loss_mask, prompt_lens=mb.prompt_lens)
+            if seen is not None:
+                scatter_rows(seen, rows, lp)
             loss, st = call_loss(self.loss_fn, mb, lp, mb.behav_logp, mb.loss_mask, adv[rows],
-                                 eps_clip=self.cfg.eps_clip)
+                                 eps_clip=self.cfg.eps_clip, **self._settings)
             w = mb.loss_mask.sum() / n_tok  # token mean over the whole batch
             (loss * w).backward()
             accumulate(totals, float(w), loss, st)
-        return {**rank_sum_stats(totals), "kl_seq": kl.mean().item(), "adv_abs": adv.abs().mean().item()}
+        return {**rank_sum_stats(totals), "kl_seq": kl.mean().item(), "adv_abs": adv.abs().mean().item(),
+                **self._mismatch(seen, batch)}

@@ -20,9 +20,13 @@ i.e. mean-baseline REINFORCE on the KL-regularised reward, scaled by 2/(N beta).
 
 GRPO baseline (synchronous): PPO-clip on per-token ratios exp(logp - behav_logp) with
 group-normalised advantages (r - mean_g r) / (std_g r + eps), token-mean over the batch, plus an
-optional k3 KL estimator exp(ref - logp) - (ref - logp) - 1 weighted by kl_coef.
+optional k3 KL estimator exp(ref - logp) - (ref - logp) - 1 weighted by kl_coef; its masked
+variants (IcePop's token mask, a sequence-level geometric mask) leave out tokens or responses whose
+pi_trainer / pi_sampler leaves [1/b, b]: corrections for the sampler-trainer mismatch.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -118,6 +122,51 @@ def grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, advanta
             "kl": kl_mean,
         }
     return loss, stats
+
+
+def _masked_grpo(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, advantages: Tensor, keep: Tensor,
+                 ref_token_logp: Tensor | None, kl_coef: float, eps_clip: float) -> tuple[Tensor, dict]:
+    """grpo_loss over the tokens `keep` marks, the others 0 but still counted in the token mean."""
+    mask = loss_mask.bool()
+    loss, st = grpo_loss(token_logp, behav_logp, mask & keep, advantages, ref_token_logp, kl_coef, eps_clip)
+    n, kept = mask.sum().clamp(min=1), (mask & keep).sum()
+    return loss * kept / n, {**st, "masked_frac": ((mask & ~keep).sum() / n).item()}
+
+
+def _log_ratio(token_logp: Tensor, behav_logp: Tensor, mask: Tensor) -> Tensor:
+    """log(pi_trainer / pi_sampler) per token, detached (the weights GRPO trains are the ones that
+    sampled: this is the mismatch, common/contracts/mismatch.py), 0 off the mask."""
+    return torch.where(mask, token_logp.detach() - behav_logp, torch.zeros_like(token_logp))
+
+
+def icepop_grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, advantages: Tensor,
+                     ref_token_logp: Tensor | None = None, kl_coef: float = 0.0, eps_clip: float = 0.2,
+                     mask_bound: float = 2.0) -> tuple[Tensor, dict]:
+    """grpo_loss with IcePop's two-sided token mask (inclusionAI's Ring-1T report, 2025): a token whose
+    pi_trainer / pi_sampler leaves [1/b, b] (b = `mask_bound`) leaves the loss. Stats add masked_frac."""
+    if not mask_bound >= 1:
+        raise ValueError(f"mask_bound={mask_bound}: need >= 1 (the band is [1/b, b])")
+    mask = loss_mask.bool()
+    keep = _log_ratio(token_logp, behav_logp, mask).abs() <= math.log(mask_bound)
+    return _masked_grpo(token_logp, behav_logp, mask, advantages, keep, ref_token_logp, kl_coef, eps_clip)
+
+
+def geo_seq_mask_grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, advantages: Tensor,
+                           ref_token_logp: Tensor | None = None, kl_coef: float = 0.0, eps_clip: float = 0.2,
+                           mask_bound: float = 2.0) -> tuple[Tensor, dict]:
+    """grpo_loss with a sequence-level geometric mask (verl's and slime's sequence masks): a response
+    whose geometric-mean pi_trainer / pi_sampler, exp(mean_t log ratio), leaves [1/b, b] leaves the
+    loss whole. Stats add masked_frac (of tokens)."""
+    if not mask_bound >= 1:
+        raise ValueError(f"mask_bound={mask_bound}: need >= 1 (the band is [1/b, b])")
+    mask = loss_mask.bool()
+    geo = _log_ratio(token_logp, behav_logp, mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
+    keep = (geo.abs() <= math.log(mask_bound))[:, None].expand_as(mask)
+    return _masked_grpo(token_logp, behav_logp, mask, advantages, keep, ref_token_logp, kl_coef, eps_clip)
+
+
+# --grpo.loss: each name is one of the functions above
+GRPO_LOSSES = {"grpo": grpo_loss, "icepop": icepop_grpo_loss, "geo_seq_mask": geo_seq_mask_grpo_loss}
 
 
 def linear_beta(step: int, beta_init: float, beta_final: float, anneal_steps: int, cut_step: int = 0) -> float:

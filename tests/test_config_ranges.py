@@ -92,6 +92,10 @@ ALLOWED = {  # (key, value) accepted, and why; every other 0, -1, big, nan, inf 
     ("reward.gamma", "-1"): "a negative exponent (paper_llama: -6)", ("reward.gamma", "big"): "a negligible fluency term",
     ("reward.min_words", "0"): "0 = no minimum", ("reward.min_words", "big"): "every attack penalised",
     ("reward.short_penalty", "0"): "no penalty", ("reward.short_penalty", "big"): "any penalty",
+    ("train.lora.rank", "0"): "0 = full fine-tuning", ("train.lora.rank", "big"): MEMORY,
+    ("train.lora.alpha", "big"): "any scale of the update (alpha / r: the learning rate decides)",
+    ("train.lora.dropout", "0"): "0 = no dropout",
+    ("areal.mask_bound", "big"): "a band never left: no mask", ("grpo.mask_bound", "big"): "a band never left: no mask",
 }
 
 

@@ -27,6 +27,7 @@ def _rows(tmp_path, *names) -> dict:
     return rows
 
 
+@pytest.mark.slow  # the suite's time: each row's refusal has its own test (test_run_names.py, test_config_ranges.py, test_wire.py)
 def test_hostile_run_name_zero_size_setting_overwrite_secret_and_address_rows(tmp_path):
     rows = _rows(tmp_path, "hostile_run_name", "zero_size_setting", "foreign_overwrite", "weak_secret",
                  "wildcard_master_addr", "truncated_model")

@@ -150,22 +150,27 @@ def _run(tmp_path, *argv):
 
 
 def test_a_lora_run_trains_publishes_and_checkpoints_adapters_and_resumes(tmp_path):
-    last = _run(tmp_path, "--name=l", "--train.lora.rank=4", "--train.lora.targets=attn", "--train.steps=2",
-                "--train.checkpoint_every=1", "--train.lr=1e-3")
-    assert last["version"] == 1 and "eval_accuracy" in last  # TBA: k = 2, the reference from the generator's base
+    """TBA with k = 2 (the reference from each generator's own base, its adapters' weights swapped out),
+    a checkpoint every step exporting both the PEFT adapter and the merged model, then a resume."""
+    argv = ["--name=l", "--train.lora.rank=4", "--train.lora.targets=attn", "--train.lora.export=both"]
+    last = _run(tmp_path, *argv, "--train.steps=2", "--train.checkpoint_every=1", "--train.lr=1e-3")
+    assert last["version"] == 1 and "eval_accuracy" in last
     ck = tmp_path / "runs" / "l" / "checkpoints" / "step_000002"
-    assert (ck / "adapter" / "adapter_config.json").is_file() and not (ck / "model").exists()
     conf = json.loads((ck / "adapter" / "adapter_config.json").read_text())
     assert sorted(conf["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"] and conf["r"] == 4
-    _run(tmp_path, "--name=l", "--train.lora.rank=4", "--train.lora.targets=attn", "--train.steps=3", "--resume")
-    rows = [json.loads(x) for x in (tmp_path / "runs" / "l" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "loss" in r][-1] == 3
-    last = _run(tmp_path, "--name=m", "--algo=areal", "--train.lora.rank=2", "--train.lora.export=both",
-                "--train.steps=2")
-    ck = tmp_path / "runs" / "m" / "checkpoints" / "step_000002"
     assert (ck / "adapter" / "adapter_model.safetensors").is_file() and (ck / "model" / "config.json").is_file()
     full = load_model(str(ck / "model"), tokenizer=False)[0].float()  # the merged model, an ordinary checkpoint
     assert not adapters(full)
+    _run(tmp_path, *argv, "--train.steps=3", "--resume")  # the adapters and their AdamW state read back
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "l" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r][-1] == 3
+
+
+def test_an_adapter_only_checkpoint_has_no_model_folder(tmp_path):
+    """The default export: PEFT's files alone (the base is the run's --model)."""
+    _run(tmp_path, "--name=a", "--algo=areal", "--train.lora.rank=2", "--train.steps=1", "--data.eval_size=0")
+    ck = tmp_path / "runs" / "a" / "checkpoints" / "step_000001"
+    assert (ck / "adapter" / "adapter_config.json").is_file() and not (ck / "model").exists()
 
 
 def test_the_memory_plan_knows_lora():

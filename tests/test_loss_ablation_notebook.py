@@ -8,6 +8,8 @@ import math
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 NB = ROOT / "notebooks" / "loss_ablation_replay.ipynb"
 BUILDER = ROOT / "notebooks" / "build_loss_ablation_replay.py"
@@ -28,6 +30,7 @@ def test_notebook_matches_builder(tmp_path):
     assert len(params) == 1 and "RUN_ROOT" in "".join(params[0]["source"])
 
 
+@pytest.mark.slow  # the suite's time: test_notebooks_kernel.py runs this notebook in a kernel
 def test_notebook_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
     import matplotlib

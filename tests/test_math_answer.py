@@ -161,6 +161,10 @@ def test_the_verifiers_child_holds_nothing_of_the_run(monkeypatch):
     assert not any(e.startswith(b"ASYNCRL_RUN_SECRET") for e in env)
     limits = open(f"/proc/{v._proc.pid}/limits").read()
     assert str(bounded_verify.MEMORY_BYTES) in limits  # its address space bounded
+    # it runs from the repository, which a clone without `pip install -e .` needs (the child imports
+    # common.rewards.bounded_verify from there: a root one folder too deep made every comparison False)
+    assert os.readlink(f"/proc/{v._proc.pid}/cwd") == bounded_verify.ROOT
+    assert os.path.isfile(os.path.join(bounded_verify.ROOT, "common", "rewards", "bounded_verify.py"))
     v._proc.kill()
 
 

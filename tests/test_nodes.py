@@ -98,6 +98,7 @@ def test_two_trainer_ranks_on_the_trainer_node_areal_sync_equals_one_node(model,
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in steps(one_areal)], rel=1e-5, abs=LOSS_ABS)
 
 
+@pytest.mark.slow  # the suite's time: a trainer on two nodes runs in test_node_faults.py
 def test_trainer_on_two_nodes_sync_equals_one_node(model, one_areal, tmp_path):
     """Three nodes: the trainer's two ranks on two trainer nodes (the second node's rank reads its
     commands from the store and sends its rows to rank 0 at each publish), one generator node. The

@@ -71,6 +71,7 @@ def test_stopped_process_is_reported_as_stopped(tmp_path):
     assert "generator0" in str(e.value) and not w.alive()  # and shutdown still removed it
 
 
+@pytest.mark.slow  # the suite's time: 13 s to see nothing happen
 def test_timeout_zero_is_off(tmp_path):
     with _watched(tmp_path, "reward0", _hang_in_reward, timeout=0) as (w, _):
         assert w.wait_event(lambda: False, timeout=2.0) is False

@@ -18,6 +18,7 @@ from common.contracts.run_files import record
 # eta, eta_ess: train.max_staleness=auto's decisions, common/runtime/staleness_control.py)
 _PANELS = (("reward_mean", "train reward"), ("eval_accuracy", "test accuracy"),
            ("staleness_mean", "staleness (versions behind)"), ("gap_mean", "|prox - behav logp| per token"),
+           ("mismatch_abs_mean", "sampler vs trainer |logp|, same weights"),
            ("eta", "staleness bound eta (auto)"), ("eta_ess", "ESS fraction (auto's window)"))
 
 

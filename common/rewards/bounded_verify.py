@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: common/rewards/ -> ..
 TIMEOUT_S = 0.8               # a comparison that takes longer scores 0 (its child is replaced): a hostile answer costs < 1 s
 START_TIMEOUT_S = 60.0        # a child's start (math-verify and sympy imported) at most this long
 MEMORY_BYTES = 3 * 2**30      # the child's address space: sympy's huge integers fail there, not the machine
@@ -56,7 +57,7 @@ class Verifier:
         self.timeouts = self.restarts = 0
 
     def _start(self) -> subprocess.Popen:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        root = ROOT
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")}
         env.update(PYTHONPATH=root, OMP_NUM_THREADS="1")  # nothing of the run's environment (its secret) passes
         self._ready = False
@@ -116,6 +117,10 @@ def _serve(parent: int) -> None:
     _limit_self(parent)
     from math_verify import LatexExtractionConfig, parse, verify  # only the child imports sympy
     latex = [LatexExtractionConfig(boxed_match_priority=0)]
+    # warm: the first parse and verify load the LaTeX grammar and sympy's printers (~0.3 s, seconds on
+    # a loaded box), which must not count against the first real comparison's bound
+    verify(parse("\\boxed{\\frac{1}{2}}", extraction_config=latex, parsing_timeout=None),
+           parse("\\boxed{2^{-1}}", extraction_config=latex, parsing_timeout=None), timeout_seconds=None)
     print(json.dumps("ready"), flush=True)
     for line in sys.stdin:
         try:

@@ -104,8 +104,9 @@ class OneRank:
     def publish(self, version: int) -> None:
         """The weights into the store, as `version` (common/runtime/shared/weights.py): with LoRA, the
         adapters alone (the generators fold them into their copy of the base)."""
-        ads = adapter_state(self.model)
-        self.store.publish(ads if ads else self.model, version)
+        if not hasattr(self, "_published"):  # the adapters' parameters, found once (they stay the same objects)
+            self._published = adapter_state(self.model) or self.model
+        self.store.publish(self._published, version)
 
     def full_model(self):
         """The whole model on this device (an evaluation's)."""

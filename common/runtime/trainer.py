@@ -50,6 +50,7 @@ from common.contracts.algorithm import Algorithm
 from common.contracts.batch import PromptSet
 from common.contracts.config import to_dict
 from common.contracts.log import MetricsLogger
+from common.contracts.mismatch import same_weights
 from common.contracts.progress import Progress
 from common.runtime.generator import Control
 from common.runtime.launch import WorkerError, Workers
@@ -154,6 +155,9 @@ class Loop:
             t1 = time.perf_counter()
             stale, multi_version = staleness(batch, self.version)  # versions behind the weights that train on it
             rec = self.stream.capture(batch) if self.stream is not None else None  # before the update: as drawn
+            # the tokens the weights held here sampled: the algorithm measures the sampler-trainer mismatch on them
+            batch.extra["same_weights"] = same_weights(batch.versions, batch.loss_mask,
+                                                       self.version if self.step % tc.sync_every == 0 else None)
             lr = group.opt.param_groups[0]["lr"]  # the schedule's, x auto's ESS factor with train.lr_by_ess
             stats, gnorm = group.update(batch, self.step, lr, tc.grad_clip)
             if self.stream is not None:  # record_bytes, record_s into the metrics

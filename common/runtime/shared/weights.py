@@ -92,6 +92,7 @@ class WeightStore:
         self._c = self._ctr.numpy()  # numpy indexing is ~20x cheaper than tensor.item()
         self._applied = -1  # per process: a fresh generator has applied nothing yet
         self._bound = None  # per process: (module, flat buffer, [(param, data_ptr)]) after `bind`
+        self._into = None  # per process: (module, its parameters in the store's order), checked once
 
     def __getstate__(self):
         # Only the shared tensors travel (torch's multiprocessing reductions share them).
@@ -229,13 +230,22 @@ class WeightStore:
             return None
         return b[1]
 
+    def _targets(self, module: nn.Module, subset: bool) -> list[nn.Parameter]:
+        """`module`'s parameters in the store's order, looked up and checked at its first load only
+        (a generator loads into the same model every time; LoRA's adapters are a few hundred small
+        tensors, for which a name lookup per load costs as much as the copies)."""
+        if self._into is None or self._into[0] is not module:
+            params = dict(module.named_parameters())
+            self.check(params, "load_into", exact=not subset)
+            self._into = (module, [params[n] for n in self._views[0]])
+        return self._into[1]
+
     @torch.no_grad()
     def load_into(self, module: nn.Module, max_retries: int = 100, subset: bool = False) -> int:
         """Always copy the active slot into `module` (one copy if `bind` laid it out, else one per
         parameter); returns the version it held. `subset`: the store holds some of the module's
         parameters (LoRA's adapters), the others stay as they are."""
-        params = dict(module.named_parameters())
-        self.check(params, "load_into", exact=not subset)
+        targets = self._targets(module, subset)
         flat = self._flat_of(module)
         c = self._c
         if int(c[VERSION]) < 0:
@@ -248,8 +258,8 @@ class WeightStore:
                 if flat is not None:
                     flat.copy_(self._buf[a])
                 else:
-                    for name, src in self._views[a].items():
-                        params[name].data.copy_(src)
+                    for p, src in zip(targets, self._views[a].values()):
+                        p.data.copy_(src)
                 self._sync()
                 if int(c[SEQ + a]) == s0:
                     self._applied = v
