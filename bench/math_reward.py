@@ -55,8 +55,13 @@ def math_verify_alone(completion: str, gold: str) -> float:
 
 def before(rev: str):
     """`reward_correct` of common/rewards/math_answer.py at commit `rev` (a module loaded from git)."""
-    src = subprocess.run(["git", "show", f"{rev}:common/rewards/math_answer.py"], cwd=ROOT, capture_output=True, text=True,
-                         check=True).stdout
+    for path in ("common/rewards/math_answer.py", "common/math_answer.py"):  # where it lived before the rooms
+        r = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+        if r.returncode == 0:
+            src = r.stdout
+            break
+    else:
+        raise SystemExit(f"--before {rev}: no math_answer.py at that commit")
     spec = importlib.util.spec_from_loader(f"math_answer_{rev}", loader=None)
     mod = importlib.util.module_from_spec(spec)
     exec(compile(src, f"math_answer@{rev}", "exec"), mod.__dict__)  # our own code, from our own history
