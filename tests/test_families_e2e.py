@@ -19,6 +19,8 @@ from tests.tiny import FAMILIES, save_hf
 # the sequential-residual GPT-NeoX runs only under -m slow (the suite's time): its layers' logits are
 # transformers' (test_families.py) and the parallel one runs the whole path here
 ONE_NEOX = [pytest.param(f, marks=pytest.mark.slow) if f == "neox_sequential_rot100" else f for f in FAMILIES]
+# GPT-2's TBA run too (its AReaL run below goes through the same checkpoint layout and learned positions)
+TBA_FAMILIES = [pytest.param(f, marks=pytest.mark.slow) if f in ("neox_sequential_rot100", "gpt2") else f for f in FAMILIES]
 
 
 def _family_cfg(tmp_path, family, **train_kw):
@@ -32,7 +34,7 @@ def _rows(cfg):
     return [r for r in read_metrics(f"{cfg.run_root}/{cfg.name}/metrics.jsonl") if "staleness_hist" in r]
 
 
-@pytest.mark.parametrize("family", ONE_NEOX)
+@pytest.mark.parametrize("family", TBA_FAMILIES)
 def test_tba_steps_checkpoint_and_resume(tmp_path, family):
     cfg = _family_cfg(tmp_path, family, mode="sync", steps=2, checkpoint_every=2)
     before = load_model(cfg.model, tokenizer=False)[0].state_dict()

@@ -149,6 +149,7 @@ def test_a_hung_generator_node_stops_the_run_within_the_stall_timeout(model, tmp
     _all_gone(pids, shm)
 
 
+@pytest.mark.slow  # the suite's time: a failing trainer node (above) stops the generator node too
 def test_a_killed_trainer_node_stops_the_generator_node_naming_it(model, tmp_path):
     shm = _shm()
     procs, logs, pids = _running(tmp_path, model)
@@ -161,6 +162,7 @@ def test_a_killed_trainer_node_stops_the_generator_node_naming_it(model, tmp_pat
     assert [r["step"] for r in steps(tmp_path)] == list(range(1, 9))
 
 
+@pytest.mark.slow  # the suite's time: the restart across nodes (below, c10d) covers torchrun's restart and the resume
 def test_torchrun_restarts_continue_the_run_from_its_checkpoint(model, tmp_path):
     """torchrun --max-restarts=1 (one node, one process): a generator dies during step 3 of the
     first attempt, the trainer checkpoints and exits non-zero, torchrun starts it again, and the

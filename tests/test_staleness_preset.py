@@ -3,6 +3,8 @@ end to end on the CPU with the preset scaled to a tiny model: one run per (loss,
 lock-step once, naive PPO through `main(loss=)`; each run trains its steps at its bound."""
 import argparse
 
+import pytest
+
 from bench.staleness import preset_sweep
 
 SMALL = ["model=tiny", "train.device=cpu", "train.n_generators=1", "train.memory_fraction=0", "gen.memory_fraction=0",
@@ -11,6 +13,7 @@ SMALL = ["model=tiny", "train.device=cpu", "train.n_generators=1", "train.memory
          "train.micro_batch_tokens=2048", "data.eval_size=0", "train.checkpoint_every=0", "precision.dtype=fp32"]
 
 
+@pytest.mark.slow  # the suite's time: 30 s of the bench's preset path; bench/staleness.py's own runs are in test_staleness*
 def test_the_areal_eta_preset_sweeps_eta_and_the_loss(tmp_path):
     a = argparse.Namespace(preset="areal_eta", etas=[0, 1], random_weights=False, set=SMALL, root=str(tmp_path))
     out = preset_sweep(a)
