@@ -30,10 +30,10 @@ tokens (areal/algo.py), so micro-batching never changes the gradient.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
+
+from common.contracts.mismatch import in_band, seq_mean
 
 
 def _check(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
@@ -132,13 +132,6 @@ def ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Te
     return _reduce(surr, clip_won, mask, behaviour_stats(prox_logp, behav_logp, mask, None))
 
 
-def _band(log_w: Tensor, mask: Tensor, bound: float) -> Tensor:
-    """Where exp(log_w) lies in [1 / bound, bound] (log-space: no overflow), on the mask."""
-    if not bound >= 1:
-        raise ValueError(f"mask_bound={bound}: need >= 1 (the band is [1/b, b])")
-    return mask & (log_w.abs() <= math.log(bound))
-
-
 def icepop_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantages: Tensor, mask: Tensor,
                     eps_clip: float = 0.2, eps_clip_high: float | None = None,
                     behav_imp_weight_cap: float | None = None, mask_bound: float = 2.0) -> tuple[Tensor, dict]:
@@ -151,7 +144,7 @@ def icepop_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advanta
     mask = mask.bool()
     surr, clip_won = _clipped_surrogate(_masked_log_ratio(logp, prox_logp.detach(), mask), adv, eps_clip, eps_clip_high)
     log_w = _masked_log_ratio(prox_logp.detach(), behav_logp, mask)
-    keep = _band(log_w, mask, mask_bound)
+    keep = mask & in_band(log_w, mask_bound)
     w = torch.where(keep, log_w.exp(), torch.zeros_like(log_w))
     stats = {**behaviour_stats(prox_logp, behav_logp, mask, None),
              "masked_frac": ((mask & ~keep).sum() / mask.sum().clamp(min=1)).item()}
@@ -170,8 +163,7 @@ def geo_seq_mask_ppo_loss(logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, a
     surr, clip_won = _clipped_surrogate(_masked_log_ratio(logp, prox_logp.detach(), mask), adv, eps_clip, eps_clip_high)
     log_w = _masked_log_ratio(prox_logp.detach(), behav_logp, mask)
     rows = mask.any(1)
-    geo = log_w.sum(1) / mask.sum(1).clamp(min=1)  # (B,) mean log-ratio: log of the geometric mean
-    keep_row = rows & _band(geo, rows, mask_bound)
+    keep_row = rows & in_band(seq_mean(log_w, mask), mask_bound)  # the geometric mean of each response's ratios
     keep = mask & keep_row[:, None]
     w = torch.where(keep, log_w.exp(), torch.zeros_like(log_w))
     if behav_imp_weight_cap is not None:

@@ -26,11 +26,10 @@ pi_trainer / pi_sampler leaves [1/b, b]: corrections for the sampler-trainer mis
 """
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
+from common.contracts.mismatch import in_band, seq_mean
 from common.contracts.ops import group_index, group_sums
 
 
@@ -144,10 +143,8 @@ def icepop_grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Tensor, 
                      mask_bound: float = 2.0) -> tuple[Tensor, dict]:
     """grpo_loss with IcePop's two-sided token mask (inclusionAI's Ring-1T report, 2025): a token whose
     pi_trainer / pi_sampler leaves [1/b, b] (b = `mask_bound`) leaves the loss. Stats add masked_frac."""
-    if not mask_bound >= 1:
-        raise ValueError(f"mask_bound={mask_bound}: need >= 1 (the band is [1/b, b])")
     mask = loss_mask.bool()
-    keep = _log_ratio(token_logp, behav_logp, mask).abs() <= math.log(mask_bound)
+    keep = in_band(_log_ratio(token_logp, behav_logp, mask), mask_bound)
     return _masked_grpo(token_logp, behav_logp, mask, advantages, keep, ref_token_logp, kl_coef, eps_clip)
 
 
@@ -157,11 +154,8 @@ def geo_seq_mask_grpo_loss(token_logp: Tensor, behav_logp: Tensor, loss_mask: Te
     """grpo_loss with a sequence-level geometric mask (verl's and slime's sequence masks): a response
     whose geometric-mean pi_trainer / pi_sampler, exp(mean_t log ratio), leaves [1/b, b] leaves the
     loss whole. Stats add masked_frac (of tokens)."""
-    if not mask_bound >= 1:
-        raise ValueError(f"mask_bound={mask_bound}: need >= 1 (the band is [1/b, b])")
     mask = loss_mask.bool()
-    geo = _log_ratio(token_logp, behav_logp, mask).sum(1) / mask.sum(1).clamp(min=1)  # (B,)
-    keep = (geo.abs() <= math.log(mask_bound))[:, None].expand_as(mask)
+    keep = in_band(seq_mean(_log_ratio(token_logp, behav_logp, mask), mask), mask_bound)[:, None].expand_as(mask)
     return _masked_grpo(token_logp, behav_logp, mask, advantages, keep, ref_token_logp, kl_coef, eps_clip)
 
 

@@ -14,9 +14,12 @@ last), with d_t = logp_trainer - logp_sampler:
 
 No tokens to compare (the weights moved since the last publish, or every row is stale): no keys,
 so the metrics hold the mismatch only where it was measured. An on-policy step is off-policy by
-this much before any staleness.
+this much before any staleness. `in_band` and `seq_mean` are the two pieces the masked corrections
+of areal/loss.py and tba/loss.py share (a ratio's band [1/b, b], a response's geometric mean).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -48,3 +51,16 @@ def mismatch_stats(trainer_logp: Tensor, sampler_logp: Tensor, same: Tensor, tol
 def scatter_rows(full: Tensor, rows: Tensor, part: Tensor) -> None:
     """Write a micro-batch's (b, t) per-token values into rows `rows` of the batch's (B, T) `full`."""
     full[rows.to(full.device), :part.shape[1]] = part.detach().to(full.dtype)
+
+
+def in_band(log_ratio: Tensor, bound: float) -> Tensor:
+    """Where exp(log_ratio) lies in [1/bound, bound] (compared in log space: no overflow): the band of
+    the masked corrections (IcePop's, the sequence masks; areal/loss.py, tba/loss.py)."""
+    if not bound >= 1:
+        raise ValueError(f"mask_bound={bound}: need >= 1 (the band is [1/b, b])")
+    return log_ratio.abs() <= math.log(bound)
+
+
+def seq_mean(log_ratio: Tensor, mask: Tensor) -> Tensor:
+    """(B,) mean of each row's per-token log-ratios over its mask: the log of the geometric-mean ratio."""
+    return (log_ratio * mask).sum(1) / mask.sum(1).clamp(min=1)

@@ -13,7 +13,8 @@ from common.engine.kv.budget import KV_FRACTION
 from common.engine.kv.pages import sample_kv_tokens
 from common.plan.memory_ledger import Plan, gb, share
 from common.engine.model.lora import LoRAConfig
-from common.plan.memory_plan import PROMPT_TOKENS, activation_bytes, half_precision, head_bytes, lora_params
+from common.plan.memory_plan import (PROMPT_TOKENS, activation_bytes, half_precision, head_bytes, lora_params,
+                                     trainer_state)
 
 
 def fixes(p: Plan, cfg) -> None:
@@ -80,8 +81,8 @@ def fixes(p: Plan, cfg) -> None:
     # adapters instead of every weight: the trainer's largest saving, named last (it changes what is trained)
     if t.lora.rank == 0 and not t.lora.init:
         Pa = lora_params(m, LoRAConfig(rank=16))[0]
-        full = 16 * P + 2 * P * (2 if half else 4) + (2 * P if half else 0)
-        p.fixes.append(("--train.lora.rank=16", f"LoRA adapters on q and v: saves {gb(full - P * (2 if half else 4) - 24 * Pa)} "
+        saved = (sum(b for _, b in trainer_state(P, half)) - sum(b for _, b in trainer_state(P, half, lora_rank=16, Pa=Pa)))
+        p.fixes.append(("--train.lora.rank=16", f"LoRA adapters on q and v: saves {gb(saved)} "
                                                 f"on {d0} (a frozen base, {Pa / 1e6:.1f}M trained parameters)"))
 
 

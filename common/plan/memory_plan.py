@@ -84,6 +84,22 @@ def lora_params(m: ModelConfig, lora) -> tuple[int, int]:
     return (L * sum(lora.rank * (a + b) for a, b in chosen if a), L * sum(a * b for a, b in chosen))
 
 
+def trainer_state(P: int, half: bool, N: int = 1, r: int = 0, lora_rank: int = 0, Pa: int = 0) -> list[tuple[str, float]]:
+    """(what, bytes) of trainer rank r of N's weights, gradients, optimizer state and weight store: full
+    fine-tuning's, or (lora_rank > 0) the frozen base in the compute dtype and Pa adapter parameters
+    trained in fp32 (module docstring)."""
+    if lora_rank:
+        return [(f"frozen base in {'bf16' if half else 'fp32'}: {P / 1e9:.3f}B params", P * (2 if half else 4)),
+                (f"LoRA adapters (rank {lora_rank}), grads, AdamW moments: 16 B x {Pa / 1e6:.2f}M params", 16 * Pa),
+                ("weight store: 2 copies of the adapters in fp32", 2 * 4 * Pa)]
+    out = [(f"fp32 weights, grads, AdamW moments: 16 B x {P / 1e9:.3f}B params" + (f" / {N}" if N > 1 else ""), 16 * P / N)]
+    if r == 0:
+        out.append((f"weight store: 2 copies in {'bf16' if half else 'fp32'}", 2 * P * (2 if half else 4)))
+    if half:
+        out.append(("autocast's bf16 copies of the weights", 2 * P / N))
+    return out
+
+
 def half_precision(cfg) -> bool:
     """bf16 compute: asked for, or `auto` on CUDA (on a CPU `auto` is measured at start: planned as fp32)."""
     return cfg.precision.dtype == "bf16" or (cfg.precision.dtype == "auto" and cfg.train.device.startswith("cuda"))
@@ -115,18 +131,8 @@ def plan(cfg, policy: dict, ref: dict, others: dict, gpus: list | None = None, p
     for r in range(N):
         d = f"cuda:{r % n_gpu}" if cuda else "cpu"
         who = f"trainer rank {r}" if N > 1 else "trainer"
-        if lora:  # the base frozen in the compute dtype, the adapters trained in fp32
-            p.add(d, who, f"frozen base in {'bf16' if half else 'fp32'}: {P / 1e9:.3f}B params", P * (2 if half else 4))
-            p.add(d, who, f"LoRA adapters (rank {t.lora.rank}), grads, AdamW moments: 16 B x {Pa / 1e6:.2f}M params",
-                  16 * Pa)
-            p.add(d, who, "weight store: 2 copies of the adapters in fp32", 2 * 4 * Pa)
-        else:
-            p.add(d, who, f"fp32 weights, grads, AdamW moments: 16 B x {P / 1e9:.3f}B params" + (f" / {N}" if N > 1 else ""),
-                  16 * P / N)
-            if r == 0:
-                p.add(d, who, f"weight store: 2 copies in {'bf16' if half else 'fp32'}", 2 * P * (2 if half else 4))
-            if half:
-                p.add(d, who, "autocast's bf16 copies of the weights", 2 * P / N)
+        for what, nbytes in trainer_state(P, half, N, r, t.lora.rank if lora else 0, Pa):
+            p.add(d, who, what, nbytes)
         ck = "checkpointed" if t.activation_checkpointing else "no checkpointing"
         p.add(d, who, f"activations, {T:,} tokens a micro-batch, {ck}", activation_bytes(mp, T, t.activation_checkpointing, half))
         if r == 0:  # the other setting beside it

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import queue
-import select
 import shutil
 import signal
 import struct
@@ -39,7 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.contracts.config_check import at_least, between
+from common.contracts.config_check import between
+from common.rewards.sandbox_program import _read_exact  # the framing the server and the judge read with (stdlib only)
 
 log = logging.getLogger("asyncrl.sandbox")
 SERVER = Path(__file__).with_name("sandbox_server.py")
@@ -112,20 +112,11 @@ class _Server:
         return done["lines"], done["timeout"]
 
     def _frame(self, deadline: float) -> dict | None:
-        fd, out = self.p.stdout.fileno(), b""
-        for n in (4, None):
-            want = struct.unpack("<I", out)[0] if n is None else n
-            buf = b""
-            while len(buf) < want:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
-                    return None
-                chunk = os.read(fd, want - len(buf))
-                if not chunk:
-                    return None
-                buf += chunk
-            out = buf
-        return json.loads(out)
+        """The server's next length-prefixed JSON frame, or None (none by `deadline`, or its pipe closed)."""
+        fd = self.p.stdout.fileno()
+        head = _read_exact(fd, 4, deadline)
+        body = None if head is None else _read_exact(fd, struct.unpack("<I", head)[0], deadline)
+        return None if body is None else json.loads(body)
 
     def close(self) -> None:
         try:

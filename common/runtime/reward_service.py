@@ -69,9 +69,14 @@ class RewardClient:
         raise TimeoutError(f"no reward from the reward workers within {self.timeout} s")
 
 
+def _as_reward(r) -> float:
+    """A reward as a float; a `Scored` (a float with its reason: a program's timeout, crash, refusal) kept as is."""
+    return r if type(r) is Scored else float(r)
+
+
 def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0.0) -> tuple[list[float], int]:
     try:
-        out = [r if type(r) is Scored else float(r) for r in fn(texts, metas)]  # a reason kept (a program's)
+        out = [_as_reward(r) for r in fn(texts, metas)]
         if len(out) != len(texts):
             raise ValueError(f"reward fn returned {len(out)} rewards for {len(texts)} texts")
         if all(math.isfinite(r) for r in out):
@@ -83,8 +88,7 @@ def _safe_scores(fn: Callable, texts: list, metas: list, error_reward: float = 0
     out, errors = [], 0
     for t, m in zip(texts, metas):
         try:
-            r = fn([t], [m])[0]
-            r = r if type(r) is Scored else float(r)
+            r = _as_reward(fn([t], [m])[0])
             if not math.isfinite(r):
                 raise ValueError(f"reward {r}")
         except Exception as e:  # noqa: BLE001 - one bad sample scores error_reward, the run goes on

@@ -95,6 +95,7 @@ class OneRank:
         # other nodes, whose trainer ranks join theirs
         self.model, self.algo, self.store, self.device = model, algo, store, model.device
         self.opt = make_optimizer(model, tc.lr, tc.weight_decay, tc.adam_beta2, tc.adam_eps)
+        self._published = adapter_state(model) or model  # LoRA: the adapters' parameters (the same objects throughout)
 
     def update(self, batch: Batch, step: int, lr: float, grad_clip: float) -> tuple[dict, float]:
         """One trainer step on `batch` (CPU); returns its (averaged) stats and grad norm. `lr`:
@@ -104,8 +105,6 @@ class OneRank:
     def publish(self, version: int) -> None:
         """The weights into the store, as `version` (common/runtime/shared/weights.py): with LoRA, the
         adapters alone (the generators fold them into their copy of the base)."""
-        if not hasattr(self, "_published"):  # the adapters' parameters, found once (they stay the same objects)
-            self._published = adapter_state(self.model) or self.model
         self.store.publish(self._published, version)
 
     def full_model(self):

@@ -278,8 +278,8 @@ class ReplayBuffer:
             off = off_success(meta, group_size, *success) if success else None
             take = take_oldest(meta, n, max_staleness, current_version, skip=off)
             dropped[:] = stale_rows(meta, max_staleness, current_version)
-            filtered[:] = [] if off is None else meta.rows[~meta.consumed & off].tolist()
-            filtered[:] = sorted(set(filtered) - set(dropped))  # a stale row is counted once, as stale
+            # a stale row is counted once, as stale
+            filtered[:] = [] if off is None else sorted(set(meta.rows[~meta.consumed & off].tolist()) - set(dropped))
             return (take if len(take) == n else []), dropped + filtered
         batch = self._read(choose, consume=True)
         self.n_dropped_stale += len(dropped)
